@@ -1,0 +1,56 @@
+"""qshard: quantized weight tensors for PyTorch that shard, compile and serialize.
+
+    import qshard
+    report = qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
+    print(report)
+"""
+
+from .api import QuantizationReport, quantize_, register_handler
+from .config import Backend, QuantConfig, ScaleFormat, config_from_dict
+from .errors import (
+    BackendUnavailableError,
+    ConfigError,
+    InputMismatchError,
+    LayoutMismatchError,
+    MisalignedSliceError,
+    NonFiniteWeightError,
+    QShardError,
+    UnsupportedOpError,
+    UnsupportedWeightError,
+)
+from .layouts import (
+    Fp8BlockwiseConfig,
+    Fp8BlockwiseTensor,
+    register_layout,
+    registered_layouts,
+)
+from .metrics import sqnr_db
+from .qtensor import QTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "ConfigError",
+    "Fp8BlockwiseConfig",
+    "Fp8BlockwiseTensor",
+    "InputMismatchError",
+    "LayoutMismatchError",
+    "MisalignedSliceError",
+    "NonFiniteWeightError",
+    "QShardError",
+    "QTensor",
+    "QuantConfig",
+    "QuantizationReport",
+    "ScaleFormat",
+    "UnsupportedOpError",
+    "UnsupportedWeightError",
+    "__version__",
+    "config_from_dict",
+    "quantize_",
+    "register_handler",
+    "register_layout",
+    "registered_layouts",
+    "sqnr_db",
+]

@@ -1,0 +1,174 @@
+"""`quantize_`: turn a model's nn.Linear weights into quantized tensors, in place, with a report.
+
+A config class maps to a handler, `handler(weight, config) -> QTensor`, registered with
+`register_handler`. A handler raises `UnsupportedWeightError` for a weight its layout cannot take;
+`quantize_` skips that module and reports why. Any other error stops `quantize_` before it has
+changed the model: every weight is quantized first and assigned only when all have succeeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .config import QuantConfig
+from .errors import ConfigError, QShardError, UnsupportedWeightError
+from .qtensor import QTensor
+
+__all__ = [
+    "QuantizationReport",
+    "QuantizedModule",
+    "SkippedModule",
+    "quantize_",
+    "register_handler",
+]
+
+Handler = Callable[[torch.Tensor, QuantConfig], QTensor]
+FilterFn = Callable[[nn.Module, str], bool]
+
+_HANDLERS: dict[type[QuantConfig], Handler] = {}
+
+
+def register_handler(config_cls: type[QuantConfig], handler: Handler | None = None):
+    """Register `handler(weight, config) -> QTensor` for `config_cls` (usable as a decorator)."""
+
+    def decorator(fn: Handler) -> Handler:
+        _HANDLERS[config_cls] = fn
+        return fn
+
+    return decorator(handler) if handler is not None else decorator
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedModule:
+    name: str
+    layout: str
+    shape: tuple[int, int]
+    bytes_before: int
+    bytes_after: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedModule:
+    name: str
+    reason: str
+
+
+@dataclasses.dataclass
+class QuantizationReport:
+    """What `quantize_` did: every nn.Linear it saw, quantized or skipped with the reason."""
+
+    config: QuantConfig
+    quantized: list[QuantizedModule] = dataclasses.field(default_factory=list)
+    skipped: list[SkippedModule] = dataclasses.field(default_factory=list)
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(m.bytes_before for m in self.quantized)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(m.bytes_after for m in self.quantized)
+
+    def __str__(self) -> str:
+        lines = [f"qshard quantization report ({type(self.config).__name__})"]
+        for m in self.quantized:
+            lines.append(
+                f"  quantized  {m.name:<32} {m.layout} {list(m.shape)}  "
+                f"{_mib(m.bytes_before)} -> {_mib(m.bytes_after)}"
+            )
+        for s in self.skipped:
+            lines.append(f"  skipped    {s.name:<32} {s.reason}")
+        ratio = self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
+        lines.append(
+            f"  {len(self.quantized)} quantized, {len(self.skipped)} skipped; weights "
+            f"{_mib(self.bytes_before)} -> {_mib(self.bytes_after)} ({ratio:.2f}x smaller)"
+        )
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    if isinstance(t, QTensor):
+        return sum(_nbytes(inner) for inner in t.inner_tensors().values())
+    return t.numel() * t.element_size()
+
+
+def _skip_reason(
+    name: str,
+    module: nn.Linear,
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+    filter_fn: FilterFn | None,
+) -> str | None:
+    if include is not None and not any(fnmatch.fnmatchcase(name, p) for p in include):
+        return f"matches no include pattern {list(include)}"
+    for pattern in exclude or ():
+        if fnmatch.fnmatchcase(name, pattern):
+            return f"excluded by pattern {pattern!r}"
+    if filter_fn is not None and not filter_fn(module, name):
+        return "filter_fn returned False"
+    if isinstance(module.weight, QTensor):
+        return f"already quantized ({type(module.weight).__name__})"
+    return None
+
+
+def quantize_(
+    model: nn.Module,
+    config: QuantConfig,
+    filter_fn: FilterFn | None = None,
+    include: Sequence[str] | str | None = None,
+    exclude: Sequence[str] | str | None = None,
+) -> QuantizationReport:
+    """Quantize the weights of `model`'s nn.Linear modules in place; return a report.
+
+    include / exclude: fnmatch patterns on module names (`"layers.*.mlp.*"`); a module must match
+    an include pattern (when given) and no exclude pattern. filter_fn(module, name) -> bool
+    narrows further. A model given as a bare nn.Linear is quantized under the name "".
+    """
+    handler = _HANDLERS.get(type(config))
+    if handler is None:
+        known = ", ".join(sorted(c.__name__ for c in _HANDLERS))
+        raise ConfigError(
+            f"quantize_: no handler for {type(config).__name__}; registered configs: {known}. "
+            f"Register one with qshard.register_handler({type(config).__name__}, fn)"
+        )
+    include = [include] if isinstance(include, str) else include
+    exclude = [exclude] if isinstance(exclude, str) else exclude
+    report = QuantizationReport(config)
+    pending: list[tuple[nn.Linear, QTensor]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        reason = _skip_reason(name, module, include, exclude, filter_fn)
+        if reason is None:
+            try:
+                qweight = handler(module.weight.detach(), config)
+            except UnsupportedWeightError as e:
+                reason = str(e)
+            except QShardError as e:
+                raise type(e)(f"quantize_: module {name!r}: {e}") from e
+        if reason is not None:
+            report.skipped.append(SkippedModule(name, reason))
+            continue
+        pending.append((module, qweight))
+        report.quantized.append(
+            QuantizedModule(
+                name,
+                type(qweight).__name__,
+                tuple(module.weight.shape),
+                _nbytes(module.weight),
+                _nbytes(qweight),
+            )
+        )
+    # Assign only now: an error above leaves the model as it was.
+    for module, qweight in pending:
+        module.weight = nn.Parameter(qweight, requires_grad=False)
+    return report

@@ -1,0 +1,1 @@
+"""Kernels, one file per family: the reference definition beside each fast implementation."""

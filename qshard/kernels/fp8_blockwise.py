@@ -1,0 +1,144 @@
+"""FP8 blockwise (DeepSeek-V3 style) quantization and matmul: the reference definitions.
+
+Weights: float8_e4m3fn [N, K] with one fp32 scale per (bn x bk) block, scale shape
+[ceil(N/bn), ceil(K/bk)], partial edge blocks allowed; the scale is a multiplier,
+W = fp8 * scale (DeepSeek's `weight_scale_inv` convention, facts.md §5).
+Activations: quantized on the fly per token per `group` channels (1x128 in DeepSeek-V3, 1x64
+after re-blocking), scales [M, ceil(K/group)].
+
+These plain-PyTorch functions run on any device and are the definition that the fast kernels
+(Triton, cuBLAS) must reproduce. They are traceable by torch.compile.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ScaleFormat
+
+__all__ = [
+    "E4M3_MAX",
+    "dequantize_blockwise",
+    "expand_block_scales",
+    "fp8_blockwise_linear_reference",
+    "quantize_activation_groups",
+    "quantize_weight_blockwise",
+]
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn (OCP FP8 spec)
+FP8 = torch.float8_e4m3fn
+
+
+def round_up_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= scale, for positive fp32 scales (UE8M0, DeepSeek `scale_fmt`).
+
+    Done on the bits, not with log2: log2 rounds values just above a power of two down to it.
+    """
+    bits = scale.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    has_mantissa = (bits & 0x7FFFFF) != 0
+    return ((exponent + has_mantissa.to(torch.int32)) << 23).view(torch.float32)
+
+
+def scales_from_amax(amax: torch.Tensor, scale_format: ScaleFormat) -> torch.Tensor:
+    """fp32 multipliers that map [-amax, amax] onto the e4m3 range.
+
+    An all-zero block gets scale 1.0: any positive scale is exact for zeros, and 1.0 cannot
+    make a NaN or a denormal later.
+    """
+    scale = torch.where(amax > 0, amax.float() / E4M3_MAX, torch.ones_like(amax, dtype=torch.float32))
+    if scale_format is ScaleFormat.UE8M0:
+        scale = round_up_to_power_of_two(scale)
+    return scale
+
+
+def _to_e4m3(values: torch.Tensor) -> torch.Tensor:
+    # Saturate instead of overflowing: float8_e4m3fn has no Inf and casts overflow to NaN.
+    return values.clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+def expand_block_scales(
+    scale: torch.Tensor, block_size: tuple[int, int], shape: tuple[int, int]
+) -> torch.Tensor:
+    """Repeat each block scale over its block: [ceil(N/bn), ceil(K/bk)] -> [N, K]."""
+    bn, bk = block_size
+    n, k = shape
+    return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+def _block_amax(weight: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
+    bn, bk = block_size
+    n, k = weight.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = F.pad(weight.float().abs(), (0, kb * bk - k, 0, nb * bn - n))  # zeros leave amax
+    return padded.view(nb, bn, kb, bk).amax(dim=(1, 3))
+
+
+def quantize_weight_blockwise(
+    weight: torch.Tensor, block_size: tuple[int, int], scale_format: ScaleFormat
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (float8_e4m3fn [N, K], fp32 scales [ceil(N/bn), ceil(K/bk)])."""
+    scale = scales_from_amax(_block_amax(weight, block_size), scale_format)
+    full_scale = expand_block_scales(scale, block_size, tuple(weight.shape))
+    return _to_e4m3(weight.float() / full_scale), scale
+
+
+def dequantize_blockwise(
+    qdata: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    full_scale = expand_block_scales(scale, block_size, tuple(qdata.shape))
+    return (qdata.float() * full_scale).to(dtype)
+
+
+def quantize_activation_groups(
+    x: torch.Tensor, group: int, scale_format: ScaleFormat
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] float -> (float8_e4m3fn [M, K], fp32 scales [M, ceil(K/group)]), per token."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k))
+    amax = padded.abs().view(m, groups, group).amax(dim=2)
+    scale = scales_from_amax(amax, scale_format)
+    q = _to_e4m3(padded.view(m, groups, group) / scale[:, :, None]).view(m, -1)[:, :k]
+    return q, scale
+
+
+def fp8_blockwise_linear_reference(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    block_size: tuple[int, int],
+    act_group_size: int,
+    scale_format: ScaleFormat,
+    weight_only: bool,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ W.T + bias, computed the way the FP8 kernels compute it.
+
+    W8A8 (weight_only=False): x is quantized per token per `act_group_size` channels; for each
+    activation group the fp8 x fp8 partial product is taken in fp32, multiplied by
+    (activation scale x weight block scale) and accumulated in fp32 in K order (DeepSeek-V3
+    §3.3.2, DeepGEMM's promotion to fp32 per K block); bias is added in fp32 and the result is
+    cast to x's dtype. Weight-only: W is dequantized to x's dtype and multiplied as in a
+    bf16/fp16 MMA (fp32 accumulation).
+    """
+    n, k = qdata.shape
+    if weight_only:
+        weight = dequantize_blockwise(qdata, scale, block_size, x.dtype)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+    bn, bk = block_size
+    group = act_group_size
+    x2d = x.reshape(-1, k)
+    xq, x_scale = quantize_activation_groups(x2d, group, scale_format)
+    row_scale = scale.repeat_interleave(bn, 0)[:n]  # [N, ceil(K/bk)]
+    xq, wq = xq.float(), qdata.float()
+    out = torch.zeros(x2d.shape[0], n, dtype=torch.float32, device=x.device)
+    for g, start in enumerate(range(0, k, group)):
+        stop = min(start + group, k)
+        partial = xq[:, start:stop] @ wq[:, start:stop].t()
+        out += partial * (x_scale[:, g, None] * row_scale[None, :, start // bk])
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)

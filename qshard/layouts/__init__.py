@@ -1,0 +1,12 @@
+"""Quantized weight layouts, one per file, each registered with `register_layout`."""
+
+from .fp8_blockwise import Fp8BlockwiseConfig, Fp8BlockwiseTensor
+from .registry import config_class_of, register_layout, registered_layouts
+
+__all__ = [
+    "Fp8BlockwiseConfig",
+    "Fp8BlockwiseTensor",
+    "config_class_of",
+    "register_layout",
+    "registered_layouts",
+]

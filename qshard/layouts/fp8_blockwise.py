@@ -1,0 +1,256 @@
+"""FP8 blockwise layout (DeepSeek-V3: 128x128 weight blocks, 1x128 dynamic activation groups).
+
+Inner tensors (logical weight [N, K]):
+    qdata  float8_e4m3fn [N, K]                        one weight per element, row-major
+    scale  float32 [ceil(N/bn), ceil(K/bk)]           one multiplier per (bn x bk) block:
+                                                       W[n, k] = qdata[n, k] * scale[n//bn, k//bk];
+                                                       edge blocks may be partial
+Attributes:
+    block_size      (bn, bk), powers of two >= 16 (128x128 by default)
+    act_group_size  activations are quantized per token per this many channels; divides bk
+    weight_only     True: activations stay in their float dtype (W8A16)
+    scale_format    ScaleFormat.FP32, or UE8M0 (scales rounded up to powers of two)
+    backend         Backend.AUTO or REFERENCE (the only implementation in this version)
+
+Packing for the shape ops: qdata (1, 1), scale (bn, bk). A slice whose offsets are not multiples
+of the block but are multiples of a finer power-of-two block (>= 16) re-blocks exactly: each
+parent scale is repeated over the finer blocks it covers, so `dequantize()` is unchanged
+(facts.md §6: a TP-32 shard of DeepSeek's 18432 columns is 576 = 4.5 x 128 -> 64x64 blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from ..config import Backend, QuantConfig, ScaleFormat, parse_enum
+from ..errors import (
+    BackendUnavailableError,
+    ConfigError,
+    InputMismatchError,
+    MisalignedSliceError,
+    NonFiniteWeightError,
+    UnsupportedWeightError,
+)
+from ..kernels.fp8_blockwise import (
+    dequantize_blockwise,
+    fp8_blockwise_linear_reference,
+    quantize_weight_blockwise,
+)
+from ..qtensor import FLOAT_DTYPES, QTensor
+from .registry import register_layout
+
+__all__ = ["FP8_MIN_SQNR_DB", "MIN_BLOCK", "Fp8BlockwiseConfig", "Fp8BlockwiseTensor"]
+
+MIN_BLOCK = 16  # smallest block side: the K tile of an fp8 MMA instruction is 32, of tl.dot 16
+FP8_MIN_SQNR_DB = 25.0  # F.linear vs float on Gaussian weights; e4m3's 3 mantissa bits give ~29
+AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE)
+
+
+def _is_block_side(n: Any) -> bool:
+    return isinstance(n, int) and n >= MIN_BLOCK and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8BlockwiseConfig(QuantConfig):
+    """FP8 e4m3 weights with one scale per block; activations quantized per token per group."""
+
+    block_size: tuple[int, int] = (128, 128)
+    act_group_size: int = 128
+    weight_only: bool = False
+    scale_format: ScaleFormat = ScaleFormat.FP32
+    backend: Backend = Backend.AUTO
+
+    def __post_init__(self):
+        name = type(self).__name__
+        block = tuple(self.block_size)
+        if len(block) != 2 or not all(_is_block_side(b) for b in block):
+            raise ConfigError(
+                f"{name}: block_size={self.block_size!r}; each side must be a power of two "
+                f">= {MIN_BLOCK}, e.g. (128, 128) (DeepSeek-V3) or (64, 64)"
+            )
+        self._set("block_size", block)
+        group = self.act_group_size
+        if not _is_block_side(group) or block[1] % group:
+            raise ConfigError(
+                f"{name}: act_group_size={group!r} must be a power of two >= {MIN_BLOCK} that "
+                f"divides the block's K side {block[1]} (each activation group must meet one "
+                f"weight scale); use act_group_size={block[1]}"
+            )
+        self._set("weight_only", bool(self.weight_only))
+        self._set("scale_format", parse_enum(ScaleFormat, self.scale_format, "scale_format", name))
+        backend = parse_enum(Backend, self.backend, "backend", name)
+        if backend not in AVAILABLE_BACKENDS:
+            raise ConfigError(
+                f"{name}: backend={backend.value!r} is not available in this qshard version; "
+                f"available: {[b.value for b in AVAILABLE_BACKENDS]}"
+            )
+        self._set("backend", backend)
+
+
+@register_layout(Fp8BlockwiseConfig)
+class Fp8BlockwiseTensor(QTensor):
+    """An FP8 e4m3 weight with per-block fp32 scales. See the module docstring for the packing."""
+
+    inner_names = ("qdata", "scale")
+    attr_names = ("block_size", "act_group_size", "weight_only", "scale_format", "backend")
+    min_linear_sqnr_db: ClassVar[float] = FP8_MIN_SQNR_DB
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    block_size: tuple[int, int]
+    act_group_size: int
+    weight_only: bool
+    scale_format: ScaleFormat
+    backend: Backend
+
+    # ---- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, config: Fp8BlockwiseConfig | None = None
+    ) -> Fp8BlockwiseTensor:
+        config = Fp8BlockwiseConfig() if config is None else config
+        _check_weight(weight)
+        qdata, scale = quantize_weight_blockwise(weight, config.block_size, config.scale_format)
+        return cls(
+            {"qdata": qdata, "scale": scale},
+            shape=tuple(weight.shape),
+            dtype=weight.dtype,
+            block_size=config.block_size,
+            act_group_size=config.act_group_size,
+            weight_only=config.weight_only,
+            scale_format=config.scale_format,
+            backend=config.backend,
+        )
+
+    @classmethod
+    def contract_configs(cls) -> list[Fp8BlockwiseConfig]:
+        """Configs the layout contract suite runs over."""
+        return [
+            Fp8BlockwiseConfig(),
+            Fp8BlockwiseConfig(block_size=(64, 32), act_group_size=32, scale_format="ue8m0"),
+            Fp8BlockwiseConfig(block_size=(32, 64), weight_only=True),
+        ]
+
+    def config(self) -> Fp8BlockwiseConfig:
+        return Fp8BlockwiseConfig(**dict(zip(self.attr_names, self.attr_values(), strict=True)))
+
+    # ---- hooks for the shared shape ops ---------------------------------------------------
+
+    def packing(self) -> dict[str, tuple[int, int] | None]:
+        return {"qdata": (1, 1), "scale": self.block_size}
+
+    @classmethod
+    def inner_specs(cls, shape, attrs):
+        (n, k), (bn, bk) = shape, attrs["block_size"]
+        return {
+            "qdata": ((n, k), torch.float8_e4m3fn),
+            "scale": ((-(-n // bn), -(-k // bk)), torch.float32),
+        }
+
+    def _slice_misaligned(self, dim: int, start: int, end: int) -> Fp8BlockwiseTensor:
+        size, block = self.logical_shape[dim], self.block_size[dim]
+        finer = math.gcd(block, start, end if end < size else 0)
+        if finer < MIN_BLOCK:
+            raise MisalignedSliceError(
+                f"Fp8BlockwiseTensor: the slice [{start}, {end}) of logical dim {dim} (size "
+                f"{size}, blocks of {block}) falls on no block of {MIN_BLOCK} or more; slice at "
+                f"multiples of {block} to keep the blocks, or at multiples of a power of two "
+                f">= {MIN_BLOCK} dividing {block} to re-block (the end may also be {size})"
+            )
+        block_size = list(self.block_size)
+        block_size[dim] = finer
+        out = self.reblock(tuple(block_size)).slice_logical(dim, start, end)
+        out._detached_from_parent = True  # its scales are new: copy_ into it cannot write back
+        return out
+
+    # ---- layout-specific API --------------------------------------------------------------
+
+    def reblock(self, block_size: tuple[int, int]) -> Fp8BlockwiseTensor:
+        """The same weight with finer blocks; each scale is repeated, dequantize() is unchanged.
+
+        Activation groups shrink to fit the new K block (a 128-group meets two 64-blocks).
+        """
+        bn, bk = block_size
+        pbn, pbk = self.block_size
+        if not (_is_block_side(bn) and _is_block_side(bk) and pbn % bn == 0 and pbk % bk == 0):
+            raise ConfigError(
+                f"Fp8BlockwiseTensor.reblock({block_size}): a finer block must divide the "
+                f"current {self.block_size} and be a power of two >= {MIN_BLOCK}"
+            )
+        n, k = self.logical_shape
+        scale = self.scale.repeat_interleave(pbn // bn, 0)[: -(-n // bn)]
+        scale = scale.repeat_interleave(pbk // bk, 1)[:, : -(-k // bk)]
+        return self.with_changes(
+            {"scale": scale},
+            block_size=(bn, bk),
+            act_group_size=math.gcd(self.act_group_size, bk),
+        )
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        weight = dequantize_blockwise(self.qdata, self.scale, self.block_size, dtype or self.dtype)
+        return weight.t() if self.transposed else weight
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        _check_activation(self, x)
+        backend = self.select_backend(x)
+        assert backend is Backend.REFERENCE, backend
+        return fp8_blockwise_linear_reference(
+            x,
+            self.qdata,
+            self.scale,
+            block_size=self.block_size,
+            act_group_size=self.act_group_size,
+            scale_format=self.scale_format,
+            weight_only=self.weight_only,
+            bias=bias,
+        )
+
+    def select_backend(self, x: torch.Tensor) -> Backend:
+        """Which implementation runs `x @ W.T`. Only the reference exists in this version, on
+        every device; `auto` will choose by (M, N, K, GPU) when the kernels land."""
+        if self.backend in (Backend.AUTO, Backend.REFERENCE):
+            return Backend.REFERENCE
+        raise BackendUnavailableError(f"Fp8BlockwiseTensor: backend {self.backend.value!r}")
+
+
+def _check_weight(weight: Any) -> None:
+    if not isinstance(weight, torch.Tensor) or isinstance(weight, QTensor):
+        raise UnsupportedWeightError(
+            f"Fp8BlockwiseTensor.from_float takes a float torch.Tensor, got {type(weight).__name__}"
+        )
+    if weight.dim() != 2:
+        raise UnsupportedWeightError(
+            f"Fp8BlockwiseTensor: weight of shape {list(weight.shape)} is {weight.dim()}-D; "
+            f"a linear weight is 2-D [out_features, in_features]"
+        )
+    if weight.dtype not in FLOAT_DTYPES:
+        raise UnsupportedWeightError(
+            f"Fp8BlockwiseTensor: weight dtype {weight.dtype} is not one of "
+            f"{[str(d) for d in FLOAT_DTYPES]}; cast it to bfloat16 first"
+        )
+    if weight.device.type != "meta":
+        bad = ~torch.isfinite(weight)
+        if bool(bad.any()):
+            first = [int(i) for i in bad.nonzero()[0]]
+            raise NonFiniteWeightError(
+                f"Fp8BlockwiseTensor: weight of shape {list(weight.shape)} has {int(bad.sum())} "
+                f"NaN/Inf values (first at {first}); fix the weights before quantizing"
+            )
+
+
+def _check_activation(weight: Fp8BlockwiseTensor, x: torch.Tensor) -> None:
+    k = weight.logical_shape[1]
+    if x.shape[-1] != k:
+        raise InputMismatchError(
+            f"linear: input of shape {list(x.shape)} has {x.shape[-1]} features; the "
+            f"Fp8BlockwiseTensor weight {list(weight.logical_shape)} takes {k}"
+        )
+    if x.dtype not in FLOAT_DTYPES:
+        raise InputMismatchError(
+            f"linear: input dtype {x.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}"
+        )

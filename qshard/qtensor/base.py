@@ -1,0 +1,299 @@
+"""QTensor: the base class of every quantized weight.
+
+A layout subclass *declares* its inner tensors (`inner_names`) and its attributes (`attr_names`);
+from those this class derives `__tensor_flatten__`/`__tensor_unflatten__` (what torch.compile and
+DTensor need), `__repr__`, and the shape ops in `ops.py` (slice, split, cat, t, view, detach, clone,
+to, copy_, ...), which are written once here and driven by one hook per layout:
+
+    packing() -> {inner name: (rows, cols) of the logical weight one element covers, or None}
+
+Every inner tensor is 2-D with dim 0 along the weight's output dim N and dim 1 along its input dim
+K (a tensor that covers the whole weight, such as a per-tensor scale, maps to None and is shared
+by every slice). An element (i, j) of an inner tensor with packing (r, c) covers the logical rows
+[i*r, (i+1)*r) and columns [j*c, (j+1)*c), clipped at the edge (partial edge blocks).
+
+The logical shape is the quantized weight's [N, K]; `transposed` flips the outer shape to [K, N]
+without moving data (so `F.linear`'s decomposition `x @ w.t()` routes back to the layout). The
+outer dtype is the float dtype that `dequantize()` returns and that activations are expected in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import MisalignedSliceError, UnsupportedOpError
+
+__all__ = ["QTensor"]
+
+Handler = Callable[..., Any]
+Packing = dict[str, tuple[int, int] | None]
+
+# The float dtypes a quantized weight can stand in for (outer dtype) and accept as activations.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class QTensor(torch.Tensor):
+    """Base of the quantized weight tensors. See the module docstring for the contract."""
+
+    inner_names: ClassVar[tuple[str, ...]] = ()
+    attr_names: ClassVar[tuple[str, ...]] = ()
+    # Per-class op tables, filled by `implements` / `implements_torch_function`.
+    _aten_ops: ClassVar[dict[Any, Handler]] = {}
+    _torch_fn_ops: ClassVar[dict[Any, Handler]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._aten_ops = {}
+        cls._torch_fn_ops = {}
+
+    @staticmethod
+    def __new__(
+        cls,
+        inner: Mapping[str, torch.Tensor],
+        *,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        transposed: bool = False,
+        **attrs: Any,
+    ):
+        n, k = shape
+        outer, strides = ((k, n), (1, k)) if transposed else ((n, k), (k, 1))
+        device = inner[cls.inner_names[0]].device
+        return torch.Tensor._make_wrapper_subclass(
+            cls, outer, strides=strides, dtype=dtype, device=device, requires_grad=False
+        )
+
+    def __init__(
+        self,
+        inner: Mapping[str, torch.Tensor],
+        *,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        transposed: bool = False,
+        **attrs: Any,
+    ):
+        for name in self.inner_names:
+            setattr(self, name, inner[name])
+        missing = set(self.attr_names) - set(attrs)
+        extra = set(attrs) - set(self.attr_names)
+        assert not missing and not extra, f"{type(self).__name__}: attrs {missing=} {extra=}"
+        for name in self.attr_names:
+            setattr(self, name, attrs[name])
+        self.logical_shape = (int(shape[0]), int(shape[1]))
+        self.transposed = bool(transposed)
+
+    # ---- hooks a layout implements -------------------------------------------------------
+
+    def packing(self) -> Packing:
+        """{inner name: (rows, cols) one element covers, or None for a whole-tensor value}."""
+        raise NotImplementedError
+
+    @classmethod
+    def inner_specs(
+        cls, shape: tuple[int, int], attrs: Mapping[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of every inner tensor for a logical [N, K] weight."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, config: Any = None) -> QTensor:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight this tensor stands for, in its outer (possibly transposed) shape."""
+        raise NotImplementedError
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T + bias for the untransposed weight W."""
+        raise NotImplementedError
+
+    def _slice_misaligned(self, dim: int, start: int, end: int) -> QTensor:
+        """Called for a slice of logical `dim` that cuts through a packed element or block.
+
+        A layout that can make such a slice exact (FP8 re-blocking) overrides this; the default
+        raises an error that says which offsets are allowed.
+        """
+        step = self.slice_granularity(dim)
+        size = self.logical_shape[dim]
+        raise MisalignedSliceError(
+            f"{type(self).__name__}: the slice [{start}, {end}) of logical dim {dim} "
+            f"({'rows N' if dim == 0 else 'columns K'}, size {size}) cuts through the packing "
+            f"{self._packing_text()}; slice at multiples of {step} (the end may also be {size})"
+        )
+
+    # ---- derived machinery ----------------------------------------------------------------
+
+    @classmethod
+    def implements(cls, ops: Any | Iterable[Any]) -> Callable[[Handler], Handler]:
+        """Register `handler(func, args, kwargs)` for aten ops on this class (and subclasses)."""
+        return _register(cls._aten_ops, ops)
+
+    @classmethod
+    def implements_torch_function(cls, funcs: Any | Iterable[Any]) -> Callable[[Handler], Handler]:
+        """Register `handler(func, types, args, kwargs)` at the `__torch_function__` level."""
+        return _register(cls._torch_fn_ops, funcs)
+
+    @classmethod
+    def _lookup(cls, table_name: str, func: Any) -> Handler | None:
+        for klass in cls.__mro__:
+            table = klass.__dict__.get(table_name)
+            if table is not None and func in table:
+                return table[func]
+        return None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = cls._lookup("_torch_fn_ops", func)
+        if handler is not None:
+            return handler(func, types, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = cls._lookup("_aten_ops", func)
+        if handler is None:
+            raise UnsupportedOpError(
+                f"{cls.__name__} does not implement {func}. Shape ops shared by every layout "
+                f"live in qshard/qtensor/ops.py; an op for this layout alone is added with "
+                f"@{cls.__name__}.implements(torch.ops.{func}) in {_source_file(cls)}"
+            )
+        return handler(func, args, kwargs)
+
+    def __tensor_flatten__(self):
+        ctx = (self.logical_shape, self.dtype, self.transposed, self.attr_values())
+        return list(self.inner_names), ctx
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
+        shape, dtype, transposed, attr_values = ctx
+        attrs = dict(zip(cls.attr_names, attr_values, strict=True))
+        return cls(inner_tensors, shape=shape, dtype=dtype, transposed=transposed, **attrs)
+
+    def attr_values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.attr_names)
+
+    def inner_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.inner_names}
+
+    def layout_key(self) -> tuple[Any, ...]:
+        """What two tensors must share to be copied into each other or concatenated."""
+        return (type(self), self.dtype, self.transposed, self.attr_values())
+
+    def with_changes(
+        self,
+        inner: Mapping[str, torch.Tensor] | None = None,
+        *,
+        shape: tuple[int, int] | None = None,
+        dtype: torch.dtype | None = None,
+        transposed: bool | None = None,
+        **attrs: Any,
+    ) -> QTensor:
+        """A new tensor of this class with some inner tensors or attributes replaced."""
+        new_inner = {**self.inner_tensors(), **(inner or {})}
+        new_attrs = {**dict(zip(self.attr_names, self.attr_values(), strict=True)), **attrs}
+        return type(self)(
+            new_inner,
+            shape=self.logical_shape if shape is None else shape,
+            dtype=self.dtype if dtype is None else dtype,
+            transposed=self.transposed if transposed is None else transposed,
+            **new_attrs,
+        )
+
+    def map_inner(self, fn: Callable[[torch.Tensor], torch.Tensor], **changes: Any) -> QTensor:
+        return self.with_changes({n: fn(t) for n, t in self.inner_tensors().items()}, **changes)
+
+    def logical_dim(self, dim: int) -> int:
+        """The logical weight dim (0 = N, 1 = K) that outer `dim` indexes."""
+        if dim not in (-2, -1, 0, 1):
+            raise IndexError(f"{type(self).__name__} is 2-D; dim {dim} is out of range")
+        dim %= 2
+        return 1 - dim if self.transposed else dim
+
+    def slice_granularity(self, dim: int) -> int:
+        """The smallest step of logical `dim` at which every inner tensor can be cut."""
+        steps = [p[dim] for p in self.packing().values() if p is not None]
+        return math.lcm(*steps) if steps else 1
+
+    def slice_logical(self, dim: int, start: int, end: int) -> QTensor:
+        """Rows (dim 0) or columns (dim 1) [start, end) of the logical weight, as views."""
+        size = self.logical_shape[dim]
+        assert 0 <= start <= end <= size, (dim, start, end, size)
+        if not self._is_aligned(dim, start, end):
+            return self._slice_misaligned(dim, start, end)
+        inner = {}
+        for name, tensor in self.inner_tensors().items():
+            packing = self.packing()[name]
+            if packing is None:
+                inner[name] = tensor
+                continue
+            step = packing[dim]
+            first, stop = start // step, -(-end // step)
+            inner[name] = tensor.narrow(dim, first, stop - first)
+        shape = list(self.logical_shape)
+        shape[dim] = end - start
+        return self.with_changes(inner, shape=tuple(shape))
+
+    def _is_aligned(self, dim: int, start: int, end: int) -> bool:
+        size = self.logical_shape[dim]
+        step = self.slice_granularity(dim)
+        return start % step == 0 and (end % step == 0 or end == size)
+
+    def _packing_text(self) -> str:
+        parts = []
+        for name, p in self.packing().items():
+            parts.append(f"{name}: whole tensor" if p is None else f"{name}: {p[0]}x{p[1]}")
+        return "(" + ", ".join(parts) + ")"
+
+    def validate(self) -> None:
+        """Check every inner tensor against `inner_specs`; raise LayoutMismatchError if off."""
+        from ..errors import LayoutMismatchError
+
+        attrs = dict(zip(self.attr_names, self.attr_values(), strict=True))
+        for name, (shape, dtype) in self.inner_specs(self.logical_shape, attrs).items():
+            tensor = getattr(self, name)
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise LayoutMismatchError(
+                    f"{type(self).__name__} {self.logical_shape}: inner tensor {name!r} is "
+                    f"{tensor.dtype}{list(tensor.shape)}, expected {dtype}{list(shape)}"
+                )
+
+    def __repr__(self) -> str:
+        attrs = ", ".join(f"{n}={_short(v)}" for n, v in zip(self.attr_names, self.attr_values()))
+        inner = ", ".join(
+            f"{n}={str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            for n, t in self.inner_tensors().items()
+        )
+        flag = ", transposed=True" if self.transposed else ""
+        return (
+            f"{type(self).__name__}(shape={list(self.shape)}, dtype={self.dtype}{flag}, "
+            f"{attrs}, {inner}, device={self.device})"
+        )
+
+    __str__ = __repr__
+
+
+def _register(table: dict[Any, Handler], ops: Any) -> Callable[[Handler], Handler]:
+    ops = list(ops) if isinstance(ops, list | tuple) else [ops]
+
+    def decorator(handler: Handler) -> Handler:
+        for op in ops:
+            table[op] = handler
+        return handler
+
+    return decorator
+
+
+def _short(value: Any) -> str:
+    return repr(value.value) if hasattr(value, "value") else repr(value)
+
+
+def _source_file(cls: type) -> str:
+    module = cls.__module__.replace(".", "/")
+    return f"{module}.py"

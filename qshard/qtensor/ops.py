@@ -1,0 +1,292 @@
+"""The ops every layout shares, written once on QTensor.
+
+Shape ops map an outer dim to the logical [N, K] dim (through `transposed`) and cut each inner
+tensor by its packing (`QTensor.packing`). View ops return views of the inner tensors and go
+through `return_and_correct_aliasing`, so `w.narrow(0, a, n).copy_(src)` writes into `w` (the
+vLLM loading pattern) and torch.compile sees the aliasing. Matmuls route to the layout's
+`_linear`, for `F.linear(x, w)` and for the `x @ w.t()` that `linear` decomposes into under
+DTensor (`t` + `mm` / `addmm`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from ..errors import LayoutMismatchError, UnsupportedOpError
+from .base import FLOAT_DTYPES, QTensor
+
+aten = torch.ops.aten
+
+
+def _clamp_range(start: int | None, end: int | None, size: int) -> tuple[int, int]:
+    start = 0 if start is None else start
+    end = size if end is None or end >= sys.maxsize else end
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    start = min(max(start, 0), size)
+    return start, min(max(end, start), size)
+
+
+def _slice_outer(q: QTensor, dim: int, start: int, end: int) -> QTensor:
+    return q.slice_logical(q.logical_dim(dim), start, end)
+
+
+# ---- views --------------------------------------------------------------------------------
+
+
+@QTensor.implements(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    q, dim, start, end, step = _slice_args(*args, **kwargs)
+    if step != 1:
+        raise UnsupportedOpError(f"{type(q).__name__}: slicing with step {step}; only step 1")
+    start, end = _clamp_range(start, end, q.shape[dim])
+    return return_and_correct_aliasing(func, args, kwargs, _slice_outer(q, dim, start, end))
+
+
+def _slice_args(q, dim=0, start=None, end=None, step=1):
+    return q, dim, start, end, step
+
+
+@QTensor.implements([aten.split.Tensor, aten.split_with_sizes.default])
+def _split(func, args, kwargs):
+    q, sizes, dim = _split_args(*args, **kwargs)
+    size = q.shape[dim]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, size - s) for s in range(0, size, sizes)] or [0]
+    outs, start = [], 0
+    for n in sizes:
+        outs.append(_slice_outer(q, dim, start, start + n))
+        start += n
+    return return_and_correct_aliasing(func, args, kwargs, outs)
+
+
+def _split_args(q, split_size, dim=0):
+    return q, split_size, dim
+
+
+@QTensor.implements([aten.t.default, aten.transpose.int, aten.permute.default])
+def _transpose(func, args, kwargs):
+    q = args[0]
+    if func is aten.t.default:
+        flip = True
+    elif func is aten.transpose.int:
+        flip = args[1] % 2 != args[2] % 2
+    else:
+        dims = [d % 2 for d in args[1]]
+        flip = dims == [1, 0]
+    out = q.with_changes(transposed=not q.transposed) if flip else q.with_changes()
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@QTensor.implements([aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default])
+def _view(func, args, kwargs):
+    q, size = args[0], list(args[1])
+    if size.count(-1) == 1:
+        rest = -torch.Size(size).numel()  # the product of the other entries
+        size[size.index(-1)] = q.numel() // rest if rest else 0
+    if tuple(size) != tuple(q.shape):
+        raise UnsupportedOpError(
+            f"{type(q).__name__}: view/reshape from {list(q.shape)} to {list(args[1])}; a "
+            f"quantized weight keeps its 2-D shape (views that keep it are supported)"
+        )
+    return return_and_correct_aliasing(func, args, kwargs, q.with_changes())
+
+
+@QTensor.implements([aten.detach.default, aten.alias.default])
+def _detach(func, args, kwargs):
+    q = args[0]
+    return return_and_correct_aliasing(func, args, kwargs, q.map_inner(torch.Tensor.detach))
+
+
+# ---- copies and allocation ----------------------------------------------------------------
+
+
+@QTensor.implements(aten.clone.default)
+def _clone(func, args, kwargs):
+    return args[0].map_inner(torch.Tensor.clone)
+
+
+@QTensor.implements(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    q = args[0]
+    dtype = kwargs.get("dtype") or q.dtype
+    device = kwargs.get("device") or q.device
+    if dtype not in FLOAT_DTYPES:
+        raise UnsupportedOpError(
+            f"{type(q).__name__}.to({dtype}): a quantized weight's dtype is the float dtype it "
+            f"dequantizes to, one of {[str(d) for d in FLOAT_DTYPES]}; call dequantize() for others"
+        )
+    non_blocking = kwargs.get("non_blocking", False)
+    return q.map_inner(lambda t: t.to(device, non_blocking=non_blocking), dtype=dtype)
+
+
+@QTensor.implements(aten.copy_.default)
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, QTensor) or not isinstance(src, QTensor):
+        plain, quant = (dst, src) if isinstance(src, QTensor) else (src, dst)
+        raise UnsupportedOpError(
+            f"copy_ between a {type(quant).__name__} and a plain {plain.dtype} tensor: copy a "
+            f"quantized tensor of the same layout, quantize the source first (from_float / "
+            f"qshard.quantize_), or call dequantize() to get floats"
+        )
+    if dst.layout_key() != src.layout_key() or dst.shape != src.shape:
+        raise LayoutMismatchError(
+            f"copy_ into {dst!r} from {src!r}: the layouts differ; both sides must have the same "
+            f"class, shape, dtype and attributes"
+        )
+    if getattr(dst, "_detached_from_parent", False):
+        raise UnsupportedOpError(
+            f"copy_ into {type(dst).__name__} slice that was re-blocked: its scales are a new "
+            f"tensor, so the copy would not reach the parent; narrow on block boundaries "
+            f"({dst.slice_granularity(0)}x{dst.slice_granularity(1)} before re-blocking)"
+        )
+    for name in dst.inner_names:
+        getattr(dst, name).copy_(getattr(src, name))
+    return return_and_correct_aliasing(func, args, kwargs, dst)
+
+
+@QTensor.implements(aten.empty_like.default)
+def _empty_like(func, args, kwargs):
+    q = args[0]
+    device = kwargs.get("device") or q.device
+    return q.map_inner(lambda t: torch.empty_like(t, device=device))
+
+
+@QTensor.implements(aten.new_empty.default)
+def _new_empty(func, args, kwargs):
+    q, size = args[0], tuple(args[1])
+    if len(size) != 2:
+        raise UnsupportedOpError(f"{type(q).__name__}.new_empty({list(size)}): weights are 2-D")
+    shape = (size[1], size[0]) if q.transposed else size
+    device = kwargs.get("device") or q.device
+    attrs = dict(zip(q.attr_names, q.attr_values(), strict=True))
+    inner = {
+        name: torch.empty(s, dtype=d, device=device)
+        for name, (s, d) in q.inner_specs(shape, attrs).items()
+    }
+    return q.with_changes(inner, shape=shape)
+
+
+@QTensor.implements(aten.is_same_size.default)
+def _is_same_size(func, args, kwargs):
+    return args[0].shape == args[1].shape
+
+
+@QTensor.implements(aten.cat.default)
+def _cat(func, args, kwargs):
+    tensors, dim = _cat_args(*args, **kwargs)
+    first = tensors[0]
+    for t in tensors:
+        if not isinstance(t, QTensor) or t.layout_key() != first.layout_key():
+            raise LayoutMismatchError(
+                f"cat of {first!r} with {t!r}: every piece must be the same quantized layout "
+                f"with the same attributes (re-block or re-quantize to a common layout first)"
+            )
+    dim = first.logical_dim(dim)
+    other = 1 - dim
+    step = first.slice_granularity(dim)
+    for t in tensors:
+        if t.logical_shape[other] != first.logical_shape[other]:
+            raise LayoutMismatchError(
+                f"cat on logical dim {dim}: shapes {first.logical_shape} and {t.logical_shape} "
+                f"differ on the other dim"
+            )
+    for t in tensors[:-1]:
+        if t.logical_shape[dim] % step:
+            raise LayoutMismatchError(
+                f"cat on logical dim {dim}: a piece of size {t.logical_shape[dim]} that is not "
+                f"last must be a multiple of {step} (it would leave a partial block inside)"
+            )
+    inner = {}
+    for name, packing in first.packing().items():
+        parts = [getattr(t, name) for t in tensors]
+        if packing is None:
+            if not all(torch.equal(parts[0], p) for p in parts[1:]):
+                raise LayoutMismatchError(
+                    f"cat: the whole-tensor value {name!r} differs between pieces; quantize the "
+                    f"pieces with a shared {name!r}"
+                )
+            inner[name] = parts[0]
+        else:
+            inner[name] = torch.cat(parts, dim)
+    shape = list(first.logical_shape)
+    shape[dim] = sum(t.logical_shape[dim] for t in tensors)
+    return first.with_changes(inner, shape=tuple(shape))
+
+
+def _cat_args(tensors, dim=0):
+    return list(tensors), dim
+
+
+# ---- matmul: everything becomes x @ W.T (+ bias) on the untransposed weight ----------------
+
+
+def _untransposed_weight(w: QTensor, op: str) -> QTensor:
+    """The weight W for `x @ w` where w must be W.t() (the form `linear` decomposes into)."""
+    if not w.transposed:
+        raise UnsupportedOpError(
+            f"{op}: x @ W with a {type(w).__name__} W of shape {list(w.shape)} is not a linear "
+            f"layer's matmul; qshard computes x @ W.t() (F.linear(x, W))"
+        )
+    return w.with_changes(transposed=False)
+
+
+def _check_operands(op: str, x, w, bias=None) -> None:
+    if isinstance(x, QTensor) or isinstance(bias, QTensor) or not isinstance(w, QTensor):
+        raise UnsupportedOpError(
+            f"{op}: only the weight operand may be quantized (got input {type(x).__name__}, "
+            f"weight {type(w).__name__}, bias {type(bias).__name__})"
+        )
+
+
+@QTensor.implements_torch_function(F.linear)
+def _linear_fn(func, types, args, kwargs):
+    x, w, bias = _linear_args(*args, **kwargs)
+    _check_operands("F.linear", x, w, bias)
+    if w.transposed:
+        raise UnsupportedOpError(
+            f"F.linear(x, W) with a transposed {type(w).__name__}; pass the [N, K] weight"
+        )
+    return w._linear(x, bias)
+
+
+def _linear_args(input, weight, bias=None):
+    return input, weight, bias
+
+
+@QTensor.implements(aten.linear.default)
+def _linear_aten(func, args, kwargs):
+    return _linear_fn(F.linear, (), args, kwargs)
+
+
+@QTensor.implements(aten.mm.default)
+def _mm(func, args, kwargs):
+    x, w = args
+    _check_operands("mm", x, w)
+    return _untransposed_weight(w, "mm")._linear(x, None)
+
+
+@QTensor.implements(aten.addmm.default)
+def _addmm(func, args, kwargs):
+    bias, x, w = args
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    _check_operands("addmm", x, w, bias)
+    weight = _untransposed_weight(w, "addmm")
+    if beta == 1 and alpha == 1 and bias.dim() == 1:
+        return weight._linear(x, bias)
+    return beta * bias + alpha * weight._linear(x, None)
+
+
+# ---- torch-level helpers ------------------------------------------------------------------
+
+
+@QTensor.implements_torch_function(torch._has_compatible_shallow_copy_type)
+def _shallow_copy_type(func, types, args, kwargs):
+    # `param.data = new` (set_data) would keep the old inner tensors in the Python object, so
+    # report "incompatible"; nn.Module._apply then swaps whole tensors (swap_tensors).
+    return False
