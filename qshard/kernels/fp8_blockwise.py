@@ -58,13 +58,22 @@ def _to_e4m3(values: torch.Tensor) -> torch.Tensor:
     return values.clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
+def group_index(size: int, group: int, device: torch.device) -> torch.Tensor:
+    """[size] int64: the group (block) each of `size` consecutive elements belongs to."""
+    return torch.arange(size, device=device) // group
+
+
 def expand_block_scales(
     scale: torch.Tensor, block_size: tuple[int, int], shape: tuple[int, int]
 ) -> torch.Tensor:
-    """Repeat each block scale over its block: [ceil(N/bn), ceil(K/bk)] -> [N, K]."""
-    bn, bk = block_size
-    n, k = shape
-    return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    """Repeat each block scale over its block: [ceil(N/bn), ceil(K/bk)] -> [N, K].
+
+    Indexing, not `repeat_interleave(...)[:n]`: inductor's CPU codegen (torch 2.13) gives
+    wrong values for the latter when the scales are computed in the same graph.
+    """
+    rows = group_index(shape[0], block_size[0], scale.device)
+    cols = group_index(shape[1], block_size[1], scale.device)
+    return scale[rows[:, None], cols[None, :]]
 
 
 def _block_amax(weight: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
@@ -94,14 +103,22 @@ def dequantize_blockwise(
 def quantize_activation_groups(
     x: torch.Tensor, group: int, scale_format: ScaleFormat
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] float -> (float8_e4m3fn [M, K], fp32 scales [M, ceil(K/group)]), per token."""
+    """[M, K] float -> (float8_e4m3fn [M, K], fp32 scales [M, ceil(K/group)]), per token.
+
+    The last group may be partial. (No padding: inductor's CPU codegen cannot mix the pad
+    mask with float8 values, torch 2.13.)
+    """
     m, k = x.shape
-    groups = -(-k // group)
-    padded = F.pad(x.float(), (0, groups * group - k))
-    amax = padded.abs().view(m, groups, group).amax(dim=2)
-    scale = scales_from_amax(amax, scale_format)
-    q = _to_e4m3(padded.view(m, groups, group) / scale[:, :, None]).view(m, -1)[:, :k]
-    return q, scale
+    x = x.float()
+    # Scales are statistics of x, not functions to differentiate (straight-through); this also
+    # keeps amax's scatter backward out of compiled graphs.
+    stats = x.detach().abs()
+    full = k - k % group
+    amax = [stats[:, :full].view(m, full // group, group).amax(dim=2)]
+    if full < k:
+        amax.append(stats[:, full:].amax(dim=1, keepdim=True))
+    scale = scales_from_amax(torch.cat(amax, dim=1), scale_format)
+    return _to_e4m3(x / scale[:, group_index(k, group, x.device)]), scale
 
 
 def fp8_blockwise_linear_reference(
@@ -132,13 +149,13 @@ def fp8_blockwise_linear_reference(
     group = act_group_size
     x2d = x.reshape(-1, k)
     xq, x_scale = quantize_activation_groups(x2d, group, scale_format)
-    row_scale = scale.repeat_interleave(bn, 0)[:n]  # [N, ceil(K/bk)]
+    row_scale = scale[group_index(n, bn, scale.device)]  # [N, ceil(K/bk)]
     xq, wq = xq.float(), qdata.float()
     out = torch.zeros(x2d.shape[0], n, dtype=torch.float32, device=x.device)
     for g, start in enumerate(range(0, k, group)):
         stop = min(start + group, k)
         partial = xq[:, start:stop] @ wq[:, start:stop].t()
-        out += partial * (x_scale[:, g, None] * row_scale[None, :, start // bk])
+        out = out + partial * (x_scale[:, g, None] * row_scale[None, :, start // bk])
     if bias is not None:
-        out += bias.float()
+        out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -59,7 +59,7 @@ class Fp8BlockwiseConfig(QuantConfig):
     """FP8 e4m3 weights with one scale per block; activations quantized per token per group."""
 
     block_size: tuple[int, int] = (128, 128)
-    act_group_size: int = 128
+    act_group_size: int | None = None  # None: the block's K side (128 for 128x128 blocks)
     weight_only: bool = False
     scale_format: ScaleFormat = ScaleFormat.FP32
     backend: Backend = Backend.AUTO
@@ -73,13 +73,14 @@ class Fp8BlockwiseConfig(QuantConfig):
                 f">= {MIN_BLOCK}, e.g. (128, 128) (DeepSeek-V3) or (64, 64)"
             )
         self._set("block_size", block)
-        group = self.act_group_size
+        group = block[1] if self.act_group_size is None else self.act_group_size
         if not _is_block_side(group) or block[1] % group:
             raise ConfigError(
                 f"{name}: act_group_size={group!r} must be a power of two >= {MIN_BLOCK} that "
                 f"divides the block's K side {block[1]} (each activation group must meet one "
                 f"weight scale); use act_group_size={block[1]}"
             )
+        self._set("act_group_size", group)
         self._set("weight_only", bool(self.weight_only))
         self._set("scale_format", parse_enum(ScaleFormat, self.scale_format, "scale_format", name))
         backend = parse_enum(Backend, self.backend, "backend", name)

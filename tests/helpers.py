@@ -1,0 +1,37 @@
+"""Helpers shared by the tests (imported as `helpers`; tests/ is on sys.path via conftest)."""
+
+from __future__ import annotations
+
+import torch
+
+import qshard
+from qshard.layouts import registered_layouts
+
+# Every (layout, config) the contract suite runs over: a layout is covered by registering.
+LAYOUT_CASES = [
+    (cls, config) for cls in registered_layouts() for config in cls.contract_configs()
+]
+LAYOUT_IDS = [f"{cls.__name__}-{i}" for cls in registered_layouts() for i, _ in
+              enumerate(cls.contract_configs())]
+
+
+def gaussian(*shape: int, std: float = 0.02, dtype=torch.float32, seed: int | None = None):
+    """N(0, std) values; a fresh seed each call unless one is given (never zeros)."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+    return (torch.randn(*shape, generator=gen) * std).to(dtype)
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same_qtensor(a: qshard.QTensor, b: qshard.QTensor) -> None:
+    """Bit-for-bit equality of two quantized tensors: class, shape, attributes, inner bytes."""
+    assert type(a) is type(b), (type(a), type(b))
+    assert a.logical_shape == b.logical_shape, (a.logical_shape, b.logical_shape)
+    assert (a.dtype, a.transposed) == (b.dtype, b.transposed)
+    assert a.attr_values() == b.attr_values(), (a.attr_values(), b.attr_values())
+    for name in a.inner_names:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), (name, x.dtype, x.shape, y.dtype, y.shape)
+        assert torch.equal(raw_bytes(x), raw_bytes(y)), f"inner tensor {name!r} differs"

@@ -1,0 +1,309 @@
+"""The layout contract: every invariant of design.md, run over every registered layout.
+
+A new layout gets all of these by registering (`qshard.register_layout`) and listing the configs
+to exercise in `contract_configs()`.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import LAYOUT_CASES, LAYOUT_IDS, assert_same_qtensor, gaussian
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import qshard
+from qshard.errors import MisalignedSliceError, QShardError, UnsupportedOpError
+
+HYPOTHESIS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+COMPILED_VS_EAGER_MIN_SQNR_DB = 60.0
+
+cases = pytest.mark.parametrize(("cls", "config"), LAYOUT_CASES, ids=LAYOUT_IDS)
+
+
+def granularity(cls, config) -> tuple[int, int]:
+    probe = cls.from_float(gaussian(8, 8), config)
+    return probe.slice_granularity(0), probe.slice_granularity(1)
+
+
+@st.composite
+def sizes_and_ranges(draw, step: int):
+    """A dim size with a partial edge block sometimes, and an aligned [start, end) in it."""
+    size = draw(st.integers(1, 3)) * step + draw(st.sampled_from([0, 0, step // 2, 1]))
+    cuts = sorted({*draw(st.lists(st.integers(0, size // step), min_size=2, max_size=2))})
+    start = cuts[0] * step
+    end = cuts[-1] * step if len(cuts) > 1 and draw(st.booleans()) else size
+    return size, start, max(start, end)
+
+
+# ---- flatten, copies, repr -------------------------------------------------------------------
+
+
+@cases
+def test_flatten_unflatten_round_trip(cls, config):
+    q = cls.from_float(gaussian(70, 96), config)
+    names, ctx = q.__tensor_flatten__()
+    assert names == list(cls.inner_names)
+    again = cls.__tensor_unflatten__({n: getattr(q, n) for n in names}, ctx, q.shape, q.stride())
+    assert_same_qtensor(q, again)
+    q.validate()
+
+
+@cases
+def test_clone_detach_to(cls, config):
+    q = cls.from_float(gaussian(64, 64), config)
+    clone = q.clone()
+    assert_same_qtensor(q, clone)
+    for name in cls.inner_names:
+        assert getattr(clone, name).data_ptr() != getattr(q, name).data_ptr()
+        assert getattr(q.detach(), name).data_ptr() == getattr(q, name).data_ptr()
+    assert q.to("cpu").device.type == "cpu"
+    half = q.to(torch.float16)
+    assert isinstance(half, cls) and half.dtype == torch.float16
+    assert torch.equal(half.dequantize(), q.dequantize(torch.float16))
+    meta = q.to("meta")
+    assert isinstance(meta, cls) and all(t.is_meta for t in meta.inner_tensors().values())
+    with pytest.raises(UnsupportedOpError, match="dequantize"):
+        q.to(torch.int8)
+    assert cls.__name__ in repr(q) and str(list(q.shape)) in repr(q)
+
+
+@cases
+def test_empty_like_and_new_empty_have_the_layout(cls, config):
+    q = cls.from_float(gaussian(64, 96), config)
+    empty = torch.empty_like(q)
+    assert isinstance(empty, cls) and empty.shape == q.shape
+    empty.validate()
+    other = q.new_empty((32, 64))
+    assert isinstance(other, cls) and other.shape == (32, 64)
+    other.validate()
+
+
+@cases
+def test_unsupported_op_names_class_op_and_file(cls, config):
+    q = cls.from_float(gaussian(32, 32), config)
+    with pytest.raises(UnsupportedOpError) as info:
+        torch.exp(q)
+    message = str(info.value)
+    assert cls.__name__ in message and "exp" in message and "qshard/qtensor/ops.py" in message
+    assert isinstance(info.value, QShardError)
+
+
+# ---- packing commutes with slicing (invariant 1) --------------------------------------------
+
+
+@cases
+@HYPOTHESIS
+@given(data=st.data())
+def test_slicing_commutes_with_packing(cls, config, data):
+    gn, gk = granularity(cls, config)
+    n, r0, r1 = data.draw(sizes_and_ranges(gn), label="rows")
+    k, c0, c1 = data.draw(sizes_and_ranges(gk), label="cols")
+    w = gaussian(n, k, seed=data.draw(st.integers(0, 2**31)))
+    q = cls.from_float(w, config)
+    sliced = q[r0:r1, c0:c1]
+    assert_same_qtensor(sliced, cls.from_float(w[r0:r1, c0:c1], config))
+    assert torch.equal(sliced.dequantize(), q.dequantize()[r0:r1, c0:c1])
+    # The same through the transposed view that F.linear's decomposition uses.
+    assert torch.equal(q.t()[c0:c1, r0:r1].dequantize(), sliced.t().dequantize())
+
+
+@cases
+@HYPOTHESIS
+@given(data=st.data())
+def test_split_chunk_and_cat_commute(cls, config, data):
+    gn, gk = granularity(cls, config)
+    dim = data.draw(st.sampled_from([0, 1]), label="dim")
+    step = (gn, gk)[dim]
+    pieces = data.draw(st.integers(1, 3), label="pieces")
+    tail = data.draw(st.sampled_from([0, step // 2 or 1]), label="tail")
+    shape = [2 * gn, 2 * gk]
+    shape[dim] = pieces * step + tail
+    w = gaussian(*shape, seed=data.draw(st.integers(0, 2**31)))
+    q = cls.from_float(w, config)
+    parts = q.split(step, dim)
+    assert len(parts) == len(w.split(step, dim))
+    for part, wpart in zip(parts, w.split(step, dim), strict=True):
+        assert_same_qtensor(part, cls.from_float(wpart, config))
+    assert_same_qtensor(torch.cat(parts, dim), q)
+    halves = [cls.from_float(p, config) for p in w.chunk(2, dim)]
+    if halves[0].shape[dim] % step == 0:
+        assert_same_qtensor(torch.cat(halves, dim), q)
+    else:
+        with pytest.raises(QShardError, match="multiple"):
+            torch.cat(halves, dim)
+
+
+# ---- misaligned slices are exact or refused (invariant 2) -----------------------------------
+
+
+@cases
+@HYPOTHESIS
+@given(data=st.data())
+def test_misaligned_slice_is_exact_or_raises(cls, config, data):
+    n, k = 3 * 64 + 5, 2 * 64 + 7
+    q = cls.from_float(gaussian(n, k, seed=data.draw(st.integers(0, 2**31))), config)
+    dim = data.draw(st.sampled_from([0, 1]))
+    size = (n, k)[dim]
+    start = data.draw(st.integers(0, size - 1))
+    end = data.draw(st.integers(start, size))
+    index = (slice(start, end), slice(None)) if dim == 0 else (slice(None), slice(start, end))
+    try:
+        sliced = q[index]
+    except MisalignedSliceError as e:
+        assert str(start) in str(e) and "multiples" in str(e)
+        return
+    assert torch.equal(sliced.dequantize(), q.dequantize()[index])
+
+
+# ---- narrow + copy_ write through to the parent (the vLLM loading pattern) ------------------
+
+
+@cases
+def test_narrow_copy_writes_into_parent(cls, config):
+    gn, gk = granularity(cls, config)
+    w = gaussian(3 * gn, 2 * gk)
+    q = cls.from_float(w, config)
+    update = gaussian(gn, 2 * gk, std=0.05)
+    q.narrow(0, gn, gn).copy_(cls.from_float(update, config))
+    expected = w.clone()
+    expected[gn : 2 * gn] = update
+    assert_same_qtensor(q, cls.from_float(expected, config))
+    column_update = gaussian(3 * gn, gk, std=0.01)
+    q.narrow(1, gk, gk).copy_(cls.from_float(column_update, config))
+    expected[:, gk:] = column_update
+    assert_same_qtensor(q, cls.from_float(expected, config))
+
+
+@cases
+def test_copy_between_layouts_raises(cls, config):
+    q = cls.from_float(gaussian(64, 64), config)
+    with pytest.raises(QShardError):
+        q.copy_(torch.zeros(64, 64))
+    with pytest.raises(QShardError):
+        torch.zeros(64, 64).copy_(q)
+    with pytest.raises(QShardError):
+        q.copy_(cls.from_float(gaussian(64, 64)).to(torch.float16))
+
+
+# ---- matmul entry points and accuracy ------------------------------------------------------
+
+
+@cases
+@pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_entry_points_match_float(cls, config, act_dtype):
+    n, k = 200, 3 * 64 + 32  # partial blocks on both dims
+    w = gaussian(n, k, dtype=act_dtype)
+    bias = gaussian(n, dtype=act_dtype)
+    q = cls.from_float(w, config)
+    x = torch.randn(2, 17, k).to(act_dtype)
+    expected = F.linear(x.float(), w.float(), bias.float())
+    out = F.linear(x, q, bias)
+    assert out.dtype == act_dtype and out.shape == (2, 17, n)
+    measured = qshard.sqnr_db(expected, out)
+    assert measured >= cls.min_linear_sqnr_db, f"SQNR {measured:.1f} dB < {cls.min_linear_sqnr_db}"
+    # The decomposed forms must give the very same numbers as F.linear.
+    x2d = x.reshape(-1, k)
+    reference = F.linear(x2d, q, bias)
+    assert torch.equal(torch.mm(x2d, q.t()) + bias, F.linear(x2d, q) + bias)
+    assert torch.equal(torch.addmm(bias, x2d, q.t()), reference)
+    assert torch.equal(torch.matmul(x, q.t()), F.linear(x, q))
+    assert torch.equal(x @ q.t(), F.linear(x, q))
+
+
+@cases
+def test_non_linear_matmuls_raise(cls, config):
+    q = cls.from_float(gaussian(64, 96), config)
+    with pytest.raises(UnsupportedOpError, match="not a linear"):
+        torch.mm(torch.randn(3, 64), q)
+    with pytest.raises(UnsupportedOpError, match="only the weight"):
+        torch.mm(q, torch.randn(96, 3))
+    with pytest.raises(QShardError, match="features"):
+        F.linear(torch.randn(3, 95), q)
+
+
+# ---- torch.compile (invariant 7) ---------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 160, hidden: int = 224):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls", sorted({c for c, _ in LAYOUT_CASES}, key=lambda c: c.__name__))
+def test_compile_fullgraph_no_recompile(cls):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model = MLP()
+    config = cls.contract_configs()[0]
+    qshard.quantize_(model, config)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for batch in (3, 5, 17):
+        x = torch.randn(batch, 160)
+        torch._dynamo.mark_dynamic(x, 0)
+        # Same ops compiled and eager; inductor may reassociate fp32 math and flip a rare fp8
+        # rounding (> 80 dB), while a miscompile gives garbage (< 0 dB).
+        measured = qshard.sqnr_db(model(x), compiled(x))
+        assert measured >= COMPILED_VS_EAGER_MIN_SQNR_DB, f"batch {batch}: {measured:.1f} dB"
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times for 3 batch sizes"
+
+
+# ---- serialization (invariant 5) -----------------------------------------------------------
+
+
+@cases
+def test_torch_save_load_weights_only_is_exact(cls, config):
+    model = MLP()
+    qshard.quantize_(model, config)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    for name, value in model.state_dict().items():
+        if isinstance(value, qshard.QTensor):
+            assert_same_qtensor(loaded[name], value)
+        else:
+            assert torch.equal(loaded[name], value)
+    # Into a quantized model in place (copy_), and by assignment into a float one.
+    fresh = MLP()
+    qshard.quantize_(fresh, config)
+    fresh.load_state_dict(loaded)
+    assign = MLP()
+    assign.load_state_dict(loaded, assign=True)
+    x = torch.randn(4, 160)
+    assert torch.equal(fresh(x), model(x)) and torch.equal(assign(x), model(x))
+
+
+# ---- bad input (invariant 4) ---------------------------------------------------------------
+
+
+@cases
+@pytest.mark.parametrize(
+    "weight",
+    [
+        torch.ones(64, 64, dtype=torch.int32),
+        torch.randn(64),
+        torch.randn(2, 64, 64),
+        torch.full((64, 64), float("nan")),
+        torch.tensor([[1.0, float("inf")]]).repeat(32, 32),
+    ],
+    ids=["int-dtype", "1-D", "3-D", "nan", "inf"],
+)
+def test_bad_weights_raise_qshard_error(cls, config, weight):
+    with pytest.raises(QShardError):
+        cls.from_float(weight, config)
