@@ -14,6 +14,8 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     ref = reference.detach().double()
     noise = (ref - approx.detach().double()).pow(2).sum().item()
     signal = ref.pow(2).sum().item()
+    if not math.isfinite(noise):
+        return -math.inf  # NaN/Inf in the approximation: no signal survives
     return math.inf if noise == 0 else 10 * math.log10(signal / noise)
 
 

@@ -222,7 +222,10 @@ def test_linear_entry_points_match_float(cls, config, act_dtype):
 def test_non_linear_matmuls_raise(cls, config):
     q = cls.from_float(gaussian(64, 96), config)
     with pytest.raises(UnsupportedOpError, match="not a linear"):
-        torch.mm(torch.randn(3, 64), q)
+        torch.addmm(torch.zeros(96), torch.randn(3, 64), q)
+    # x @ W (untransposed) is autograd's input gradient of a linear: through dequantize().
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(torch.mm(x, q), x @ q.dequantize(), rtol=1e-5, atol=1e-6)
     with pytest.raises(UnsupportedOpError, match="only the weight"):
         torch.mm(q, torch.randn(96, 3))
     with pytest.raises(QShardError, match="features"):
@@ -242,25 +245,57 @@ class MLP(nn.Module):
         return self.down(F.silu(self.up(x)))
 
 
+LAYOUT_CLASSES = sorted({c for c, _ in LAYOUT_CASES}, key=lambda c: c.__name__)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("cls", sorted({c for c, _ in LAYOUT_CASES}, key=lambda c: c.__name__))
-def test_compile_fullgraph_no_recompile(cls):
+@pytest.mark.parametrize("cls", LAYOUT_CLASSES)
+def test_compile_fullgraph_dynamic_batch_compiles_once(cls):
+    """Inference as served: no_grad, a dynamic batch dim, one compile for every batch size."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     model = MLP()
-    config = cls.contract_configs()[0]
-    qshard.quantize_(model, config)
+    qshard.quantize_(model, cls.contract_configs()[0])
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
-    for batch in (3, 5, 17):
-        x = torch.randn(batch, 160)
-        torch._dynamo.mark_dynamic(x, 0)
-        # Same ops compiled and eager; inductor may reassociate fp32 math and flip a rare fp8
-        # rounding (> 80 dB), while a miscompile gives garbage (< 0 dB).
-        measured = qshard.sqnr_db(model(x), compiled(x))
-        assert measured >= COMPILED_VS_EAGER_MIN_SQNR_DB, f"batch {batch}: {measured:.1f} dB"
+    with torch.no_grad():
+        for batch in (3, 5, 17):
+            x = torch.randn(batch, 160)
+            torch._dynamo.mark_dynamic(x, 0)
+            # Same ops compiled and eager; inductor may reassociate fp32 math and flip a rare
+            # fp8 rounding (> 80 dB), while a miscompile gives garbage (< 0 dB).
+            measured = qshard.sqnr_db(model(x), compiled(x))
+            assert measured >= COMPILED_VS_EAGER_MIN_SQNR_DB, f"batch {batch}: {measured:.1f} dB"
     assert counter.frame_count == 1, f"compiled {counter.frame_count} times for 3 batch sizes"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls", LAYOUT_CLASSES)
+def test_compile_fullgraph_with_autograd(cls):
+    """Grad enabled (a float bias that trains): static shapes. With a dynamic batch inductor's
+    CPU codegen miscompiles this graph in torch 2.13 (docs/kernels/fp8_blockwise.md)."""
+    torch._dynamo.reset()
+    model = MLP()
+    qshard.quantize_(model, cls.contract_configs()[0])
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    x = torch.randn(5, 160, requires_grad=True)
+    measured = qshard.sqnr_db(model(x), compiled(x))
+    assert measured >= COMPILED_VS_EAGER_MIN_SQNR_DB, f"{measured:.1f} dB"
+
+
+@cases
+def test_input_gradient_uses_the_dequantized_weight(cls, config):
+    w = gaussian(96, 160)
+    q = cls.from_float(w, config)
+    bias = torch.zeros(96, requires_grad=True)
+    x = torch.randn(4, 160, requires_grad=True)
+    out = F.linear(x, q, bias)
+    torch.testing.assert_close(out, F.linear(x.detach(), q, bias.detach()), rtol=0, atol=0)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    torch.testing.assert_close(x.grad, grad @ q.dequantize(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bias.grad, grad.sum(0))
 
 
 # ---- serialization (invariant 5) -----------------------------------------------------------

@@ -100,25 +100,31 @@ def dequantize_blockwise(
     return (qdata.float() * full_scale).to(dtype)
 
 
+def _activation_groups_on_grid(
+    x: torch.Tensor, group: int, scale_format: ScaleFormat
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 values as fp32 [M, K], fp32 scales [M, ceil(K/group)])."""
+    m, k = x.shape
+    x = x.float()
+    # Scales are statistics of x, not functions to differentiate (straight-through).
+    stats = x.detach().abs()
+    full = k - k % group
+    amax = [stats[:, :full].view(m, full // group, group).amax(dim=2)]
+    if full < k:  # a partial last group; no padding, see the note in expand_block_scales
+        amax.append(stats[:, full:].amax(dim=1, keepdim=True))
+    scale = scales_from_amax(torch.cat(amax, dim=1), scale_format)
+    return _to_e4m3(x / scale[:, group_index(k, group, x.device)]).float(), scale
+
+
 def quantize_activation_groups(
     x: torch.Tensor, group: int, scale_format: ScaleFormat
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] float -> (float8_e4m3fn [M, K], fp32 scales [M, ceil(K/group)]), per token.
 
-    The last group may be partial. (No padding: inductor's CPU codegen cannot mix the pad
-    mask with float8 values, torch 2.13.)
+    The last group may be partial. Scales are multipliers: x ~= q * scale.
     """
-    m, k = x.shape
-    x = x.float()
-    # Scales are statistics of x, not functions to differentiate (straight-through); this also
-    # keeps amax's scatter backward out of compiled graphs.
-    stats = x.detach().abs()
-    full = k - k % group
-    amax = [stats[:, :full].view(m, full // group, group).amax(dim=2)]
-    if full < k:
-        amax.append(stats[:, full:].amax(dim=1, keepdim=True))
-    scale = scales_from_amax(torch.cat(amax, dim=1), scale_format)
-    return _to_e4m3(x / scale[:, group_index(k, group, x.device)]), scale
+    on_grid, scale = _activation_groups_on_grid(x, group, scale_format)
+    return on_grid.to(FP8), scale  # exact: the values are e4m3 values
 
 
 def fp8_blockwise_linear_reference(
@@ -148,9 +154,9 @@ def fp8_blockwise_linear_reference(
     bn, bk = block_size
     group = act_group_size
     x2d = x.reshape(-1, k)
-    xq, x_scale = quantize_activation_groups(x2d, group, scale_format)
+    xq, x_scale = _activation_groups_on_grid(x2d, group, scale_format)
     row_scale = scale[group_index(n, bn, scale.device)]  # [N, ceil(K/bk)]
-    xq, wq = xq.float(), qdata.float()
+    wq = qdata.float()
     out = torch.zeros(x2d.shape[0], n, dtype=torch.float32, device=x.device)
     for g, start in enumerate(range(0, k, group)):
         stop = min(start + group, k)

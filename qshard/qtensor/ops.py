@@ -226,13 +226,8 @@ def _cat_args(tensors, dim=0):
 # ---- matmul: everything becomes x @ W.T (+ bias) on the untransposed weight ----------------
 
 
-def _untransposed_weight(w: QTensor, op: str) -> QTensor:
-    """The weight W for `x @ w` where w must be W.t() (the form `linear` decomposes into)."""
-    if not w.transposed:
-        raise UnsupportedOpError(
-            f"{op}: x @ W with a {type(w).__name__} W of shape {list(w.shape)} is not a linear "
-            f"layer's matmul; qshard computes x @ W.t() (F.linear(x, W))"
-        )
+def _untransposed_weight(w: QTensor) -> QTensor:
+    """The [N, K] weight W of `x @ w`, where w is W.t() (the form `linear` decomposes into)."""
     return w.with_changes(transposed=False)
 
 
@@ -252,6 +247,12 @@ def _linear_fn(func, types, args, kwargs):
         raise UnsupportedOpError(
             f"F.linear(x, W) with a transposed {type(w).__name__}; pass the [N, K] weight"
         )
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        # Let linear decompose into t + mm/addmm on the QTensor: autograd records those (input
+        # gradient through the dequantized weight, `_mm_grad_input`) and the layout's kernel runs
+        # below autograd, so no quantization op is ever differentiated.
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
     return w._linear(x, bias)
 
 
@@ -268,7 +269,18 @@ def _linear_aten(func, args, kwargs):
 def _mm(func, args, kwargs):
     x, w = args
     _check_operands("mm", x, w)
-    return _untransposed_weight(w, "mm")._linear(x, None)
+    if not w.transposed:
+        return _mm_grad_input(x, w)
+    return _untransposed_weight(w)._linear(x, None)
+
+
+def _mm_grad_input(grad: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """grad @ W for an [N, K] weight W: the input gradient of x @ W.t(), which autograd asks for.
+
+    Through the dequantized weight, as for any frozen quantized weight (QLoRA); a layer's
+    forward never comes here, since a linear multiplies by W.t().
+    """
+    return torch.mm(grad, w.dequantize(grad.dtype))
 
 
 @QTensor.implements(aten.addmm.default)
@@ -276,7 +288,12 @@ def _addmm(func, args, kwargs):
     bias, x, w = args
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     _check_operands("addmm", x, w, bias)
-    weight = _untransposed_weight(w, "addmm")
+    if not w.transposed:
+        raise UnsupportedOpError(
+            f"addmm: x @ W with a {type(w).__name__} W of shape {list(w.shape)} is not a linear "
+            f"layer's matmul; qshard computes x @ W.t() (F.linear(x, W))"
+        )
+    weight = _untransposed_weight(w)
     if beta == 1 and alpha == 1 and bias.dim() == 1:
         return weight._linear(x, bias)
     return beta * bias + alpha * weight._linear(x, None)
