@@ -1,8 +1,8 @@
 """qshard: quantized weight tensors for PyTorch that shard, compile and serialize.
 
-    import qshard
-    report = qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
-    print(report)
+import qshard
+report = qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
+print(report)
 """
 
 from .api import QuantizationReport, quantize_, register_handler

@@ -37,7 +37,7 @@ class ScaleFormat(str, enum.Enum):
 
 
 def parse_enum(enum_cls: type[enum.Enum], value: Any, field: str, owner: str) -> enum.Enum:
-    """Turn a string (or the enum itself) into `enum_cls`, or raise a ConfigError listing choices."""
+    """A string (or the enum itself) as `enum_cls`, or a ConfigError listing the choices."""
     if isinstance(value, enum_cls):
         return value
     try:
@@ -86,7 +86,9 @@ def _to_json_value(value: Any) -> Any:
     return value
 
 
-def config_from_dict(data: dict[str, Any], expected: type[QuantConfig] | None = None) -> QuantConfig:
+def config_from_dict(
+    data: dict[str, Any], expected: type[QuantConfig] | None = None
+) -> QuantConfig:
     """Rebuild a config from `QuantConfig.to_dict()` output (or its JSON)."""
     if isinstance(data, str):
         data = json.loads(data)

@@ -8,9 +8,9 @@ from __future__ import annotations
 __all__ = [
     "BackendUnavailableError",
     "ConfigError",
+    "InputMismatchError",
     "LayoutMismatchError",
     "MisalignedSliceError",
-    "InputMismatchError",
     "NonFiniteWeightError",
     "QShardError",
     "UnsupportedOpError",

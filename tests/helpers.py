@@ -8,11 +8,12 @@ import qshard
 from qshard.layouts import registered_layouts
 
 # Every (layout, config) the contract suite runs over: a layout is covered by registering.
-LAYOUT_CASES = [
-    (cls, config) for cls in registered_layouts() for config in cls.contract_configs()
+LAYOUT_CASES = [(cls, config) for cls in registered_layouts() for config in cls.contract_configs()]
+LAYOUT_IDS = [
+    f"{cls.__name__}-{i}"
+    for cls in registered_layouts()
+    for i, _ in enumerate(cls.contract_configs())
 ]
-LAYOUT_IDS = [f"{cls.__name__}-{i}" for cls in registered_layouts() for i, _ in
-              enumerate(cls.contract_configs())]
 
 
 def gaussian(*shape: int, std: float = 0.02, dtype=torch.float32, seed: int | None = None):

@@ -19,9 +19,7 @@ from torch import nn
 import qshard
 from qshard.errors import MisalignedSliceError, QShardError, UnsupportedOpError
 
-HYPOTHESIS = settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+HYPOTHESIS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 COMPILED_VS_EAGER_MIN_SQNR_DB = 60.0
 

@@ -234,7 +234,8 @@ class QTensor(torch.Tensor):
                 inner[name] = tensor
                 continue
             step = packing[dim]
-            first, stop = start // step, -(-end // step)
+            first = start // step
+            stop = first if start == end else -(-end // step)
             inner[name] = tensor.narrow(dim, first, stop - first)
         shape = list(self.logical_shape)
         shape[dim] = end - start
@@ -243,6 +244,8 @@ class QTensor(torch.Tensor):
     def _is_aligned(self, dim: int, start: int, end: int) -> bool:
         size = self.logical_shape[dim]
         step = self.slice_granularity(dim)
+        if start == end:
+            return True  # an empty slice cuts nothing
         return start % step == 0 and (end % step == 0 or end == size)
 
     def _packing_text(self) -> str:
@@ -265,7 +268,8 @@ class QTensor(torch.Tensor):
                 )
 
     def __repr__(self) -> str:
-        attrs = ", ".join(f"{n}={_short(v)}" for n, v in zip(self.attr_names, self.attr_values()))
+        values = zip(self.attr_names, self.attr_values(), strict=True)
+        attrs = ", ".join(f"{n}={_short(v)}" for n, v in values)
         inner = ", ".join(
             f"{n}={str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
             for n, t in self.inner_tensors().items()

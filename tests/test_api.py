@@ -1,0 +1,124 @@
+"""quantize_: what it quantizes, what it skips and why, and that it never half-quantizes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import qshard
+from qshard import ConfigError, Fp8BlockwiseConfig, NonFiniteWeightError, QTensor
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 64)
+        self.attn = nn.ModuleDict({"qkv": nn.Linear(64, 192), "o": nn.Linear(64, 64)})
+        self.mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 10, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        q, _, _ = self.attn["qkv"](h).chunk(3, -1)
+        h = h + self.attn["o"](q)
+        return self.head(self.norm(h + self.mlp(h)))
+
+
+LINEARS = ["attn.qkv", "attn.o", "mlp.0", "mlp.2", "head"]
+
+
+def test_quantize_reports_every_linear_and_matches_float():
+    model = Block()
+    tokens = torch.randint(0, 10, (2, 5))
+    expected = model(tokens)
+    report = qshard.quantize_(model, Fp8BlockwiseConfig())
+    assert [m.name for m in report.quantized] == LINEARS and not report.skipped
+    for name in LINEARS:
+        weight = model.get_submodule(name).weight
+        assert isinstance(weight, qshard.Fp8BlockwiseTensor) and isinstance(weight, QTensor)
+        assert isinstance(weight, nn.Parameter) and not weight.requires_grad
+    assert report.bytes_after * 3.9 < report.bytes_before  # fp32 -> fp8 plus small scales
+    assert qshard.sqnr_db(expected, model(tokens)) > 20
+    text = str(report)
+    assert all(name in text for name in LINEARS) and "5 quantized, 0 skipped" in text
+
+
+def test_include_exclude_and_filter_fn_are_reported():
+    model = Block()
+    report = qshard.quantize_(
+        model,
+        Fp8BlockwiseConfig(),
+        include=["attn.*", "mlp.*", "head"],
+        exclude="head",
+        filter_fn=lambda module, name: name != "mlp.2",
+    )
+    assert [m.name for m in report.quantized] == ["attn.qkv", "attn.o", "mlp.0"]
+    reasons = {s.name: s.reason for s in report.skipped}
+    assert reasons == {"mlp.2": "filter_fn returned False", "head": "excluded by pattern 'head'"}
+    again = qshard.quantize_(model, Fp8BlockwiseConfig(), include="mlp.*")
+    reasons = {s.name: s.reason for s in again.skipped}
+    assert reasons["mlp.0"].startswith("already quantized") and "include" in reasons["head"]
+
+
+def test_weights_the_layout_cannot_take_are_skipped_with_reason():
+    model = Block()
+    model.head.weight.data = model.head.weight.data.double()
+    report = qshard.quantize_(model, Fp8BlockwiseConfig())
+    (skipped,) = report.skipped
+    assert skipped.name == "head" and "float64" in skipped.reason
+    assert model.head.weight.dtype == torch.float64
+
+
+def test_an_error_leaves_the_model_unchanged():
+    model = Block()
+    model.mlp[2].weight.data[3, 7] = float("nan")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NonFiniteWeightError, match=r"mlp\.2"):
+        qshard.quantize_(model, Fp8BlockwiseConfig())
+    for key, value in model.state_dict().items():
+        assert not isinstance(value, QTensor)
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, equal_nan=True)
+
+
+def test_unknown_config_and_custom_handler():
+    @dataclasses.dataclass(frozen=True)
+    class HalfConfig(qshard.QuantConfig):
+        pass
+
+    with pytest.raises(ConfigError, match="register_handler"):
+        qshard.quantize_(Block(), HalfConfig())
+
+    calls = []
+
+    @qshard.register_handler(HalfConfig)
+    def _handler(weight, config):
+        calls.append(tuple(weight.shape))
+        return qshard.Fp8BlockwiseTensor.from_float(weight)
+
+    report = qshard.quantize_(Block(), HalfConfig())
+    assert len(calls) == len(LINEARS) and len(report.quantized) == len(LINEARS)
+
+
+def test_a_bare_linear_is_quantized():
+    linear = nn.Linear(64, 32)
+    report = qshard.quantize_(linear, Fp8BlockwiseConfig())
+    assert [m.name for m in report.quantized] == [""]
+    assert isinstance(linear.weight, qshard.Fp8BlockwiseTensor)
+
+
+def test_model_to_dtype_and_device_keep_quantized_weights():
+    model = Block()
+    qshard.quantize_(model, Fp8BlockwiseConfig())
+    model.to(torch.bfloat16)
+    weight = model.mlp[0].weight
+    assert isinstance(weight, qshard.Fp8BlockwiseTensor) and weight.dtype == torch.bfloat16
+    assert isinstance(weight, nn.Parameter)
+    with torch.no_grad():  # a live autograd graph would hold the weights and block swapping
+        out = model(torch.randint(0, 10, (2, 3)))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    model.to("meta")
+    assert model.mlp[0].weight.qdata.is_meta
