@@ -5,7 +5,6 @@ from __future__ import annotations
 import pathlib
 import re
 
-import qshard
 from qshard.cli import main
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
