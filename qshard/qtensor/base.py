@@ -19,6 +19,7 @@ outer dtype is the float dtype that `dequantize()` returns and that activations 
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
@@ -175,6 +176,18 @@ class QTensor(torch.Tensor):
         shape, dtype, transposed, attr_values = ctx
         attrs = dict(zip(cls.attr_names, attr_values, strict=True))
         return cls(inner_tensors, shape=shape, dtype=dtype, transposed=transposed, **attrs)
+
+    def _stable_hash_for_caching(self) -> str:
+        """Cache key of compiled graphs (AOT autograd): the class, the flatten metadata and each
+        inner tensor's metadata. Values are graph inputs, so they are not part of the key."""
+        inner = [
+            (name, str(t.dtype), tuple(t.shape), t.stride(), t.device.type)
+            for name, t in self.inner_tensors().items()
+        ]
+        cls = type(self)
+        payload = (cls.__module__, cls.__qualname__, tuple(self.shape), self.requires_grad)
+        payload += (self.__tensor_flatten__()[1], inner)
+        return hashlib.sha256(repr(payload).encode()).hexdigest()
 
     def attr_values(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in self.attr_names)

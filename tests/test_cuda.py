@@ -1,0 +1,53 @@
+"""CUDA: the reference path on the GPU agrees with the CPU, eager and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import LAYOUT_CASES, LAYOUT_IDS, assert_same_qtensor, gaussian
+
+import qshard
+
+pytestmark = pytest.mark.cuda
+cases = pytest.mark.parametrize(("cls", "config"), LAYOUT_CASES, ids=LAYOUT_IDS)
+# fp32 GEMMs on GPU and CPU sum in different orders (and cuBLAS may split K): ~1e-6 relative.
+GPU_VS_CPU = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@cases
+def test_quantize_on_gpu_is_bit_identical_to_cpu(cls, config):
+    w = gaussian(300, 520)
+    assert_same_qtensor(cls.from_float(w.cuda(), config).cpu(), cls.from_float(w, config))
+
+
+@cases
+@pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16])
+def test_linear_on_gpu_matches_cpu(cls, config, act_dtype):
+    w, x = gaussian(300, 520), torch.randn(17, 520)
+    q = cls.from_float(w, config)
+    on_cpu = F.linear(x.to(act_dtype), q.to(act_dtype)).float()
+    on_gpu = F.linear(x.to(act_dtype).cuda(), q.to(act_dtype).cuda()).float().cpu()
+    if act_dtype == torch.float32:
+        torch.testing.assert_close(on_gpu, on_cpu, **GPU_VS_CPU)
+    else:  # bf16 output rounding on top of a different summation order
+        assert qshard.sqnr_db(on_cpu, on_gpu) > 40
+
+
+@pytest.mark.parametrize("cls", sorted({c for c, _ in LAYOUT_CASES}, key=lambda c: c.__name__))
+def test_compile_on_gpu(cls):
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(320, 864), torch.nn.SiLU(), torch.nn.Linear(864, 320)
+    ).cuda()
+    qshard.quantize_(model, cls.contract_configs()[0])
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        for batch in (1, 17):
+            x = torch.randn(batch, 320, device="cuda")
+            torch._dynamo.mark_dynamic(x, 0)
+            assert qshard.sqnr_db(model(x), compiled(x)) > 60
+
+
+def test_ids_cover_every_layout():
+    assert len(LAYOUT_IDS) == len(LAYOUT_CASES)
