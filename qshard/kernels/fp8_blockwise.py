@@ -47,9 +47,10 @@ def scales_from_amax(amax: torch.Tensor, scale_format: ScaleFormat) -> torch.Ten
     An all-zero block gets scale 1.0: any positive scale is exact for zeros, and 1.0 cannot
     make a NaN or a denormal later.
     """
-    scale = torch.where(
-        amax > 0, amax.float() / E4M3_MAX, torch.ones_like(amax, dtype=torch.float32)
-    )
+    amax = amax.float()
+    # A tensor divisor, not a Python scalar: CUDA multiplies by the reciprocal of a scalar
+    # divisor (1 ulp off), and weights must quantize to the same bits on every device.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     if scale_format is ScaleFormat.UE8M0:
         scale = round_up_to_power_of_two(scale)
     return scale
