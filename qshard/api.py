@@ -50,6 +50,7 @@ class QuantizedModule:
     shape: tuple[int, int]
     bytes_before: int
     bytes_after: int
+    tied_to: str | None = None  # the module whose weight this one shares (counted there)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,26 +69,31 @@ class QuantizationReport:
 
     @property
     def bytes_before(self) -> int:
-        return sum(m.bytes_before for m in self.quantized)
+        return sum(m.bytes_before for m in self.quantized if m.tied_to is None)
 
     @property
     def bytes_after(self) -> int:
-        return sum(m.bytes_after for m in self.quantized)
+        return sum(m.bytes_after for m in self.quantized if m.tied_to is None)
 
     def __str__(self) -> str:
         lines = [f"qshard quantization report ({type(self.config).__name__})"]
         for m in self.quantized:
-            lines.append(
-                f"  quantized  {m.name:<32} {m.layout} {list(m.shape)}  "
-                f"{_mib(m.bytes_before)} -> {_mib(m.bytes_after)}"
+            size = (
+                f"tied to {m.tied_to}"
+                if m.tied_to
+                else (f"{_mib(m.bytes_before)} -> {_mib(m.bytes_after)}")
             )
+            lines.append(f"  quantized  {m.name:<32} {m.layout} {list(m.shape)}  {size}")
         for s in self.skipped:
             lines.append(f"  skipped    {s.name:<32} {s.reason}")
-        ratio = self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
-        lines.append(
-            f"  {len(self.quantized)} quantized, {len(self.skipped)} skipped; weights "
-            f"{_mib(self.bytes_before)} -> {_mib(self.bytes_after)} ({ratio:.2f}x smaller)"
-        )
+        summary = f"  {len(self.quantized)} quantized, {len(self.skipped)} skipped"
+        if self.bytes_after:
+            ratio = self.bytes_before / self.bytes_after
+            summary += (
+                f"; weights {_mib(self.bytes_before)} -> {_mib(self.bytes_after)} "
+                f"({ratio:.2f}x smaller)"
+            )
+        lines.append(summary)
         return "\n".join(lines)
 
 
@@ -115,9 +121,24 @@ def _skip_reason(
             return f"excluded by pattern {pattern!r}"
     if filter_fn is not None and not filter_fn(module, name):
         return "filter_fn returned False"
+    if isinstance(module.weight, nn.parameter.UninitializedParameter):
+        return "its weight is not initialized yet (lazy module); run a forward pass first"
     if isinstance(module.weight, QTensor):
         return f"already quantized ({type(module.weight).__name__})"
     return None
+
+
+def _non_linear_sharers(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> a name of it outside any nn.Linear's weight, for Linear weights that are
+    also used elsewhere (an output head tied to the embedding)."""
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    sharers: dict[int, str] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for param_name, param in module.named_parameters(recurse=False):
+            is_linear_weight = isinstance(module, nn.Linear) and param_name == "weight"
+            if id(param) in linear_weights and not is_linear_weight:
+                sharers.setdefault(id(param), f"{module_name}.{param_name}".lstrip("."))
+    return sharers
 
 
 def quantize_(
@@ -133,6 +154,11 @@ def quantize_(
     an include pattern (when given) and no exclude pattern. filter_fn(module, name) -> bool
     narrows further. A model given as a bare nn.Linear is quantized under the name "".
     """
+    if isinstance(config, type):
+        raise ConfigError(
+            f"quantize_: got the class {config.__name__}, not a config; pass an instance, "
+            f"e.g. {config.__name__}()"
+        )
     handler = _HANDLERS.get(type(config))
     if handler is None:
         known = ", ".join(sorted(c.__name__ for c in _HANDLERS))
@@ -143,11 +169,30 @@ def quantize_(
     include = [include] if isinstance(include, str) else include
     exclude = [exclude] if isinstance(exclude, str) else exclude
     report = QuantizationReport(config)
-    pending: list[tuple[nn.Linear, QTensor]] = []
-    for name, module in model.named_modules():
+    pending: list[tuple[nn.Linear, nn.Parameter]] = []
+    # A weight shared by several modules stays shared: id(float weight) -> (first module's
+    # name, its quantized Parameter, or None when that module was skipped).
+    done: dict[int, tuple[str, nn.Parameter | None]] = {}
+    foreign = _non_linear_sharers(model)
+    for name, module in model.named_modules(remove_duplicate=False):
         if not isinstance(module, nn.Linear):
             continue
+        first = done.get(id(module.weight))
+        if first is not None and first[1] is None:
+            report.skipped.append(SkippedModule(name, f"its weight is tied to {first[0]!r}"))
+            continue
+        if first is not None:
+            pending.append((module, first[1]))
+            layout = type(first[1]).__name__
+            shape = tuple(module.weight.shape)
+            report.quantized.append(QuantizedModule(name, layout, shape, 0, 0, first[0]))
+            continue
         reason = _skip_reason(name, module, include, exclude, filter_fn)
+        if reason is None and id(module.weight) in foreign:
+            reason = (
+                f"its weight is tied to {foreign[id(module.weight)]} (not a Linear weight); "
+                f"untie it or exclude this module"
+            )
         if reason is None:
             try:
                 qweight = handler(module.weight.detach(), config)
@@ -156,9 +201,12 @@ def quantize_(
             except QShardError as e:
                 raise type(e)(f"quantize_: module {name!r}: {e}") from e
         if reason is not None:
+            done[id(module.weight)] = (name, None)
             report.skipped.append(SkippedModule(name, reason))
             continue
-        pending.append((module, qweight))
+        param = nn.Parameter(qweight, requires_grad=False)
+        done[id(module.weight)] = (name, param)
+        pending.append((module, param))
         report.quantized.append(
             QuantizedModule(
                 name,
@@ -169,6 +217,6 @@ def quantize_(
             )
         )
     # Assign only now: an error above leaves the model as it was.
-    for module, qweight in pending:
-        module.weight = nn.Parameter(qweight, requires_grad=False)
+    for module, param in pending:
+        module.weight = param
     return report

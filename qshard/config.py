@@ -91,9 +91,16 @@ def config_from_dict(
 ) -> QuantConfig:
     """Rebuild a config from `QuantConfig.to_dict()` output (or its JSON)."""
     if isinstance(data, str):
-        data = json.loads(data)
-    if not isinstance(data, dict) or "type" not in data:
-        raise ConfigError(f"config dict {data!r} has no 'type' key; expected QuantConfig.to_dict()")
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"config JSON does not parse ({e}); expected QuantConfig.to_json()"
+            ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+        raise ConfigError(
+            f"config {data!r} has no string 'type' key; expected QuantConfig.to_dict() output"
+        )
     name = data["type"]
     cls = _CONFIG_TYPES.get(name)
     if cls is None or cls is QuantConfig:

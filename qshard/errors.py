@@ -9,6 +9,7 @@ __all__ = [
     "BackendUnavailableError",
     "ConfigError",
     "InputMismatchError",
+    "InvalidDimError",
     "LayoutMismatchError",
     "MisalignedSliceError",
     "NonFiniteWeightError",
@@ -36,6 +37,10 @@ class NonFiniteWeightError(QShardError, ValueError):
 
 class InputMismatchError(QShardError, ValueError):
     """An activation's shape or dtype does not fit the quantized weight it meets."""
+
+
+class InvalidDimError(QShardError, IndexError):
+    """A dim argument that a 2-D quantized weight does not have."""
 
 
 class MisalignedSliceError(QShardError, ValueError):

@@ -122,3 +122,42 @@ def test_model_to_dtype_and_device_keep_quantized_weights():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     model.to("meta")
     assert model.mlp[0].weight.qdata.is_meta
+
+
+def test_tied_weights_stay_tied_or_are_skipped_together():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    model[1].weight = model[0].weight
+    report = qshard.quantize_(model, Fp8BlockwiseConfig())
+    assert model[0].weight is model[1].weight and isinstance(model[1].weight, QTensor)
+    assert [(m.name, m.tied_to) for m in report.quantized] == [("0", None), ("1", "0"), ("2", None)]
+    assert report.bytes_before == 2 * 64 * 64 * 4  # the shared weight counts once
+    assert "tied to 0" in str(report)
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    model[1].weight = model[0].weight
+    report = qshard.quantize_(model, Fp8BlockwiseConfig(), exclude="0")
+    assert {s.name: s.reason for s in report.skipped}["1"] == "its weight is tied to '0'"
+    assert not isinstance(model[1].weight, QTensor)
+
+
+def test_weight_tied_to_an_embedding_is_skipped():
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 64)
+            self.head = nn.Linear(64, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = TiedLM()
+    report = qshard.quantize_(model, Fp8BlockwiseConfig())
+    (skipped,) = report.skipped
+    assert skipped.name == "head" and "embed.weight" in skipped.reason
+    assert model.head.weight is model.embed.weight
+    assert "weights" not in str(report).splitlines()[-1]  # nothing quantized: no size summary
+
+
+def test_lazy_modules_and_config_classes():
+    report = qshard.quantize_(nn.Sequential(nn.LazyLinear(8)), Fp8BlockwiseConfig())
+    assert "lazy" in report.skipped[0].reason
+    with pytest.raises(ConfigError, match=r"Fp8BlockwiseConfig\(\)"):
+        qshard.quantize_(Block(), Fp8BlockwiseConfig)

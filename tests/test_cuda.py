@@ -47,7 +47,3 @@ def test_compile_on_gpu(cls):
             x = torch.randn(batch, 320, device="cuda")
             torch._dynamo.mark_dynamic(x, 0)
             assert qshard.sqnr_db(model(x), compiled(x)) > 60
-
-
-def test_ids_cover_every_layout():
-    assert len(LAYOUT_IDS) == len(LAYOUT_CASES)

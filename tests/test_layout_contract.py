@@ -41,6 +41,12 @@ def sizes_and_ranges(draw, step: int):
     return size, start, max(start, end)
 
 
+def test_every_registered_layout_has_contract_configs():
+    for cls in qshard.registered_layouts():
+        assert cls.contract_configs(), f"{cls.__name__}.contract_configs() is empty"
+        assert cls.min_linear_sqnr_db > 0
+
+
 # ---- flatten, copies, repr -------------------------------------------------------------------
 
 
@@ -65,6 +71,9 @@ def test_clone_detach_to(cls, config):
     assert q.to("cpu").device.type == "cpu"
     half = q.to(torch.float16)
     assert isinstance(half, cls) and half.dtype == torch.float16
+    for copy in (half, q.to("cpu", copy=True)):  # a copy, even when the device is the same
+        for name in cls.inner_names:
+            assert getattr(copy, name).data_ptr() != getattr(q, name).data_ptr()
     assert torch.equal(half.dequantize(), q.dequantize(torch.float16))
     meta = q.to("meta")
     assert isinstance(meta, cls) and all(t.is_meta for t in meta.inner_tensors().values())
@@ -82,6 +91,13 @@ def test_empty_like_and_new_empty_have_the_layout(cls, config):
     other = q.new_empty((32, 64))
     assert isinstance(other, cls) and other.shape == (32, 64)
     other.validate()
+    assert torch.empty_like(q, dtype=torch.float16).dtype == torch.float16
+    assert q.new_empty((32, 64), dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(UnsupportedOpError, match="dequantize"):
+        q.new_empty((32, 64), dtype=torch.int64)
+    transposed = q.t().new_empty((64, 32))  # outer [K, N]: logical [32, 64]
+    assert transposed.transposed and transposed.logical_shape == (32, 64)
+    transposed.validate()
 
 
 @cases
@@ -131,6 +147,14 @@ def test_split_chunk_and_cat_commute(cls, config, data):
     for part, wpart in zip(parts, w.split(step, dim), strict=True):
         assert_same_qtensor(part, cls.from_float(wpart, config))
     assert_same_qtensor(torch.cat(parts, dim), q)
+    sizes = [step] * (pieces - 1) + [step + tail]  # split_with_sizes; chunk on the outer tensor
+    for part, wpart in zip(q.split(sizes, dim), w.split(sizes, dim), strict=True):
+        assert_same_qtensor(part, cls.from_float(wpart, config))
+    if tail == 0:
+        for part, wpart in zip(q.chunk(pieces, dim), w.chunk(pieces, dim), strict=True):
+            assert_same_qtensor(part, cls.from_float(wpart, config))
+    for part, wpart in zip(q.t().split(step, 1 - dim), w.split(step, dim), strict=True):
+        assert_same_qtensor(part.t(), cls.from_float(wpart, config))
     halves = [cls.from_float(p, config) for p in w.chunk(2, dim)]
     if halves[0].shape[dim] % step == 0:
         assert_same_qtensor(torch.cat(halves, dim), q)
@@ -156,7 +180,7 @@ def test_misaligned_slice_is_exact_or_raises(cls, config, data):
     try:
         sliced = q[index]
     except MisalignedSliceError as e:
-        assert str(start) in str(e) and "multiples" in str(e)
+        assert f"[{start}, {end})" in str(e) and "multiples" in str(e)
         return
     assert torch.equal(sliced.dequantize(), q.dequantize()[index])
 

@@ -59,3 +59,26 @@ def test_registry_lists_the_fp8_layout():
     assert Fp8BlockwiseTensor in qshard.registered_layouts()
     assert issubclass(Fp8BlockwiseTensor, QTensor)
     assert Fp8BlockwiseTensor.__mro__.index(QTensor) == 1  # two levels of inheritance at most
+
+
+def test_bad_dims_and_split_sizes_raise_typed_errors():
+    from qshard.errors import InvalidDimError, QShardError
+
+    q = Fp8BlockwiseTensor.from_float(gaussian(256, 384))
+    for bad in (lambda: q.transpose(0, 2), lambda: q.permute(1, 1), lambda: q.split(64, 2)):
+        with pytest.raises(InvalidDimError):
+            bad()
+    for sizes in ([128, 64], [256, 128], [-128, 384]):
+        with pytest.raises(QShardError, match="add up"):
+            q.split(sizes)
+    with pytest.raises(QShardError, match="> 0"):
+        q.split(0)
+    with pytest.raises(InvalidDimError):
+        torch.cat([q, q], 2)
+
+
+def test_cat_accepts_empty_pieces_anywhere():
+    q = Fp8BlockwiseTensor.from_float(gaussian(100, 128))
+    for pieces in ([q, q[0:0]], [q[0:0], q]):
+        joined = torch.cat(pieces)
+        assert joined.shape == (100, 128) and torch.equal(joined.dequantize(), q.dequantize())

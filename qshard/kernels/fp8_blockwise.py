@@ -44,13 +44,15 @@ def round_up_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
 def scales_from_amax(amax: torch.Tensor, scale_format: ScaleFormat) -> torch.Tensor:
     """fp32 multipliers that map [-amax, amax] onto the e4m3 range.
 
-    An all-zero block gets scale 1.0: any positive scale is exact for zeros, and 1.0 cannot
-    make a NaN or a denormal later.
+    An all-zero block (or one so tiny that amax / 448 underflows) gets scale 1.0: any positive
+    scale is exact for zeros, and 1.0 cannot make a NaN or a denormal later.
     """
     amax = amax.float()
     # A tensor divisor, not a Python scalar: CUDA multiplies by the reciprocal of a scalar
     # divisor (1 ulp off), and weights must quantize to the same bits on every device.
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    scale = amax / torch.full_like(amax, E4M3_MAX)
+    # amax below ~6e-43 underflows to a zero scale: treat it as an all-zero block.
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     if scale_format is ScaleFormat.UE8M0:
         scale = round_up_to_power_of_two(scale)
     return scale
@@ -156,7 +158,8 @@ def fp8_blockwise_linear_reference(
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
     bn, bk = block_size
     group = act_group_size
-    x2d = x.reshape(-1, k)
+    # reshape(-1, 0) is ambiguous; K is static, so this branch costs compile nothing.
+    x2d = x.reshape(-1, k) if k else x.reshape(x.shape[:-1].numel(), 0)
     xq, x_scale = _activation_groups_on_grid(x2d, group, scale_format)
     row_scale = scale[group_index(n, bn, scale.device)]  # [N, ceil(K/bk)]
     wq = qdata.float()

@@ -66,7 +66,7 @@ class Fp8BlockwiseConfig(QuantConfig):
 
     def __post_init__(self):
         name = type(self).__name__
-        block = tuple(self.block_size)
+        block = tuple(self.block_size) if isinstance(self.block_size, list | tuple) else ()
         if len(block) != 2 or not all(_is_block_side(b) for b in block):
             raise ConfigError(
                 f"{name}: block_size={self.block_size!r}; each side must be a power of two "
@@ -81,7 +81,8 @@ class Fp8BlockwiseConfig(QuantConfig):
                 f"weight scale); use act_group_size={block[1]}"
             )
         self._set("act_group_size", group)
-        self._set("weight_only", bool(self.weight_only))
+        if not isinstance(self.weight_only, bool):
+            raise ConfigError(f"{name}: weight_only={self.weight_only!r} must be True or False")
         self._set("scale_format", parse_enum(ScaleFormat, self.scale_format, "scale_format", name))
         backend = parse_enum(Backend, self.backend, "backend", name)
         if backend not in AVAILABLE_BACKENDS:
@@ -115,7 +116,13 @@ class Fp8BlockwiseTensor(QTensor):
         cls, weight: torch.Tensor, config: Fp8BlockwiseConfig | None = None
     ) -> Fp8BlockwiseTensor:
         config = Fp8BlockwiseConfig() if config is None else config
+        if not isinstance(config, Fp8BlockwiseConfig):
+            raise ConfigError(
+                f"Fp8BlockwiseTensor.from_float: config {config!r} is not an "
+                f"Fp8BlockwiseConfig instance; pass e.g. Fp8BlockwiseConfig()"
+            )
         _check_weight(weight)
+        weight = weight.detach()  # a quantized weight is a leaf: keep no autograd history
         qdata, scale = quantize_weight_blockwise(weight, config.block_size, config.scale_format)
         return cls(
             {"qdata": qdata, "scale": scale},
@@ -165,9 +172,7 @@ class Fp8BlockwiseTensor(QTensor):
             )
         block_size = list(self.block_size)
         block_size[dim] = finer
-        out = self.reblock(tuple(block_size)).slice_logical(dim, start, end)
-        out._detached_from_parent = True  # its scales are new: copy_ into it cannot write back
-        return out
+        return self.reblock(tuple(block_size)).slice_logical(dim, start, end)
 
     # ---- layout-specific API --------------------------------------------------------------
 
@@ -176,8 +181,9 @@ class Fp8BlockwiseTensor(QTensor):
 
         Activation groups shrink to fit the new K block (a 128-group meets two 64-blocks).
         """
-        bn, bk = block_size
         pbn, pbk = self.block_size
+        pair = isinstance(block_size, list | tuple) and len(block_size) == 2
+        bn, bk = block_size if pair else (0, 0)
         if not (_is_block_side(bn) and _is_block_side(bk) and pbn % bn == 0 and pbk % bk == 0):
             raise ConfigError(
                 f"Fp8BlockwiseTensor.reblock({block_size}): a finer block must divide the "
@@ -186,11 +192,18 @@ class Fp8BlockwiseTensor(QTensor):
         n, k = self.logical_shape
         scale = self.scale.repeat_interleave(pbn // bn, 0)[: -(-n // bn)]
         scale = scale.repeat_interleave(pbk // bk, 1)[:, : -(-k // bk)]
-        return self.with_changes(
+        out = self.with_changes(
             {"scale": scale},
             block_size=(bn, bk),
             act_group_size=math.gcd(self.act_group_size, bk),
         )
+        if (bn, bk) != self.block_size:
+            out.write_barrier = (
+                f"it shares its fp8 data with a tensor of {self.block_size} blocks but has its "
+                f"own re-blocked {(bn, bk)} scales, so a copy would update only the data; copy "
+                f"into the original at multiples of its blocks, or clone() this one first"
+            )
+        return out
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = dequantize_blockwise(self.qdata, self.scale, self.block_size, dtype or self.dtype)
@@ -216,7 +229,11 @@ class Fp8BlockwiseTensor(QTensor):
         every device; `auto` will choose by (M, N, K, GPU) when the kernels land."""
         if self.backend in (Backend.AUTO, Backend.REFERENCE):
             return Backend.REFERENCE
-        raise BackendUnavailableError(f"Fp8BlockwiseTensor: backend {self.backend.value!r}")
+        raise BackendUnavailableError(
+            f"Fp8BlockwiseTensor: backend {self.backend.value!r} is not available in this qshard "
+            f"version (available: {[b.value for b in AVAILABLE_BACKENDS]}); re-quantize with "
+            f"backend='auto'"
+        )
 
 
 def _check_weight(weight: Any) -> None:
@@ -246,12 +263,15 @@ def _check_weight(weight: Any) -> None:
 
 def _check_activation(weight: Fp8BlockwiseTensor, x: torch.Tensor) -> None:
     k = weight.logical_shape[1]
-    if x.shape[-1] != k:
+    features = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or features != k:
         raise InputMismatchError(
-            f"linear: input of shape {list(x.shape)} has {x.shape[-1]} features; the "
-            f"Fp8BlockwiseTensor weight {list(weight.logical_shape)} takes {k}"
+            f"linear: input of shape {list(x.shape)} has {features} features; the "
+            f"Fp8BlockwiseTensor weight {list(weight.logical_shape)} takes {k} (inputs are "
+            f"[..., {k}])"
         )
     if x.dtype not in FLOAT_DTYPES:
         raise InputMismatchError(
-            f"linear: input dtype {x.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}"
+            f"linear: input dtype {x.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}; "
+            f"cast the input to {weight.dtype}"
         )

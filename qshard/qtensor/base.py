@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import MisalignedSliceError, UnsupportedOpError
+from ..errors import InvalidDimError, LayoutMismatchError, MisalignedSliceError, UnsupportedOpError
 
 __all__ = ["QTensor"]
 
@@ -86,6 +86,10 @@ class QTensor(torch.Tensor):
             setattr(self, name, attrs[name])
         self.logical_shape = (int(shape[0]), int(shape[1]))
         self.transposed = bool(transposed)
+        # Set on a view whose inner tensors are not all views of its base (an FP8 slice that
+        # re-blocked its scales): copy_ into it would reach only part of the base, so it is
+        # refused with this reason. Views inherit it; fresh tensors (clone, to, cat) do not.
+        self.write_barrier: str | None = None
 
     # ---- hooks a layout implements -------------------------------------------------------
 
@@ -195,10 +199,6 @@ class QTensor(torch.Tensor):
     def inner_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.inner_names}
 
-    def layout_key(self) -> tuple[Any, ...]:
-        """What two tensors must share to be copied into each other or concatenated."""
-        return (type(self), self.dtype, self.transposed, self.attr_values())
-
     def with_changes(
         self,
         inner: Mapping[str, torch.Tensor] | None = None,
@@ -206,28 +206,55 @@ class QTensor(torch.Tensor):
         shape: tuple[int, int] | None = None,
         dtype: torch.dtype | None = None,
         transposed: bool | None = None,
+        fresh: bool = False,
         **attrs: Any,
     ) -> QTensor:
-        """A new tensor of this class with some inner tensors or attributes replaced."""
+        """A tensor of this class with some inner tensors or attributes replaced.
+
+        `fresh=True` when the inner tensors are new storage (clone, to, cat): the result is not
+        a view, so it does not inherit `write_barrier`.
+        """
         new_inner = {**self.inner_tensors(), **(inner or {})}
         new_attrs = {**dict(zip(self.attr_names, self.attr_values(), strict=True)), **attrs}
-        return type(self)(
+        out = type(self)(
             new_inner,
             shape=self.logical_shape if shape is None else shape,
             dtype=self.dtype if dtype is None else dtype,
             transposed=self.transposed if transposed is None else transposed,
             **new_attrs,
         )
+        if not fresh:
+            out.write_barrier = self.write_barrier
+        return out
 
-    def map_inner(self, fn: Callable[[torch.Tensor], torch.Tensor], **changes: Any) -> QTensor:
-        return self.with_changes({n: fn(t) for n, t in self.inner_tensors().items()}, **changes)
+    def map_inner(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], fresh: bool = False, **changes: Any
+    ) -> QTensor:
+        inner = {n: fn(t) for n, t in self.inner_tensors().items()}
+        return self.with_changes(inner, fresh=fresh, **changes)
 
     def logical_dim(self, dim: int) -> int:
         """The logical weight dim (0 = N, 1 = K) that outer `dim` indexes."""
-        if dim not in (-2, -1, 0, 1):
-            raise IndexError(f"{type(self).__name__} is 2-D; dim {dim} is out of range")
+        if not isinstance(dim, int) or dim not in (-2, -1, 0, 1):
+            raise InvalidDimError(
+                f"{type(self).__name__} is 2-D: dim {dim!r} is out of range; use 0, 1, -1 or -2"
+            )
         dim %= 2
         return 1 - dim if self.transposed else dim
+
+    def layout_difference(self, other: QTensor) -> str | None:
+        """What keeps `other` from sharing this tensor's layout (copy_, cat), or None."""
+        if type(other) is not type(self):
+            return f"class {type(self).__name__} vs {type(other).__name__}"
+        pairs = [
+            ("dtype", self.dtype, other.dtype),
+            ("transposed", self.transposed, other.transposed),
+        ]
+        pairs += zip(self.attr_names, self.attr_values(), other.attr_values(), strict=True)
+        for name, mine, theirs in pairs:
+            if mine != theirs:
+                return f"{name} {_short(mine)} vs {_short(theirs)}"
+        return None
 
     def slice_granularity(self, dim: int) -> int:
         """The smallest step of logical `dim` at which every inner tensor can be cut."""
@@ -269,8 +296,6 @@ class QTensor(torch.Tensor):
 
     def validate(self) -> None:
         """Check every inner tensor against `inner_specs`; raise LayoutMismatchError if off."""
-        from ..errors import LayoutMismatchError
-
         attrs = dict(zip(self.attr_names, self.attr_values(), strict=True))
         for name, (shape, dtype) in self.inner_specs(self.logical_shape, attrs).items():
             tensor = getattr(self, name)

@@ -3,9 +3,9 @@
 Shape ops map an outer dim to the logical [N, K] dim (through `transposed`) and cut each inner
 tensor by its packing (`QTensor.packing`). View ops return views of the inner tensors and go
 through `return_and_correct_aliasing`, so `w.narrow(0, a, n).copy_(src)` writes into `w` (the
-vLLM loading pattern) and torch.compile sees the aliasing. Matmuls route to the layout's
-`_linear`, for `F.linear(x, w)` and for the `x @ w.t()` that `linear` decomposes into under
-DTensor (`t` + `mm` / `addmm`).
+vLLM loading pattern) and torch.compile sees the aliasing. Copies (clone, to, cat, empty_like)
+get new storage. Matmuls route to the layout's `_linear`, for `F.linear(x, w)` and for the
+`x @ w.t()` that `linear` decomposes into under autograd and DTensor (`t` + `mm` / `addmm`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from ..errors import LayoutMismatchError, UnsupportedOpError
+from ..errors import InvalidDimError, LayoutMismatchError, UnsupportedOpError
 from .base import FLOAT_DTYPES, QTensor
 
 aten = torch.ops.aten
@@ -35,6 +35,18 @@ def _slice_outer(q: QTensor, dim: int, start: int, end: int) -> QTensor:
     return q.slice_logical(q.logical_dim(dim), start, end)
 
 
+def _float_dtype(q: QTensor, dtype: torch.dtype | None, op: str) -> torch.dtype:
+    """The outer dtype for a copy: a quantized weight's dtype is the float dtype it stands for."""
+    dtype = dtype or q.dtype
+    if dtype not in FLOAT_DTYPES:
+        raise UnsupportedOpError(
+            f"{type(q).__name__}.{op}(dtype={dtype}): a quantized weight's dtype is the float "
+            f"dtype it dequantizes to, one of {[str(d) for d in FLOAT_DTYPES]}; call "
+            f"dequantize() first for a plain {dtype} tensor"
+        )
+    return dtype
+
+
 # ---- views --------------------------------------------------------------------------------
 
 
@@ -42,21 +54,33 @@ def _slice_outer(q: QTensor, dim: int, start: int, end: int) -> QTensor:
 def _slice(func, args, kwargs):
     q, dim, start, end, step = _slice_args(*args, **kwargs)
     if step != 1:
-        raise UnsupportedOpError(f"{type(q).__name__}: slicing with step {step}; only step 1")
-    start, end = _clamp_range(start, end, q.shape[dim])
+        raise UnsupportedOpError(
+            f"{type(q).__name__}: slicing with step {step} would cut every packed block; slice "
+            f"with step 1, or dequantize() first (w.dequantize()[::{step}])"
+        )
+    start, end = _clamp_range(start, end, q.shape[dim % 2])
     return return_and_correct_aliasing(func, args, kwargs, _slice_outer(q, dim, start, end))
 
 
 def _slice_args(q, dim=0, start=None, end=None, step=1):
+    q.logical_dim(dim)  # validates dim
     return q, dim, start, end, step
 
 
 @QTensor.implements([aten.split.Tensor, aten.split_with_sizes.default])
 def _split(func, args, kwargs):
     q, sizes, dim = _split_args(*args, **kwargs)
-    size = q.shape[dim]
+    q.logical_dim(dim)
+    size = q.shape[dim % 2]
     if isinstance(sizes, int):
+        if sizes <= 0:
+            raise UnsupportedOpError(f"{type(q).__name__}.split({sizes}): the size must be > 0")
         sizes = [min(sizes, size - s) for s in range(0, size, sizes)] or [0]
+    elif any(n < 0 for n in sizes) or sum(sizes) != size:
+        raise UnsupportedOpError(
+            f"{type(q).__name__}.split({list(sizes)}, dim={dim}): the sizes must be >= 0 and "
+            f"add up to the dim's size {size}"
+        )
     outs, start = [], 0
     for n in sizes:
         outs.append(_slice_outer(q, dim, start, start + n))
@@ -73,11 +97,14 @@ def _transpose(func, args, kwargs):
     q = args[0]
     if func is aten.t.default:
         flip = True
-    elif func is aten.transpose.int:
-        flip = args[1] % 2 != args[2] % 2
     else:
-        dims = [d % 2 for d in args[1]]
-        flip = dims == [1, 0]
+        dims = [args[1], args[2]] if func is aten.transpose.int else list(args[1])
+        logical = [q.logical_dim(d) for d in dims]
+        if func is aten.permute.default and sorted(logical) != [0, 1]:
+            raise InvalidDimError(
+                f"{type(q).__name__}.permute({dims}): a 2-D tensor permutes (0, 1) or (1, 0)"
+            )
+        flip = logical[0] != logical[1] if func is aten.transpose.int else dims[0] % 2 == 1
     out = q.with_changes(transposed=not q.transposed) if flip else q.with_changes()
     return return_and_correct_aliasing(func, args, kwargs, out)
 
@@ -91,7 +118,7 @@ def _view(func, args, kwargs):
     if tuple(size) != tuple(q.shape):
         raise UnsupportedOpError(
             f"{type(q).__name__}: view/reshape from {list(q.shape)} to {list(args[1])}; a "
-            f"quantized weight keeps its 2-D shape (views that keep it are supported)"
+            f"quantized weight keeps its 2-D shape (use .t() to transpose, or dequantize() first)"
         )
     return return_and_correct_aliasing(func, args, kwargs, q.with_changes())
 
@@ -107,21 +134,19 @@ def _detach(func, args, kwargs):
 
 @QTensor.implements(aten.clone.default)
 def _clone(func, args, kwargs):
-    return args[0].map_inner(torch.Tensor.clone)
+    return args[0].map_inner(torch.Tensor.clone, fresh=True)
 
 
 @QTensor.implements(aten._to_copy.default)
 def _to_copy(func, args, kwargs):
     q = args[0]
-    dtype = kwargs.get("dtype") or q.dtype
+    dtype = _float_dtype(q, kwargs.get("dtype"), "to")
     device = kwargs.get("device") or q.device
-    if dtype not in FLOAT_DTYPES:
-        raise UnsupportedOpError(
-            f"{type(q).__name__}.to({dtype}): a quantized weight's dtype is the float dtype it "
-            f"dequantizes to, one of {[str(d) for d in FLOAT_DTYPES]}; call dequantize() for others"
-        )
     non_blocking = kwargs.get("non_blocking", False)
-    return q.map_inner(lambda t: t.to(device, non_blocking=non_blocking), dtype=dtype)
+    # _to_copy is a copy even when nothing changes (torch returns `self` before getting here).
+    return q.map_inner(
+        lambda t: t.to(device, non_blocking=non_blocking, copy=True), fresh=True, dtype=dtype
+    )
 
 
 @QTensor.implements(aten.copy_.default)
@@ -134,17 +159,15 @@ def _copy_(func, args, kwargs):
             f"quantized tensor of the same layout, quantize the source first (from_float / "
             f"qshard.quantize_), or call dequantize() to get floats"
         )
-    if dst.layout_key() != src.layout_key() or dst.shape != src.shape:
+    difference = dst.layout_difference(src)
+    if difference or dst.shape != src.shape:
         raise LayoutMismatchError(
-            f"copy_ into {dst!r} from {src!r}: the layouts differ; both sides must have the same "
-            f"class, shape, dtype and attributes"
+            f"copy_ into a {type(dst).__name__} {list(dst.shape)} from {list(src.shape)}: "
+            f"{difference or 'the shapes differ'}; quantize the source with the destination's "
+            f"config (and reblock() or .to(dtype) it to match)"
         )
-    if getattr(dst, "_detached_from_parent", False):
-        raise UnsupportedOpError(
-            f"copy_ into {type(dst).__name__} slice that was re-blocked: its scales are a new "
-            f"tensor, so the copy would not reach the parent; narrow on block boundaries "
-            f"({dst.slice_granularity(0)}x{dst.slice_granularity(1)} before re-blocking)"
-        )
+    if dst.write_barrier is not None:
+        raise UnsupportedOpError(f"copy_ into {type(dst).__name__}: {dst.write_barrier}")
     for name in dst.inner_names:
         getattr(dst, name).copy_(getattr(src, name))
     return return_and_correct_aliasing(func, args, kwargs, dst)
@@ -153,8 +176,9 @@ def _copy_(func, args, kwargs):
 @QTensor.implements(aten.empty_like.default)
 def _empty_like(func, args, kwargs):
     q = args[0]
+    dtype = _float_dtype(q, kwargs.get("dtype"), "empty_like")
     device = kwargs.get("device") or q.device
-    return q.map_inner(lambda t: torch.empty_like(t, device=device))
+    return q.map_inner(lambda t: torch.empty_like(t, device=device), fresh=True, dtype=dtype)
 
 
 @QTensor.implements(aten.new_empty.default)
@@ -162,6 +186,7 @@ def _new_empty(func, args, kwargs):
     q, size = args[0], tuple(args[1])
     if len(size) != 2:
         raise UnsupportedOpError(f"{type(q).__name__}.new_empty({list(size)}): weights are 2-D")
+    dtype = _float_dtype(q, kwargs.get("dtype"), "new_empty")
     shape = (size[1], size[0]) if q.transposed else size
     device = kwargs.get("device") or q.device
     attrs = dict(zip(q.attr_names, q.attr_values(), strict=True))
@@ -169,7 +194,7 @@ def _new_empty(func, args, kwargs):
         name: torch.empty(s, dtype=d, device=device)
         for name, (s, d) in q.inner_specs(shape, attrs).items()
     }
-    return q.with_changes(inner, shape=shape)
+    return q.with_changes(inner, shape=shape, dtype=dtype, fresh=True)
 
 
 @QTensor.implements(aten.is_same_size.default)
@@ -182,25 +207,28 @@ def _cat(func, args, kwargs):
     tensors, dim = _cat_args(*args, **kwargs)
     first = tensors[0]
     for t in tensors:
-        if not isinstance(t, QTensor) or t.layout_key() != first.layout_key():
+        difference = first.layout_difference(t) if isinstance(t, QTensor) else "a plain tensor"
+        if difference:
             raise LayoutMismatchError(
-                f"cat of {first!r} with {t!r}: every piece must be the same quantized layout "
-                f"with the same attributes (re-block or re-quantize to a common layout first)"
+                f"cat of {type(first).__name__} pieces: {difference}; every piece must be the "
+                f"same quantized layout (re-block or re-quantize to a common layout first)"
             )
     dim = first.logical_dim(dim)
     other = 1 - dim
-    step = first.slice_granularity(dim)
     for t in tensors:
         if t.logical_shape[other] != first.logical_shape[other]:
             raise LayoutMismatchError(
                 f"cat on logical dim {dim}: shapes {first.logical_shape} and {t.logical_shape} "
-                f"differ on the other dim"
+                f"differ on the other dim; only pieces of the same {'KN'[dim]} can be joined"
             )
-    for t in tensors[:-1]:
+    step = first.slice_granularity(dim)
+    pieces = [t for t in tensors if t.logical_shape[dim] > 0]
+    for t in pieces[:-1]:
         if t.logical_shape[dim] % step:
             raise LayoutMismatchError(
                 f"cat on logical dim {dim}: a piece of size {t.logical_shape[dim]} that is not "
-                f"last must be a multiple of {step} (it would leave a partial block inside)"
+                f"last must be a multiple of {step} (it would leave a partial block inside); "
+                f"put it last or re-quantize the joined weight"
             )
     inner = {}
     for name, packing in first.packing().items():
@@ -211,12 +239,12 @@ def _cat(func, args, kwargs):
                     f"cat: the whole-tensor value {name!r} differs between pieces; quantize the "
                     f"pieces with a shared {name!r}"
                 )
-            inner[name] = parts[0]
+            inner[name] = parts[0].clone()
         else:
             inner[name] = torch.cat(parts, dim)
     shape = list(first.logical_shape)
     shape[dim] = sum(t.logical_shape[dim] for t in tensors)
-    return first.with_changes(inner, shape=tuple(shape))
+    return first.with_changes(inner, shape=tuple(shape), fresh=True)
 
 
 def _cat_args(tensors, dim=0):
@@ -235,7 +263,8 @@ def _check_operands(op: str, x, w, bias=None) -> None:
     if isinstance(x, QTensor) or isinstance(bias, QTensor) or not isinstance(w, QTensor):
         raise UnsupportedOpError(
             f"{op}: only the weight operand may be quantized (got input {type(x).__name__}, "
-            f"weight {type(w).__name__}, bias {type(bias).__name__})"
+            f"weight {type(w).__name__}, bias {type(bias).__name__}); pass the quantized weight "
+            f"as F.linear's second argument, or dequantize() it"
         )
 
 
@@ -245,7 +274,8 @@ def _linear_fn(func, types, args, kwargs):
     _check_operands("F.linear", x, w, bias)
     if w.transposed:
         raise UnsupportedOpError(
-            f"F.linear(x, W) with a transposed {type(w).__name__}; pass the [N, K] weight"
+            f"F.linear(x, W) with a transposed {type(w).__name__} {list(w.shape)}; pass the "
+            f"[out_features, in_features] weight (W.t())"
         )
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         # Let linear decompose into t + mm/addmm on the QTensor: autograd records those (input

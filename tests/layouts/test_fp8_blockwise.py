@@ -50,6 +50,10 @@ def test_config_dict_round_trip_and_versions():
         qshard.config_from_dict({**data, "blocksize": 3})
     with pytest.raises(ConfigError, match="unknown"):
         qshard.config_from_dict({**data, "type": "Nope"})
+    with pytest.raises(ConfigError, match="does not parse"):
+        qshard.config_from_dict("{not json")
+    with pytest.raises(ConfigError, match="'type'"):
+        qshard.config_from_dict({**data, "type": ["x"]})
 
 
 def test_scales_cover_partial_edge_blocks():
@@ -149,3 +153,74 @@ def test_cat_of_different_block_sizes_raises():
     assert both.scale.shape == (2, 1) and torch.equal(
         both.dequantize(), a.dequantize().repeat(2, 1)
     )
+
+
+def test_write_barrier_survives_every_view_of_a_reblocked_tensor():
+    """A re-blocked tensor shares fp8 data with its source but not scales: writing into it, or
+    into any view of it, would update half a weight. (Found by review: views dropped the flag.)"""
+    q = Fp8BlockwiseTensor.from_float(gaussian(300, 520))
+    before = q.dequantize().clone()
+    src = Fp8BlockwiseTensor.from_float(gaussian(64, 520)).reblock((64, 128))
+    views = [
+        q.narrow(0, 64, 64).detach(),
+        q.narrow(0, 64, 64).view(64, 520),
+        q.narrow(0, 64, 64).t().t(),
+        q.narrow(0, 64, 128).narrow(0, 0, 64),
+    ]
+    for view in views:
+        with pytest.raises(UnsupportedOpError, match=r"\(128, 128\) blocks"):
+            view.copy_(src)
+    with pytest.raises(UnsupportedOpError, match="re-blocked"):
+        q.reblock((64, 128))[64:128].copy_(src)
+    assert torch.equal(q.dequantize(), before)
+    fresh = q.narrow(0, 64, 64).clone()  # a copy owns its data: writing into it is fine
+    fresh.copy_(src)
+    assert torch.equal(fresh.dequantize(), src.dequantize())
+
+
+def test_tiny_amax_gets_a_positive_scale_not_nan():
+    """amax / 448 underflows to 0 below ~6e-43; such a block must behave like an all-zero one."""
+    for scale_format in ("fp32", "ue8m0"):
+        w = torch.zeros(128, 128)
+        w[0, 0] = 1e-43
+        q = Fp8BlockwiseTensor.from_float(w, Fp8BlockwiseConfig(scale_format=scale_format))
+        assert q.scale.item() > 0 and torch.isfinite(q.dequantize()).all()
+    x = torch.zeros(2, 128)
+    x[0, 0] = 1e-43
+    assert torch.isfinite(F.linear(x, Fp8BlockwiseTensor.from_float(gaussian(64, 128)))).all()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"block_size": 128}, "block_size"),
+        ({"block_size": None}, "block_size"),
+        ({"weight_only": "false"}, "True or False"),
+    ],
+)
+def test_config_rejects_values_of_the_wrong_type(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Fp8BlockwiseConfig(**kwargs)
+
+
+def test_from_float_checks_its_config_and_keeps_no_graph():
+    linear = torch.nn.Linear(64, 32)
+    for bad in (Fp8BlockwiseConfig, {"block_size": (64, 64)}):
+        with pytest.raises(ConfigError, match="instance"):
+            Fp8BlockwiseTensor.from_float(linear.weight, bad)
+    q = Fp8BlockwiseTensor.from_float(linear.weight)  # a Parameter that requires grad
+    assert q.scale.grad_fn is None and not q.qdata.requires_grad
+    for bad in (64, (64,), (64, 64, 64)):
+        with pytest.raises(ConfigError, match="divide"):
+            q.reblock(bad)
+
+
+def test_linear_with_empty_dims():
+    q = Fp8BlockwiseTensor.from_float(gaussian(96, 160))
+    bias = gaussian(96)
+    assert torch.equal(F.linear(torch.randn(3, 0), q[:, 0:0], bias), bias.expand(3, 96))
+    assert F.linear(torch.randn(3, 160), q[0:0]).shape == (3, 0)
+    assert F.linear(torch.randn(0, 160), q).shape == (0, 96)
+    assert F.linear(torch.randn(160), q).shape == (96,)
+    with pytest.raises(QShardError, match="features"):
+        F.linear(torch.tensor(1.0), q)
