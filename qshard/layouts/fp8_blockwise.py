@@ -160,19 +160,20 @@ class Fp8BlockwiseTensor(QTensor):
             "scale": ((-(-n // bn), -(-k // bk)), torch.float32),
         }
 
-    def _slice_misaligned(self, dim: int, start: int, end: int) -> Fp8BlockwiseTensor:
-        size, block = self.logical_shape[dim], self.block_size[dim]
-        finer = math.gcd(block, start, end if end < size else 0)
+    def _realign_misaligned(self, dim: int, offsets: list[int]) -> Fp8BlockwiseTensor:
+        """Re-block `dim` to the largest power-of-two block that divides every offset."""
+        block = self.block_size[dim]
+        finer = math.gcd(block, *offsets)
         if finer < MIN_BLOCK:
             raise MisalignedSliceError(
-                f"Fp8BlockwiseTensor: the slice [{start}, {end}) of logical dim {dim} (size "
-                f"{size}, blocks of {block}) falls on no block of {MIN_BLOCK} or more; slice at "
-                f"multiples of {block} to keep the blocks, or at multiples of a power of two "
-                f">= {MIN_BLOCK} dividing {block} to re-block (the end may also be {size})"
+                f"Fp8BlockwiseTensor: cutting {self._dim_text(dim)} (blocks of {block}) at "
+                f"offsets {offsets} falls on no block of {MIN_BLOCK} or more; cut at multiples "
+                f"of {block} to keep the blocks, or at multiples of a power of two >= "
+                f"{MIN_BLOCK} dividing {block} to re-block exactly"
             )
         block_size = list(self.block_size)
         block_size[dim] = finer
-        return self.reblock(tuple(block_size)).slice_logical(dim, start, end)
+        return self.reblock(tuple(block_size))
 
     # ---- layout-specific API --------------------------------------------------------------
 

@@ -116,18 +116,18 @@ class QTensor(torch.Tensor):
         """x @ W.T + bias for the untransposed weight W."""
         raise NotImplementedError
 
-    def _slice_misaligned(self, dim: int, start: int, end: int) -> QTensor:
-        """Called for a slice of logical `dim` that cuts through a packed element or block.
+    def _realign_misaligned(self, dim: int, offsets: list[int]) -> QTensor:
+        """The same weight re-packed so that `offsets` of logical `dim` (which now cut through a
+        packed element or block) fall on packing boundaries, with `dequantize()` unchanged.
 
-        A layout that can make such a slice exact (FP8 re-blocking) overrides this; the default
-        raises an error that says which offsets are allowed.
+        A layout that can do this exactly (FP8 re-blocking) overrides it; the default raises an
+        error that says which offsets are allowed.
         """
         step = self.slice_granularity(dim)
-        size = self.logical_shape[dim]
         raise MisalignedSliceError(
-            f"{type(self).__name__}: the slice [{start}, {end}) of logical dim {dim} "
-            f"({'rows N' if dim == 0 else 'columns K'}, size {size}) cuts through the packing "
-            f"{self._packing_text()}; slice at multiples of {step} (the end may also be {size})"
+            f"{type(self).__name__}: cutting {self._dim_text(dim)} at offsets {offsets} cuts "
+            f"through the packing {self._packing_text()}; cut at multiples of {step} (the end "
+            f"may also be {self.logical_shape[dim]})"
         )
 
     # ---- derived machinery ----------------------------------------------------------------
@@ -261,12 +261,28 @@ class QTensor(torch.Tensor):
         steps = [p[dim] for p in self.packing().values() if p is not None]
         return math.lcm(*steps) if steps else 1
 
+    def misaligned_offsets(self, dim: int, offsets: Iterable[int]) -> list[int]:
+        """The offsets of logical `dim` that do not fall on a packing boundary (0 and the size
+        always do)."""
+        size, step = self.logical_shape[dim], self.slice_granularity(dim)
+        return sorted({o for o in offsets if o % step and o != size})
+
+    def realign(self, dim: int, offsets: Iterable[int]) -> QTensor:
+        """This weight, re-packed if needed so that cutting logical `dim` at every offset in
+        `offsets` keeps whole packed elements and blocks; raises MisalignedSliceError if the
+        layout cannot. Tensor parallelism calls it once with every shard boundary, so that all
+        ranks get the same packing."""
+        misaligned = self.misaligned_offsets(dim, offsets)
+        return self._realign_misaligned(dim, misaligned) if misaligned else self
+
     def slice_logical(self, dim: int, start: int, end: int) -> QTensor:
         """Rows (dim 0) or columns (dim 1) [start, end) of the logical weight, as views."""
         size = self.logical_shape[dim]
         assert 0 <= start <= end <= size, (dim, start, end, size)
-        if not self._is_aligned(dim, start, end):
-            return self._slice_misaligned(dim, start, end)
+        if start < end and self.misaligned_offsets(dim, (start, end)):
+            realigned = self.realign(dim, (start, end))
+            assert not realigned.misaligned_offsets(dim, (start, end)), type(self).__name__
+            return realigned.slice_logical(dim, start, end)
         inner = {}
         for name, tensor in self.inner_tensors().items():
             packing = self.packing()[name]
@@ -281,12 +297,9 @@ class QTensor(torch.Tensor):
         shape[dim] = end - start
         return self.with_changes(inner, shape=tuple(shape))
 
-    def _is_aligned(self, dim: int, start: int, end: int) -> bool:
-        size = self.logical_shape[dim]
-        step = self.slice_granularity(dim)
-        if start == end:
-            return True  # an empty slice cuts nothing
-        return start % step == 0 and (end % step == 0 or end == size)
+    def _dim_text(self, dim: int) -> str:
+        kind = "rows (N)" if dim == 0 else "columns (K)"
+        return f"the {kind} of a {list(self.logical_shape)} weight"
 
     def _packing_text(self) -> str:
         parts = []
