@@ -1,0 +1,133 @@
+"""`parallelize(model, mesh, plan)`: apply a tensor-parallel plan table to a (quantized) model.
+
+A plan maps fnmatch patterns on module names to styles, the torchtitan way:
+
+    plan = {"layers.*.attn.qkv": "colwise", "layers.*.attn.o": "rowwise", ...}
+
+A style is a `ParallelStyle` (qshard's, or torch's `ColwiseParallel()` / `RowwiseParallel()`,
+which are converted to their quantization-aware versions with the same input/output layouts) or
+the string "colwise" / "rowwise". Every sharded quantized weight is checked against its layout's
+blocks for the mesh size before anything changes; a plan that cannot be applied raises
+QShardError listing the tensor-parallel sizes that would work.
+
+Order of transforms: quantize_ -> parallelize -> torch.compile (quantize first so each rank
+slices the quantized weight; `quantize_` on an already sharded model quantizes each local shard).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from ..errors import MisalignedSliceError, QShardError
+from ..qtensor import QTensor
+from .styles import QuantColwiseParallel, QuantRowwiseParallel, shard_cuts
+
+__all__ = ["CANDIDATE_TP_SIZES", "parallelize", "resolve_plan"]
+
+CANDIDATE_TP_SIZES = (1, 2, 4, 8, 16, 32, 64)  # what an error lists as sizes that work
+_STYLE_NAMES = {"colwise": QuantColwiseParallel, "rowwise": QuantRowwiseParallel}
+
+
+def _quant_aware(style: ParallelStyle | str, pattern: str) -> ParallelStyle:
+    if isinstance(style, str):
+        if style not in _STYLE_NAMES:
+            raise QShardError(
+                f"qshard.tp plan: style {style!r} for {pattern!r} is not one of "
+                f"{sorted(_STYLE_NAMES)}; or pass a ParallelStyle instance"
+            )
+        return _STYLE_NAMES[style]()
+    for stock, quant in (
+        (ColwiseParallel, QuantColwiseParallel),
+        (RowwiseParallel, QuantRowwiseParallel),
+    ):
+        if type(style) is stock:  # same input/output layouts, quantization-aware sharding
+            converted = quant.__new__(quant)
+            converted.__dict__.update(style.__dict__)
+            return converted
+    if not isinstance(style, ParallelStyle):
+        raise QShardError(
+            f"qshard.tp plan: {style!r} for {pattern!r} is not a ParallelStyle or a style name"
+        )
+    return style
+
+
+def resolve_plan(
+    model: nn.Module, plan: Mapping[str, ParallelStyle | str]
+) -> dict[str, ParallelStyle]:
+    """{module name: style} for every module a pattern matches (first matching pattern wins)."""
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, ParallelStyle] = {}
+    for pattern, style in plan.items():
+        matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matches:
+            raise QShardError(
+                f"qshard.tp plan: {pattern!r} matches no module of {type(model).__name__}; "
+                f"module names look like {names[:4]}"
+            )
+        converted = _quant_aware(style, pattern)
+        for name in matches:
+            resolved.setdefault(name, converted)
+    return resolved
+
+
+def _sharded_weights(model: nn.Module, resolved: Mapping[str, ParallelStyle]):
+    """(module name, quantized weight, sharded dim) for every quantized Linear the plan shards."""
+    for name, style in resolved.items():
+        module = model.get_submodule(name)
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or not isinstance(weight, QTensor):
+            continue
+        if isinstance(style, QuantColwiseParallel):
+            yield name, weight, 0
+        elif isinstance(style, QuantRowwiseParallel):
+            yield name, weight, 1
+        else:
+            raise QShardError(
+                f"qshard.tp plan: {name!r} has a quantized weight and style "
+                f"{type(style).__name__}, which would scatter it; use 'colwise' or 'rowwise'"
+            )
+
+
+def _fits(weight: QTensor, dim: int, world: int) -> bool:
+    try:
+        weight.realign(dim, shard_cuts(weight.shape[dim], world))
+    except MisalignedSliceError:
+        return False
+    return True
+
+
+def _validate(model: nn.Module, resolved: Mapping[str, ParallelStyle], world: int) -> None:
+    sharded = list(_sharded_weights(model, resolved))
+    failures = []
+    for name, weight, dim in sharded:
+        try:
+            weight.realign(dim, shard_cuts(weight.shape[dim], world))
+        except MisalignedSliceError as e:
+            failures.append(f"{name!r}: {e}")
+    if failures:
+        working = [tp for tp in CANDIDATE_TP_SIZES if all(_fits(w, d, tp) for _, w, d in sharded)]
+        raise QShardError(
+            f"qshard.tp: tensor-parallel size {world} cuts quantized blocks: "
+            + "; ".join(failures)
+            + f". Tensor-parallel sizes that work for this model: {working}; or re-quantize "
+            f"with smaller blocks"
+        )
+
+
+def parallelize(
+    model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, ParallelStyle | str]
+) -> nn.Module:
+    """Shard `model` in place over the 1-D `mesh` by `plan`; returns the model."""
+    resolved = resolve_plan(model, plan)
+    _validate(model, resolved, mesh.size())
+    return parallelize_module(model, mesh, resolved)

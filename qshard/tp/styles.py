@@ -1,0 +1,88 @@
+"""Quantization-aware tensor-parallel styles for nn.Linear.
+
+They are torch's `ColwiseParallel` / `RowwiseParallel` with one change: parameters are sharded by
+local slicing on every rank (`DTensor.from_local`), never scattered, because a quantized tensor
+cannot go through a collective. A quantized weight is first re-aligned for all the shard
+boundaries at once (`QTensor.realign`: FP8 re-blocks to the largest block that divides every
+boundary), so every rank holds the same packing, then each rank keeps a copy of its own slice.
+
+Shards follow `torch.chunk` (and DTensor's `Shard`) semantics: ceil(size / world) per rank, the
+last ones smaller or empty. Input and output handling is torch's, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from ..errors import QShardError
+from ..qtensor import QTensor
+
+__all__ = ["QuantColwiseParallel", "QuantRowwiseParallel", "chunk_bounds", "shard_cuts"]
+
+
+def chunk_bounds(size: int, world: int, rank: int) -> tuple[int, int]:
+    """[start, end) of `rank`'s chunk of `size` elements split `world` ways, as torch.chunk."""
+    step = -(-size // world) if size else 0
+    start = min(rank * step, size)
+    return start, min(start + step, size)
+
+
+def shard_cuts(size: int, world: int) -> list[int]:
+    """Every interior boundary between the `world` chunks of `size` elements."""
+    return sorted({chunk_bounds(size, world, r)[0] for r in range(1, world)} - {0, size})
+
+
+def _mesh_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    if mesh.ndim != 1:
+        raise QShardError(
+            f"qshard.tp: a {mesh.ndim}-D device mesh; tensor parallelism takes a 1-D mesh (pass "
+            f"the TP sub-mesh, e.g. mesh['tp'])"
+        )
+    return mesh.size(), mesh.get_local_rank()
+
+
+def shard_locally(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement) -> DTensor:
+    """This rank's shard of `tensor` (the same full tensor on every rank) as a DTensor."""
+    world, rank = _mesh_rank(mesh)
+    if isinstance(placement, Replicate):
+        local = tensor
+    else:
+        assert isinstance(placement, Shard), placement
+        dim = placement.dim % tensor.dim()
+        if isinstance(tensor, QTensor):
+            tensor = tensor.realign(tensor.logical_dim(dim), shard_cuts(tensor.shape[dim], world))
+        start, end = chunk_bounds(tensor.shape[dim], world, rank)
+        # A copy, so that the full weight can be freed once every module is sharded.
+        local = tensor.narrow(dim, start, end - start).clone()
+    return DTensor.from_local(
+        local, mesh, [placement], run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )
+
+
+def _shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement):
+    param = getattr(module, name)
+    dtensor = shard_locally(param.detach(), mesh, placement)
+    module.register_parameter(name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+
+
+class QuantColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for plain and quantized weights: weight and bias Shard(0) (output dim)."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for param_name in ("weight", "bias"):
+            if getattr(module, param_name, None) is not None:
+                _shard_parameter(module, param_name, device_mesh, Shard(0))
+
+
+class QuantRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel for plain and quantized weights: weight Shard(1) (input dim), bias
+    replicated (added once, after the partial sums are reduced)."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _shard_parameter(module, "weight", device_mesh, Shard(1))
+        if getattr(module, "bias", None) is not None:
+            _shard_parameter(module, "bias", device_mesh, Replicate())
