@@ -51,6 +51,7 @@ class QuantizedModule:
     bytes_before: int
     bytes_after: int
     tied_to: str | None = None  # the module whose weight this one shares (counted there)
+    # Bytes are this process's: for a sharded (DTensor) weight, the local shard's.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +124,41 @@ def _skip_reason(
         return "filter_fn returned False"
     if isinstance(module.weight, nn.parameter.UninitializedParameter):
         return "its weight is not initialized yet (lazy module); run a forward pass first"
-    if isinstance(module.weight, QTensor):
-        return f"already quantized ({type(module.weight).__name__})"
+    local = _local(module.weight)
+    if isinstance(local, QTensor):
+        return f"already quantized ({type(local).__name__})"
     return None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _quantize_weight(handler: Handler, weight: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+    """The handler's QTensor; for a sharded weight (DTensor), each rank quantizes its own shard
+    and the result keeps the weight's mesh and placements (shard first, then quantize)."""
+    if not _is_dtensor(weight):
+        return handler(weight.detach(), config)
+    from torch.distributed.tensor import DTensor
+
+    local = handler(weight.to_local().detach(), config)
+    return DTensor.from_local(
+        local,
+        weight.device_mesh,
+        weight.placements,
+        run_check=False,
+        shape=weight.shape,
+        stride=weight.stride(),
+    )
 
 
 def _non_linear_sharers(model: nn.Module) -> dict[int, str]:
@@ -183,7 +216,7 @@ def quantize_(
             continue
         if first is not None:
             pending.append((module, first[1]))
-            layout = type(first[1]).__name__
+            layout = type(_local(first[1])).__name__
             shape = tuple(module.weight.shape)
             report.quantized.append(QuantizedModule(name, layout, shape, 0, 0, first[0]))
             continue
@@ -195,7 +228,7 @@ def quantize_(
             )
         if reason is None:
             try:
-                qweight = handler(module.weight.detach(), config)
+                qweight = _quantize_weight(handler, module.weight, config)
             except UnsupportedWeightError as e:
                 reason = str(e)
             except QShardError as e:
@@ -210,10 +243,10 @@ def quantize_(
         report.quantized.append(
             QuantizedModule(
                 name,
-                type(qweight).__name__,
+                type(_local(qweight)).__name__,
                 tuple(module.weight.shape),
-                _nbytes(module.weight),
-                _nbytes(qweight),
+                _nbytes(_local(module.weight)),
+                _nbytes(_local(qweight)),
             )
         )
     # Assign only now: an error above leaves the model as it was.

@@ -61,10 +61,14 @@ def _quant_aware(style: ParallelStyle | str, pattern: str) -> ParallelStyle:
     return style
 
 
-def resolve_plan(
-    model: nn.Module, plan: Mapping[str, ParallelStyle | str]
-) -> dict[str, ParallelStyle]:
-    """{module name: style} for every module a pattern matches (first matching pattern wins)."""
+Plan = Mapping[str, ParallelStyle | str] | ParallelStyle | str
+
+
+def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
+    """{module name: style} for every module a pattern matches (first matching pattern wins).
+    A single style (not a table) applies to `model` itself, under the name ""."""
+    if not isinstance(plan, Mapping):
+        return {"": _quant_aware(plan, "the model")}
     names = [name for name, _ in model.named_modules() if name]
     resolved: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
@@ -124,10 +128,11 @@ def _validate(model: nn.Module, resolved: Mapping[str, ParallelStyle], world: in
         )
 
 
-def parallelize(
-    model: nn.Module, mesh: DeviceMesh, plan: Mapping[str, ParallelStyle | str]
-) -> nn.Module:
-    """Shard `model` in place over the 1-D `mesh` by `plan`; returns the model."""
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
+    """Shard `model` in place over the 1-D `mesh` by `plan` (a table of module-name patterns to
+    styles, or one style for `model` itself); returns the model."""
     resolved = resolve_plan(model, plan)
     _validate(model, resolved, mesh.size())
+    if "" in resolved:
+        return parallelize_module(model, mesh, resolved[""])
     return parallelize_module(model, mesh, resolved)

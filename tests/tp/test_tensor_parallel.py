@@ -1,0 +1,249 @@
+"""Tensor parallelism on CPU with gloo, world sizes 2 and 4, started by pytest itself.
+
+Every check runs over every registered layout (the contract configs). Each test spawns one group
+of processes; the worker functions live at module level so that spawn can import them.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import LAYOUT_CASES, assert_same_qtensor, gaussian
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import qshard
+import qshard.tp
+from qshard import QShardError
+
+WORLD_SIZES = [2, 4]
+# Row-parallel partial sums are added in another order than one device's K loop: fp32 rounding.
+ROW_PARALLEL_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def spawn(worker, world: int, *args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/rendezvous"
+        torch.multiprocessing.spawn(
+            _entry, args=(world, init, worker, args), nprocs=world, join=True
+        )
+
+
+def _entry(rank: int, world: int, init: str, worker, args) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(1234)  # every rank builds the same float weights and inputs
+        worker(rank, world, init_device_mesh("cpu", (world,)), *args)
+        dist.barrier()  # no rank tears down while another still has a collective in flight
+    finally:
+        dist.destroy_process_group()
+
+
+class Block(nn.Module):
+    """A Llama-style block: attention (fused qkv, o) and a SwiGLU MLP (fused gate_up, down).
+
+    Fused outputs are ordered so that any row chunk holds whole units: qkv head by head
+    ([q_h, k_h, v_h] for each head h) and gate_up in `unit`-wide pairs ([gate_i, up_i]); the
+    forward only reshapes by those units, so the same code runs on a rank's shard.
+    """
+
+    def __init__(self, dim=256, heads=4, head_dim=64, hidden=768, unit=64, bias=False):
+        super().__init__()
+        self.head_dim, self.unit = head_dim, unit
+        self.qkv = nn.Linear(dim, 3 * heads * head_dim, bias=bias)
+        self.o = nn.Linear(heads * head_dim, dim, bias=bias)
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=bias)
+        self.down = nn.Linear(hidden, dim, bias=bias)
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, -1, 3, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attn.transpose(1, 2).reshape(b, s, -1))
+        gate, up = self.gate_up(x).view(b, s, -1, 2, self.unit).unbind(3)
+        return x + self.down((F.silu(gate) * up).reshape(b, s, -1))
+
+
+BLOCK_PLAN = {"qkv": "colwise", "o": "rowwise", "gate_up": "colwise", "down": "rowwise"}
+
+
+def _quantized(module: nn.Module, config) -> nn.Module:
+    qshard.quantize_(module, config)
+    return module
+
+
+def _two_quantized_copies(module: nn.Module, config) -> tuple[nn.Module, nn.Module]:
+    return _quantized(copy.deepcopy(module), config), _quantized(copy.deepcopy(module), config)
+
+
+def _realigned_like(reference: nn.Module, sharded: nn.Module, world: int) -> None:
+    """Give the single-device reference the packing each TP shard got (FP8 re-blocking of a
+    cut block), so that both compute with the same blocks and activation groups."""
+    for name, module in reference.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, qshard.QTensor):
+            local = sharded.get_submodule(name).weight.to_local()
+            dim = 0 if sharded.get_submodule(name).weight.placements[0] == Shard(0) else 1
+            cuts = qshard.tp.shard_cuts(weight.shape[dim], world)
+            realigned = weight.realign(dim, cuts)
+            assert realigned.attr_values() == local.attr_values()
+            module.weight = nn.Parameter(realigned.clone(), requires_grad=False)
+
+
+# ---- column- and row-parallel linears ------------------------------------------------------
+
+
+def _column_parallel_worker(rank, world, mesh):
+    for cls, config in LAYOUT_CASES:
+        linear = _quantized(nn.Linear(320, 4 * 192, bias=True), config)
+        x = torch.randn(5, 320)
+        expected = linear(x)
+        qshard.tp.parallelize(linear, mesh, ColwiseParallel(use_local_output=False))
+        assert isinstance(linear.weight, DTensor) and isinstance(linear.weight.to_local(), cls)
+        out = linear(x)
+        assert out.placements == (Shard(1),)
+        gathered = out.full_tensor()
+        assert torch.equal(gathered, expected), f"{cls.__name__} {config}: colwise differs"
+
+
+def _row_parallel_worker(rank, world, mesh):
+    for _, config in LAYOUT_CASES:
+        linear = _quantized(nn.Linear(world * 256, 96, bias=True), config)
+        x = torch.randn(5, world * 256)
+        expected = linear(x)
+        qshard.tp.parallelize(linear, mesh, RowwiseParallel(input_layouts=Shard(-1)))
+        local_x = x.chunk(world, -1)[rank]
+        torch.testing.assert_close(linear(local_x), expected, **ROW_PARALLEL_TOLERANCE)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_column_parallel_gathers_to_the_single_device_output(world):
+    spawn(_column_parallel_worker, world)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_row_parallel_equals_single_device_up_to_summation_order(world):
+    spawn(_row_parallel_worker, world)
+
+
+# ---- a Llama-style block, aligned and cut through blocks (DeepSeek-like) ----------------------
+
+
+def _block_worker(rank, world, mesh, dims):
+    for cls, config in LAYOUT_CASES:
+        torch.manual_seed(7)
+        reference, sharded = _two_quantized_copies(Block(**dims), config)
+        x = torch.randn(2, 9, dims.get("dim", 256))
+        with torch.no_grad():
+            qshard.tp.parallelize(sharded, mesh, BLOCK_PLAN)
+            _realigned_like(reference, sharded, world)
+            expected, out = reference(x), sharded(x)
+        for name in BLOCK_PLAN:
+            assert isinstance(sharded.get_submodule(name).weight.to_local(), cls)
+        torch.testing.assert_close(out, expected, **ROW_PARALLEL_TOLERANCE)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_llama_block_in_tp_equals_single_device(world):
+    spawn(_block_worker, world, {})
+
+
+def _deepseek_like_worker(rank, world, mesh):
+    """facts.md §6 scaled down: an intermediate of 4 x 576 rows, cut into 576-wide TP-4 shards
+    (4.5 x 128), re-blocks to 64; the row-parallel layer gets 1x64 activation groups."""
+    config = qshard.Fp8BlockwiseConfig()
+    torch.manual_seed(11)
+    dims = {"dim": 256, "heads": 4, "head_dim": 64, "hidden": 4 * 576, "unit": 64}
+    unquantized = Block(**dims)
+    reference, sharded = _two_quantized_copies(unquantized, config)
+    x = torch.randn(2, 5, 256)
+    with torch.no_grad():
+        qshard.tp.parallelize(sharded, mesh, BLOCK_PLAN)
+        down = sharded.down.weight.to_local()
+        assert down.block_size == (128, 64) and down.act_group_size == 64
+        assert sharded.gate_up.weight.to_local().block_size == (128, 128)  # 1152 = 9 x 128
+        _realigned_like(reference, sharded, world)
+        torch.testing.assert_close(sharded(x), reference(x), **ROW_PARALLEL_TOLERANCE)
+        float_out = unquantized(x)
+        assert qshard.sqnr_db(float_out, reference(x)) > 20  # both still match the float model
+
+
+def test_deepseek_like_uneven_blocks_reblock_exactly():
+    spawn(_deepseek_like_worker, 4)
+
+
+# ---- both orders: shard then quantize equals quantize then shard ---------------------------
+
+
+# Every shard boundary at TP 2 and 4 falls on every contract config's blocks: qkv 1536 rows,
+# o 512 columns, gate_up 2048 rows, down 1024 columns.
+ALIGNED_DIMS = {"dim": 256, "heads": 4, "head_dim": 128, "hidden": 1024, "unit": 64}
+
+
+def _both_orders_worker(rank, world, mesh):
+    for _, config in LAYOUT_CASES:
+        torch.manual_seed(3)
+        first = Block(**ALIGNED_DIMS)
+        second = copy.deepcopy(first)
+        qshard.quantize_(first, config)
+        qshard.tp.parallelize(first, mesh, BLOCK_PLAN)
+        qshard.tp.parallelize(second, mesh, BLOCK_PLAN)
+        report = qshard.quantize_(second, config)
+        assert len(report.quantized) == 4 and not report.skipped
+        for name in BLOCK_PLAN:
+            a, b = first.get_submodule(name).weight, second.get_submodule(name).weight
+            assert isinstance(b, DTensor) and a.placements == b.placements
+            assert_same_qtensor(a.to_local(), b.to_local())
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_shard_then_quantize_equals_quantize_then_shard(world):
+    spawn(_both_orders_worker, world)
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+def _errors_worker(rank, world, mesh):
+    # qkv has 288 rows and o 96 columns: TP-4 cuts them at multiples of 72 and 24, on no
+    # block of 16 or more; TP-2 cuts at 144 and 48, which re-block to 16.
+    model = _quantized(
+        Block(dim=256, heads=2, head_dim=48, hidden=768), qshard.Fp8BlockwiseConfig()
+    )
+    before = dict(model.named_parameters())
+    with pytest.raises(QShardError) as info:
+        qshard.tp.parallelize(model, mesh, BLOCK_PLAN)
+    message = str(info.value)
+    assert "'qkv'" in message and "'o'" in message and "'down'" not in message
+    assert "sizes that work for this model: [1, 2]" in message
+    for key, value in model.named_parameters():  # nothing changed
+        assert value is before[key] and not isinstance(value, DTensor)
+    with pytest.raises(QShardError, match="matches no module"):
+        qshard.tp.parallelize(model, mesh, {"mlp.*": "colwise"})
+    with pytest.raises(QShardError, match="'colwise', 'rowwise'"):
+        qshard.tp.parallelize(model, mesh, {"qkv": "columnwise"})
+
+
+def test_plan_errors_name_the_module_and_working_sizes():
+    spawn(_errors_worker, 4)
+
+
+def test_chunk_bounds_follow_torch_chunk():
+    for size in (0, 1, 5, 100, 576, 4 * 576):
+        for world in (1, 2, 3, 4, 8):
+            pieces = torch.arange(size).chunk(world) if size else ()
+            bounds = [qshard.tp.chunk_bounds(size, world, r) for r in range(world)]
+            lengths = [e - s for s, e in bounds if e > s]
+            assert lengths == [len(p) for p in pieces], (size, world)
+    assert qshard.tp.shard_cuts(18432, 32)[:2] == [576, 1152]
+    assert gaussian(2, 2).shape == (2, 2)
