@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
+import time
 
 import pytest
 import torch
@@ -28,12 +29,21 @@ WORLD_SIZES = [2, 4]
 ROW_PARALLEL_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
+SPAWN_DEADLINE_S = 300  # a hung collective fails the test instead of stalling CI
+
+
 def spawn(worker, world: int, *args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
-        torch.multiprocessing.spawn(
-            _entry, args=(world, init, worker, args), nprocs=world, join=True
+        context = torch.multiprocessing.start_processes(
+            _entry, args=(world, init, worker, args), nprocs=world, join=False
         )
+        deadline = time.monotonic() + SPAWN_DEADLINE_S
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"{worker.__name__} on {world} ranks ran past {SPAWN_DEADLINE_S} s")
 
 
 def _entry(rank: int, world: int, init: str, worker, args) -> None:
@@ -209,6 +219,33 @@ def _both_orders_worker(rank, world, mesh):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_shard_then_quantize_equals_quantize_then_shard(world):
     spawn(_both_orders_worker, world)
+
+
+# ---- torch.compile -----------------------------------------------------------------------
+
+
+def _compile_worker(rank, world, mesh):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    for cls in sorted({c for c, _ in LAYOUT_CASES}, key=lambda c: c.__name__):
+        torch._dynamo.reset()
+        block = _quantized(Block(), cls.contract_configs()[0])
+        counter = CompileCounterWithBackend("inductor")
+        with torch.no_grad():
+            qshard.tp.parallelize(block, mesh, BLOCK_PLAN)
+            compiled = torch.compile(block, backend=counter, fullgraph=True)
+            for seq in (9, 13):
+                x = torch.randn(2, seq, 256)
+                torch._dynamo.mark_dynamic(x, 1)
+                measured = qshard.sqnr_db(block(x), compiled(x))
+                assert measured > 60, f"{cls.__name__} seq {seq}: {measured:.1f} dB vs eager"
+        assert counter.frame_count == 1, f"{cls.__name__}: {counter.frame_count} compiles"
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_of_a_tp_block():
+    """Attention + MLP with quantized DTensor weights: one graph, no break, same numbers."""
+    spawn(_compile_worker, 2)
 
 
 # ---- errors ----------------------------------------------------------------------------------
