@@ -43,3 +43,31 @@ def test_demo_prints_report_and_accuracy(capsys, monkeypatch):
     (result,) = results
     assert result["sqnr_db"] >= DEMO_MIN_SQNR_DB and result["cosine"] >= DEMO_MIN_COSINE
     assert qshard.__version__
+
+
+def test_readme_tp_example_is_the_example_file_and_runs_under_torchrun():
+    import subprocess
+    import sys
+
+    example = README.parent / "examples" / "tp_inference.py"
+    assert f"```python examples/tp_inference.py\n{example.read_text()}```" in README.read_text()
+    assert "torchrun --standalone --nproc-per-node 2 examples/tp_inference.py" in README.read_text()
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(example),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=README.parent,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("TP 2"))
+    assert "Fp8BlockwiseTensor [2048, 1024] of [4096, 1024]" in line
+    assert float(line.rsplit("SQNR vs float ", 1)[1].split()[0]) > 20

@@ -32,11 +32,12 @@ ROW_PARALLEL_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 SPAWN_DEADLINE_S = 300  # a hung collective fails the test instead of stalling CI
 
 
-def spawn(worker, world: int, *args) -> None:
+def spawn(worker, world: int, *args, backend: str = "gloo") -> None:
+    """Run worker(rank, world, mesh, *args) on `world` processes (gloo on CPU, nccl on GPUs)."""
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
         context = torch.multiprocessing.start_processes(
-            _entry, args=(world, init, worker, args), nprocs=world, join=False
+            _entry, args=(world, init, backend, worker, args), nprocs=world, join=False
         )
         deadline = time.monotonic() + SPAWN_DEADLINE_S
         while not context.join(timeout=5):
@@ -46,11 +47,14 @@ def spawn(worker, world: int, *args) -> None:
                 pytest.fail(f"{worker.__name__} on {world} ranks ran past {SPAWN_DEADLINE_S} s")
 
 
-def _entry(rank: int, world: int, init: str, worker, args) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+def _entry(rank: int, world: int, init: str, backend: str, worker, args) -> None:
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
         torch.manual_seed(1234)  # every rank builds the same float weights and inputs
-        worker(rank, world, init_device_mesh("cpu", (world,)), *args)
+        worker(rank, world, init_device_mesh(device_type, (world,)), *args)
         dist.barrier()  # no rank tears down while another still has a collective in flight
     finally:
         dist.destroy_process_group()
