@@ -105,22 +105,6 @@ def dequantize_blockwise(
     return (qdata.float() * full_scale).to(dtype)
 
 
-def _activation_groups_on_grid(
-    x: torch.Tensor, group: int, scale_format: ScaleFormat
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (e4m3 values as fp32 [M, K], fp32 scales [M, ceil(K/group)])."""
-    m, k = x.shape
-    x = x.float()
-    # Scales are statistics of x, not functions to differentiate (straight-through).
-    stats = x.detach().abs()
-    full = k - k % group
-    amax = [stats[:, :full].view(m, full // group, group).amax(dim=2)]
-    if full < k:  # a partial last group; no padding, see the note in expand_block_scales
-        amax.append(stats[:, full:].amax(dim=1, keepdim=True))
-    scale = scales_from_amax(torch.cat(amax, dim=1), scale_format)
-    return _to_e4m3(x / scale[:, group_index(k, group, x.device)]).float(), scale
-
-
 def quantize_activation_groups(
     x: torch.Tensor, group: int, scale_format: ScaleFormat
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,8 +112,18 @@ def quantize_activation_groups(
 
     The last group may be partial. Scales are multipliers: x ~= q * scale.
     """
-    on_grid, scale = _activation_groups_on_grid(x, group, scale_format)
-    return on_grid.to(FP8), scale  # exact: the values are e4m3 values
+    m, k = x.shape
+    x = x.float()
+    # Scales are statistics of x, not functions to differentiate (straight-through).
+    stats = x.detach().abs()
+    full = k - k % group
+    amax = [stats[:, :full].view(m, full // group, group).amax(dim=2)]
+    # A partial last group by itself, not by padding: inductor's CPU codegen cannot mix a pad
+    # mask with float8 values (docs/kernels/fp8_blockwise.md).
+    if full < k:
+        amax.append(stats[:, full:].amax(dim=1, keepdim=True))
+    scale = scales_from_amax(torch.cat(amax, dim=1), scale_format)
+    return _to_e4m3(x / scale[:, group_index(k, group, x.device)]), scale
 
 
 def fp8_blockwise_linear_reference(
@@ -146,27 +140,36 @@ def fp8_blockwise_linear_reference(
     """y = x @ W.T + bias, computed the way the FP8 kernels compute it.
 
     W8A8 (weight_only=False): x is quantized per token per `act_group_size` channels; for each
-    activation group the fp8 x fp8 partial product is taken in fp32, multiplied by
+    activation group the fp8 x fp8 partial product is taken, rounded to fp32, multiplied by
     (activation scale x weight block scale) and accumulated in fp32 in K order (DeepSeek-V3
     §3.3.2, DeepGEMM's promotion to fp32 per K block); bias is added in fp32 and the result is
     cast to x's dtype. Weight-only: W is dequantized to x's dtype and multiplied as in a
-    bf16/fp16 MMA (fp32 accumulation).
+    bf16/fp16 MMA, accumulated in float64 and rounded once.
+
+    Each group's partial product is summed in float64, where it is exact: a product of two
+    e4m3 values has 8 significant bits and spans 2**-18 .. 2**18, so up to 2**9 of them fit in
+    53 bits. The result therefore does not depend on the order of the sum (BLAS blocking, the
+    output width), which is what makes a column-parallel shard equal the single-device output
+    bit for bit (design.md invariant 6).
     """
     n, k = qdata.shape
     if weight_only:
         weight = dequantize_blockwise(qdata, scale, block_size, x.dtype)
-        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+        out = x.double() @ weight.double().t()
+        if bias is not None:
+            out = out + bias.to(x.dtype).double()
+        return out.to(x.dtype)
     bn, bk = block_size
     group = act_group_size
     # reshape(-1, 0) is ambiguous; K is static, so this branch costs compile nothing.
     x2d = x.reshape(-1, k) if k else x.reshape(x.shape[:-1].numel(), 0)
-    xq, x_scale = _activation_groups_on_grid(x2d, group, scale_format)
+    xq, x_scale = quantize_activation_groups(x2d, group, scale_format)
     row_scale = scale[group_index(n, bn, scale.device)]  # [N, ceil(K/bk)]
-    wq = qdata.float()
+    xq, wq = xq.double(), qdata.double()
     out = torch.zeros(x2d.shape[0], n, dtype=torch.float32, device=x.device)
     for g, start in enumerate(range(0, k, group)):
         stop = min(start + group, k)
-        partial = xq[:, start:stop] @ wq[:, start:stop].t()
+        partial = (xq[:, start:stop] @ wq[:, start:stop].t()).float()  # exact, then rounded
         out = out + partial * (x_scale[:, g, None] * row_scale[None, :, start // bk])
     if bias is not None:
         out = out + bias.float()
