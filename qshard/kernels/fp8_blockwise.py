@@ -165,7 +165,8 @@ def fp8_blockwise_linear_reference(
     x2d = x.reshape(-1, k) if k else x.reshape(x.shape[:-1].numel(), 0)
     xq, x_scale = quantize_activation_groups(x2d, group, scale_format)
     row_scale = scale[group_index(n, bn, scale.device)]  # [N, ceil(K/bk)]
-    xq, wq = xq.double(), qdata.double()
+    # float8 -> float32 -> float64: both exact; Triton (3.6, sm_90) cannot cast fp8 to fp64.
+    xq, wq = xq.float().double(), qdata.float().double()
     out = torch.zeros(x2d.shape[0], n, dtype=torch.float32, device=x.device)
     for g, start in enumerate(range(0, k, group)):
         stop = min(start + group, k)
