@@ -58,6 +58,31 @@ def scales_from_amax(amax: torch.Tensor, scale_format: ScaleFormat) -> torch.Ten
     return scale
 
 
+def e4m3_to_float64(q: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> float64, exactly: a lookup in the 256 decoded codes.
+
+    Not a cast: inductor fuses fp8 -> fp32 -> fp64 into one fp8 -> fp64 cast, which Triton 3.6
+    cannot compile for sm_90. (The lookup is one gather; decoding every element from its bits
+    costs four times as much on CPU.)
+    """
+    codes = torch.arange(256, dtype=torch.uint8, device=q.device)
+    return _decode_e4m3_bits(codes)[q.view(torch.uint8).to(torch.int32)]
+
+
+def _decode_e4m3_bits(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 e4m3 codes -> float64 with integer ops. e4m3 (OCP FP8): sign bit, 4 exponent bits
+    (bias 7), 3 mantissa bits; normal (8 + m) * 2**(e - 10), subnormal (e == 0) m * 2**-9,
+    NaN at S.1111.111."""
+    bits = codes.to(torch.int64)
+    exponent = (bits >> 3) & 0xF
+    mantissa = (bits & 0x7).to(torch.float64)
+    # 2**(max(e, 1) - 10), built from float64 bits (exponent bias 1023).
+    power = ((exponent.clamp(min=1) - 10 + 1023) << 52).view(torch.float64)
+    magnitude = torch.where(exponent == 0, mantissa, mantissa + 8) * power
+    value = torch.where((bits & 0x80) != 0, -magnitude, magnitude)
+    return torch.where((bits & 0x7F) == 0x7F, torch.full_like(value, float("nan")), value)
+
+
 def _to_e4m3(values: torch.Tensor) -> torch.Tensor:
     # Saturate instead of overflowing: float8_e4m3fn has no Inf and casts overflow to NaN.
     return values.clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
@@ -165,8 +190,7 @@ def fp8_blockwise_linear_reference(
     x2d = x.reshape(-1, k) if k else x.reshape(x.shape[:-1].numel(), 0)
     xq, x_scale = quantize_activation_groups(x2d, group, scale_format)
     row_scale = scale[group_index(n, bn, scale.device)]  # [N, ceil(K/bk)]
-    # float8 -> float32 -> float64: both exact; Triton (3.6, sm_90) cannot cast fp8 to fp64.
-    xq, wq = xq.float().double(), qdata.float().double()
+    xq, wq = e4m3_to_float64(xq), e4m3_to_float64(qdata)
     out = torch.zeros(x2d.shape[0], n, dtype=torch.float32, device=x.device)
     for g, start in enumerate(range(0, k, group)):
         stop = min(start + group, k)

@@ -70,3 +70,16 @@ def test_reference_matmul_matches_its_formula_written_out():
         w_scale = q.scale[:, g // 128].repeat_interleave(128)[:n, None].double()
         expected += xq @ (q.qdata[:, g : g + 128].double() * w_scale).t()
     torch.testing.assert_close(F.linear(x, q).double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_e4m3_decoding_from_bits_is_exact_for_every_code():
+    from qshard.kernels.fp8_blockwise import e4m3_to_float64
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    expected = codes.to(torch.float64)
+    decoded = e4m3_to_float64(codes)
+    assert torch.equal(decoded.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(decoded[finite], expected[finite])
+    compiled = torch.compile(e4m3_to_float64, fullgraph=True)(codes.reshape(16, 16))
+    assert torch.equal(compiled.flatten()[finite], expected[finite])
