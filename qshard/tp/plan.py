@@ -131,6 +131,11 @@ def _validate(model: nn.Module, resolved: Mapping[str, ParallelStyle], world: in
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
     """Shard `model` in place over the 1-D `mesh` by `plan` (a table of module-name patterns to
     styles, or one style for `model` itself); returns the model."""
+    if mesh.ndim != 1:
+        raise QShardError(
+            f"qshard.tp.parallelize: a {mesh.ndim}-D device mesh; tensor parallelism takes a 1-D "
+            f"mesh (pass the TP sub-mesh, e.g. mesh['tp'])"
+        )
     resolved = resolve_plan(model, plan)
     _validate(model, resolved, mesh.size())
     if "" in resolved:
