@@ -163,6 +163,12 @@ class QTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         handler = cls._lookup("_aten_ops", func)
+        if handler is None and func.namespace in ("c10d", "_c10d_functional"):
+            raise UnsupportedOpError(
+                f"{cls.__name__} cannot go through the collective {func}: shard quantized "
+                f"weights with qshard.tp.parallelize (each rank slices its own copy), or pass "
+                f"src_data_rank=None to torch's distribute_tensor / parallel styles"
+            )
         if handler is None:
             raise UnsupportedOpError(
                 f"{cls.__name__} does not implement {func}. Shape ops shared by every layout "

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -34,7 +35,7 @@ from .styles import QuantColwiseParallel, QuantRowwiseParallel, shard_cuts
 
 __all__ = ["CANDIDATE_TP_SIZES", "parallelize", "resolve_plan"]
 
-CANDIDATE_TP_SIZES = (1, 2, 4, 8, 16, 32, 64)  # what an error lists as sizes that work
+CANDIDATE_TP_SIZES = tuple(range(1, 65))  # what an error lists as sizes that work
 _STYLE_NAMES = {"colwise": QuantColwiseParallel, "rowwise": QuantRowwiseParallel}
 
 
@@ -64,24 +65,70 @@ def _quant_aware(style: ParallelStyle | str, pattern: str) -> ParallelStyle:
 Plan = Mapping[str, ParallelStyle | str] | ParallelStyle | str
 
 
+def _matches(name: str, pattern: str) -> bool:
+    """torch's parallelize_module rule: one fnmatch per dotted segment ("layers.*" matches
+    "layers.0", not "layers.0.attn")."""
+    names, patterns = name.split("."), pattern.split(".")
+    return len(names) == len(patterns) and all(
+        fnmatch.fnmatchcase(n, p) for n, p in zip(names, patterns, strict=True)
+    )
+
+
 def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
-    """{module name: style} for every module a pattern matches (first matching pattern wins).
-    A single style (not a table) applies to `model` itself, under the name ""."""
+    """{module name: style} for every module a pattern matches. A single style (not a table),
+    or the key "", applies to `model` itself. A module matched by two entries is an error."""
     if not isinstance(plan, Mapping):
-        return {"": _quant_aware(plan, "the model")}
-    names = [name for name, _ in model.named_modules() if name]
+        plan = {"": plan}
+    names = [name for name, _ in model.named_modules()]
     resolved: dict[str, ParallelStyle] = {}
+    source: dict[str, str] = {}
     for pattern, style in plan.items():
-        matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        matches = [n for n in names if n == pattern or (n and pattern and _matches(n, pattern))]
         if not matches:
             raise QShardError(
-                f"qshard.tp plan: {pattern!r} matches no module of {type(model).__name__}; "
-                f"module names look like {names[:4]}"
+                f"qshard.tp plan: {pattern!r} matches no module of {type(model).__name__} (a "
+                f"'*' matches one dotted segment); module names look like {names[1:5]}"
             )
-        converted = _quant_aware(style, pattern)
+        converted = _quant_aware(style, pattern or "the model")
         for name in matches:
-            resolved.setdefault(name, converted)
+            if name in resolved:
+                raise QShardError(
+                    f"qshard.tp plan: module {name!r} is matched by both {source[name]!r} and "
+                    f"{pattern!r}; give each module one style"
+                )
+            resolved[name], source[name] = converted, pattern
     return resolved
+
+
+# Styles that distribute a module's parameters themselves (broadcast or scatter), which a
+# quantized tensor cannot go through; the hook-only styles (PrepareModuleInput, ...) can.
+_PARAMETER_STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+
+
+def _check_entry(name: str, module: nn.Module, style: ParallelStyle) -> None:
+    if isinstance(style, ColwiseParallel | RowwiseParallel) and not isinstance(
+        module, nn.Linear | nn.Embedding
+    ):
+        raise QShardError(
+            f"qshard.tp plan: {name!r} is a {type(module).__name__}; {type(style).__name__} "
+            f"shards nn.Linear and nn.Embedding (point the entry at the Linear inside it)"
+        )
+    if any(_is_dtensor(p) for p in module.parameters(recurse=False)):
+        raise QShardError(f"qshard.tp plan: {name!r} is already sharded; parallelize once")
+    quantized = any(isinstance(p, QTensor) for p in module.parameters(recurse=False))
+    quant_aware = isinstance(style, QuantColwiseParallel | QuantRowwiseParallel)
+    if quantized and isinstance(style, _PARAMETER_STYLES) and not quant_aware:
+        raise QShardError(
+            f"qshard.tp plan: {name!r} has a quantized weight and style "
+            f"{type(style).__name__}, which would send it through a collective; use "
+            f"'colwise' or 'rowwise'"
+        )
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _sharded_weights(model: nn.Module, resolved: Mapping[str, ParallelStyle]):
@@ -89,17 +136,11 @@ def _sharded_weights(model: nn.Module, resolved: Mapping[str, ParallelStyle]):
     for name, style in resolved.items():
         module = model.get_submodule(name)
         weight = getattr(module, "weight", None)
-        if not isinstance(module, nn.Linear) or not isinstance(weight, QTensor):
-            continue
-        if isinstance(style, QuantColwiseParallel):
-            yield name, weight, 0
-        elif isinstance(style, QuantRowwiseParallel):
-            yield name, weight, 1
-        else:
-            raise QShardError(
-                f"qshard.tp plan: {name!r} has a quantized weight and style "
-                f"{type(style).__name__}, which would scatter it; use 'colwise' or 'rowwise'"
-            )
+        if isinstance(module, nn.Linear) and isinstance(weight, QTensor):
+            if isinstance(style, QuantColwiseParallel):
+                yield name, weight, 0
+            elif isinstance(style, QuantRowwiseParallel):
+                yield name, weight, 1
 
 
 def _fits(weight: QTensor, dim: int, world: int) -> bool:
@@ -111,6 +152,9 @@ def _fits(weight: QTensor, dim: int, world: int) -> bool:
 
 
 def _validate(model: nn.Module, resolved: Mapping[str, ParallelStyle], world: int) -> None:
+    """Everything that can be checked before the model changes."""
+    for name, style in resolved.items():
+        _check_entry(name, model.get_submodule(name), style)
     sharded = list(_sharded_weights(model, resolved))
     failures = []
     for name, weight, dim in sharded:
@@ -130,7 +174,8 @@ def _validate(model: nn.Module, resolved: Mapping[str, ParallelStyle], world: in
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
     """Shard `model` in place over the 1-D `mesh` by `plan` (a table of module-name patterns to
-    styles, or one style for `model` itself); returns the model."""
+    styles, or one style for `model` itself); returns the model. Every entry is checked before
+    anything changes."""
     if mesh.ndim != 1:
         raise QShardError(
             f"qshard.tp.parallelize: a {mesh.ndim}-D device mesh; tensor parallelism takes a 1-D "
@@ -138,6 +183,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
         )
     resolved = resolve_plan(model, plan)
     _validate(model, resolved, mesh.size())
-    if "" in resolved:
-        return parallelize_module(model, mesh, resolved[""])
-    return parallelize_module(model, mesh, resolved)
+    root = resolved.pop("", None)
+    if root is not None:
+        parallelize_module(model, mesh, root)
+    if resolved:
+        parallelize_module(model, mesh, resolved)
+    return model

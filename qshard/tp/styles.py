@@ -1,10 +1,16 @@
 """Quantization-aware tensor-parallel styles for nn.Linear.
 
-They are torch's `ColwiseParallel` / `RowwiseParallel` with one change: parameters are sharded by
-local slicing on every rank (`DTensor.from_local`), never scattered, because a quantized tensor
-cannot go through a collective. A quantized weight is first re-aligned for all the shard
-boundaries at once (`QTensor.realign`: FP8 re-blocks to the largest block that divides every
-boundary), so every rank holds the same packing, then each rank keeps a copy of its own slice.
+They are torch's `ColwiseParallel` / `RowwiseParallel` with two changes:
+
+- A quantized weight is sharded by local slicing on every rank (`DTensor.from_local`), never
+  scattered, because a quantized tensor cannot go through a collective: every rank must hold
+  the same full quantized weight (quantize after loading the same checkpoint). It is first
+  re-aligned for all the shard boundaries at once (`QTensor.realign`: FP8 re-blocks to the
+  largest block that divides every boundary), so every rank holds the same packing, then each
+  rank keeps a copy of its own slice. Plain parameters go through torch's `distribute_tensor`
+  as in the stock styles (`src_data_rank` included).
+- The row-wise style tells DTensor the full input width, so a row-wise layer also takes the
+  uneven shards a column-wise layer produces (torch assumes even ones).
 
 Shards follow `torch.chunk` (and DTensor's `Shard`) semantics: ceil(size / world) per rank, the
 last ones smaller or empty. Input and output handling is torch's, unchanged.
@@ -15,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from ..errors import QShardError
@@ -63,9 +69,12 @@ def shard_locally(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement) 
     )
 
 
-def _shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement):
-    param = getattr(module, name)
-    dtensor = shard_locally(param.detach(), mesh, placement)
+def _shard_parameter(style, module: nn.Module, name: str, mesh: DeviceMesh, placement):
+    param = getattr(module, name).detach()
+    if isinstance(param, QTensor):
+        dtensor = shard_locally(param, mesh, placement)
+    else:
+        dtensor = distribute_tensor(param, mesh, [placement], src_data_rank=style.src_data_rank)
     module.register_parameter(name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
 
 
@@ -75,7 +84,7 @@ class QuantColwiseParallel(ColwiseParallel):
     def _partition_linear_fn(self, name, module, device_mesh):
         for param_name in ("weight", "bias"):
             if getattr(module, param_name, None) is not None:
-                _shard_parameter(module, param_name, device_mesh, Shard(0))
+                _shard_parameter(self, module, param_name, device_mesh, Shard(0))
 
 
 class QuantRowwiseParallel(RowwiseParallel):
@@ -83,6 +92,22 @@ class QuantRowwiseParallel(RowwiseParallel):
     replicated (added once, after the partial sums are reduced)."""
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        _shard_parameter(module, "weight", device_mesh, Shard(1))
+        _shard_parameter(self, module, "weight", device_mesh, Shard(1))
         if getattr(module, "bias", None) is not None:
-            _shard_parameter(module, "bias", device_mesh, Replicate())
+            _shard_parameter(self, module, "bias", device_mesh, Replicate())
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        layout = input_layouts[0]
+        last = isinstance(layout, Shard) and layout.dim in (-1, x.dim() - 1)
+        if not isinstance(x, DTensor) and last and isinstance(mod, nn.Linear):
+            # The shard sizes of a column-wise layer before it may be uneven (torch.chunk).
+            shape = (*x.shape[:-1], mod.in_features)
+            stride = torch.empty(shape, device="meta").stride()
+            x = DTensor.from_local(
+                x, device_mesh, input_layouts, run_check=False, shape=shape, stride=stride
+            )
+        return RowwiseParallel._prepare_input_fn(
+            input_layouts, desired_input_layouts, mod, (x, *inputs[1:]), device_mesh
+        )

@@ -257,7 +257,7 @@ def test_compile_fullgraph_of_a_tp_block():
 
 def _errors_worker(rank, world, mesh):
     # qkv has 288 rows and o 96 columns: TP-4 cuts them at multiples of 72 and 24, on no
-    # block of 16 or more; TP-2 cuts at 144 and 48, which re-block to 16.
+    # block of 16 or more; TP 2, 3 and 6 cut at multiples of 16 (re-blocking exactly).
     model = _quantized(
         Block(dim=256, heads=2, head_dim=48, hidden=768), qshard.Fp8BlockwiseConfig()
     )
@@ -266,7 +266,7 @@ def _errors_worker(rank, world, mesh):
         qshard.tp.parallelize(model, mesh, BLOCK_PLAN)
     message = str(info.value)
     assert "'qkv'" in message and "'o'" in message and "'down'" not in message
-    assert "sizes that work for this model: [1, 2]" in message
+    assert "sizes that work for this model: [1, 2, 3, 6]" in message
     for key, value in model.named_parameters():  # nothing changed
         assert value is before[key] and not isinstance(value, DTensor)
     with pytest.raises(QShardError, match="matches no module"):
