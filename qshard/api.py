@@ -68,6 +68,9 @@ class QuantizationReport:
     quantized: list[QuantizedModule] = dataclasses.field(default_factory=list)
     skipped: list[SkippedModule] = dataclasses.field(default_factory=list)
 
+    def skipped_names(self) -> set[str]:
+        return {s.name for s in self.skipped}
+
     @property
     def bytes_before(self) -> int:
         return sum(m.bytes_before for m in self.quantized if m.tied_to is None)
@@ -201,8 +204,28 @@ def quantize_(
         )
     include = [include] if isinstance(include, str) else include
     exclude = [exclude] if isinstance(exclude, str) else exclude
+    sharded = _sharded_linears(model)
+    try:
+        report, pending = _quantize_all(model, handler, config, include, exclude, filter_fn)
+    except QShardError:
+        _agree_across_ranks(sharded, failed=True, skipped=set())  # the other ranks raise too
+        raise
+    if sharded:
+        skipped = _agree_across_ranks(sharded, failed=False, skipped=report.skipped_names())
+        report, pending = _skip_everywhere(report, pending, skipped)
+    # Assign only now: an error above leaves the model as it was.
+    for _, module, param in pending:
+        module.weight = param
+    return report
+
+
+Pending = list[tuple[str, nn.Linear, nn.Parameter]]
+
+
+def _quantize_all(model, handler, config, include, exclude, filter_fn):
+    """(report, [(name, module, quantized Parameter)]) without changing the model."""
     report = QuantizationReport(config)
-    pending: list[tuple[nn.Linear, nn.Parameter]] = []
+    pending: Pending = []
     # A weight shared by several modules stays shared: id(float weight) -> (first module's
     # name, its quantized Parameter, or None when that module was skipped).
     done: dict[int, tuple[str, nn.Parameter | None]] = {}
@@ -215,7 +238,7 @@ def quantize_(
             report.skipped.append(SkippedModule(name, f"its weight is tied to {first[0]!r}"))
             continue
         if first is not None:
-            pending.append((module, first[1]))
+            pending.append((name, module, first[1]))
             layout = type(_local(first[1])).__name__
             shape = tuple(module.weight.shape)
             report.quantized.append(QuantizedModule(name, layout, shape, 0, 0, first[0]))
@@ -232,14 +255,14 @@ def quantize_(
             except UnsupportedWeightError as e:
                 reason = str(e)
             except QShardError as e:
-                raise type(e)(f"quantize_: module {name!r}: {e}") from e
+                raise type(e)(f"quantize_: module {name!r}{_shard_text(module.weight)}: {e}") from e
         if reason is not None:
             done[id(module.weight)] = (name, None)
             report.skipped.append(SkippedModule(name, reason))
             continue
         param = nn.Parameter(qweight, requires_grad=False)
         done[id(module.weight)] = (name, param)
-        pending.append((module, param))
+        pending.append((name, module, param))
         report.quantized.append(
             QuantizedModule(
                 name,
@@ -249,7 +272,63 @@ def quantize_(
                 _nbytes(_local(qweight)),
             )
         )
-    # Assign only now: an error above leaves the model as it was.
-    for module, param in pending:
-        module.weight = param
-    return report
+    return report, pending
+
+
+# ---- sharded models: every rank quantizes its own shard, and all must agree -----------------
+
+
+def _sharded_linears(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, weight) of every nn.Linear whose weight is a DTensor, in module order (the same
+    on every rank)."""
+    return [
+        (name, m.weight)
+        for name, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, nn.Linear) and _is_dtensor(m.weight)
+    ]
+
+
+def _shard_text(weight: torch.Tensor) -> str:
+    if not _is_dtensor(weight):
+        return ""
+    local = list(weight.to_local().shape)
+    return f" (this rank's shard {local} of the {list(weight.shape)} weight)"
+
+
+def _agree_across_ranks(
+    sharded: list[tuple[str, torch.Tensor]], failed: bool, skipped: set[str]
+) -> set[str]:
+    """Tell every rank of each mesh whether one failed, and which sharded modules any rank
+    skipped (its shard could not be quantized there); returns those names. Raises if another
+    rank failed. One all_reduce per device mesh."""
+    if not sharded:
+        return set()
+    names = [name for name, _ in sharded]
+    flags = [float(failed)] + [float(n in skipped) for n in names]
+    meshes = {id(w.device_mesh): w.device_mesh for _, w in sharded}
+    for mesh in meshes.values():
+        device = torch.cuda.current_device() if mesh.device_type == "cuda" else "cpu"
+        votes = torch.tensor(flags, device=device)
+        torch.distributed.all_reduce(votes, torch.distributed.ReduceOp.MAX, mesh.get_group())
+        flags = votes.tolist()
+    if flags[0] and not failed:
+        raise QShardError(
+            "quantize_: another rank failed to quantize its shard (its error says why); nothing "
+            "was changed on this rank"
+        )
+    return {name for name, flag in zip(names, flags[1:], strict=True) if flag}
+
+
+def _skip_everywhere(
+    report: QuantizationReport, pending: Pending, skipped: set[str]
+) -> tuple[QuantizationReport, Pending]:
+    """Skip on this rank too what another rank had to skip, so every rank keeps one layout."""
+    elsewhere = {m.name for m in report.quantized} & skipped
+    if not elsewhere:
+        return report, pending
+    report.quantized = [m for m in report.quantized if m.name not in elsewhere]
+    report.skipped += [
+        SkippedModule(name, "another rank could not quantize its shard of this weight")
+        for name in sorted(elsewhere)
+    ]
+    return report, [p for p in pending if p[0] not in elsewhere]

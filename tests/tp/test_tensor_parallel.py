@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from helpers import LAYOUT_CASES, assert_same_qtensor, gaussian
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import qshard
@@ -288,3 +288,71 @@ def test_chunk_bounds_follow_torch_chunk():
             assert lengths == [len(p) for p in pieces], (size, world)
     assert qshard.tp.shard_cuts(18432, 32)[:2] == [576, 1152]
     assert gaussian(2, 2).shape == (2, 2)
+
+
+# ---- uneven shards, bf16, pass-through styles, and ranks that must agree --------------------
+
+
+def _uneven_and_bf16_worker(rank, world, mesh):
+    """Column-wise rows 254 -> shards 64, 64, 64, 62 at TP 4 (223 -> 112, 111 at TP 2), feeding
+    a row-wise layer with the same uneven split; bf16 activations."""
+    for _, config in LAYOUT_CASES:
+        torch.manual_seed(5)
+        hidden = 254 if world == 4 else 223
+        mlp = nn.Sequential(nn.Linear(256, hidden), nn.SiLU(), nn.Linear(hidden, 256))
+        reference, sharded = _two_quantized_copies(mlp.to(torch.bfloat16), config)
+        x = torch.randn(3, 7, 256, dtype=torch.bfloat16)
+        with torch.no_grad():
+            qshard.tp.parallelize(sharded, mesh, {"0": "colwise", "2": "rowwise"})
+            _realigned_like(reference, sharded, world)
+            out, expected = sharded(x), reference(x)
+        assert out.dtype == torch.bfloat16
+        # bf16 output: one bf16 rounding of sums taken in another order
+        torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_uneven_shards_and_bf16(world):
+    spawn(_uneven_and_bf16_worker, world)
+
+
+def _pass_through_and_twice_worker(rank, world, mesh):
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    model = _quantized(Block(), qshard.Fp8BlockwiseConfig())
+    plan = {
+        "": PrepareModuleInput(
+            input_layouts=Replicate(), desired_input_layouts=Replicate(), use_local_output=True
+        ),
+        **BLOCK_PLAN,
+    }
+    x = torch.randn(2, 5, 256)
+    with torch.no_grad():
+        expected = copy.deepcopy(model)(x)
+        qshard.tp.parallelize(model, mesh, plan)
+        torch.testing.assert_close(model(x), expected, **ROW_PARALLEL_TOLERANCE)
+    with pytest.raises(QShardError, match="already sharded"):
+        qshard.tp.parallelize(model, mesh, {"qkv": "colwise"})
+
+
+def test_hook_only_styles_pass_through_and_a_second_parallelize_is_refused():
+    spawn(_pass_through_and_twice_worker, 2)
+
+
+def _ranks_agree_worker(rank, world, mesh):
+    """Shard, then quantize with a NaN in rank 1's shard only: every rank raises, none changes."""
+    model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256))
+    with torch.no_grad():
+        model[0].weight[300, 7] = float("nan")  # row 300 lies in rank 1's half
+    qshard.tp.parallelize(model, mesh, {"0": "colwise", "1": "rowwise"})
+    with pytest.raises(QShardError) as info:
+        qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
+    if rank == 1:
+        assert "shard [256, 256] of the [512, 256] weight" in str(info.value)
+    else:
+        assert "another rank failed" in str(info.value)
+    assert not any(isinstance(p.to_local(), qshard.QTensor) for p in model.parameters())
+
+
+def test_shard_then_quantize_ranks_agree_on_failure():
+    spawn(_ranks_agree_worker, 2)

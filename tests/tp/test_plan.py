@@ -1,0 +1,87 @@
+"""Plan tables: resolution (torch's per-segment patterns), conversion and validation, all
+checked before a model changes. No process group needed."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+import qshard
+from qshard import QShardError
+from qshard.tp import QuantColwiseParallel, QuantRowwiseParallel, resolve_plan
+from qshard.tp.plan import _validate
+
+
+def stack(quantize: bool = True) -> nn.Module:
+    layer = lambda: nn.ModuleDict(  # noqa: E731
+        {"attn": nn.ModuleDict({"qkv": nn.Linear(256, 768), "o": nn.Linear(256, 256)})}
+    )
+    model = nn.Module()
+    model.layers = nn.ModuleList([layer(), layer()])
+    if quantize:
+        qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
+    return model
+
+
+def test_a_star_matches_one_dotted_segment_like_torch():
+    model = stack()
+    plan = {
+        "layers.*": PrepareModuleInput(
+            input_layouts=Replicate(), desired_input_layouts=Replicate()
+        ),
+        "layers.*.attn.qkv": "colwise",
+        "layers.*.attn.o": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    resolved = resolve_plan(model, plan)
+    assert sorted(resolved) == [
+        "layers.0", "layers.0.attn.o", "layers.0.attn.qkv",
+        "layers.1", "layers.1.attn.o", "layers.1.attn.qkv",
+    ]  # fmt: skip
+    assert isinstance(resolved["layers.0"], PrepareModuleInput)
+    assert type(resolved["layers.1.attn.qkv"]) is QuantColwiseParallel
+    rowwise = resolved["layers.0.attn.o"]  # torch's style, converted, its layouts kept
+    assert type(rowwise) is QuantRowwiseParallel and rowwise.output_layouts == (Shard(1),)
+    assert rowwise.use_local_output is False
+    _validate(model, resolved, 2)
+
+
+def test_plan_mistakes_raise_before_any_change():
+    model = stack()
+    with pytest.raises(QShardError, match="matched by both"):
+        resolve_plan(model, {"layers.*.attn.*": "colwise", "layers.0.attn.o": "rowwise"})
+    with pytest.raises(QShardError, match="matches no module"):
+        resolve_plan(model, {"layers.*.qkv": "colwise"})
+    with pytest.raises(QShardError, match="'colwise', 'rowwise'"):
+        resolve_plan(model, {"layers.0.attn.qkv": "column"})
+    with pytest.raises(QShardError, match="ModuleDict"):
+        _validate(model, resolve_plan(model, {"layers.0.attn": "colwise"}), 2)
+    for style in (SequenceParallel(), ColwiseParallel(), RowwiseParallel()):
+
+        class Custom(type(style)):  # a user's subclass would broadcast or scatter the weight
+            pass
+
+        custom = Custom.__new__(Custom)
+        custom.__dict__.update(style.__dict__)
+        with pytest.raises(QShardError, match="collective"):
+            _validate(model, resolve_plan(model, {"layers.0.attn.qkv": custom}), 2)
+
+
+def test_root_style_and_empty_key():
+    linear = nn.Linear(64, 128)
+    assert list(resolve_plan(linear, "colwise")) == [""]
+    assert list(resolve_plan(linear, {"": ColwiseParallel()})) == [""]
+
+
+def test_working_sizes_are_listed_beyond_powers_of_two():
+    model = nn.Sequential(nn.Linear(256, 240))  # 240 rows: TP 3, 5 and 15 cut at 16s
+    qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
+    with pytest.raises(QShardError) as info:
+        _validate(model, resolve_plan(model, {"0": "colwise"}), 2)  # cuts at 120: 8s
+    assert "work for this model: [1, 3, 5, 15]" in str(info.value)
