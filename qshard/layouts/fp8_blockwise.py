@@ -145,7 +145,7 @@ class Fp8BlockwiseTensor(QTensor):
         ]
 
     def config(self) -> Fp8BlockwiseConfig:
-        return Fp8BlockwiseConfig(**dict(zip(self.attr_names, self.attr_values(), strict=True)))
+        return Fp8BlockwiseConfig(**self.attrs())
 
     # ---- hooks for the shared shape ops ---------------------------------------------------
 

@@ -202,6 +202,10 @@ class QTensor(torch.Tensor):
     def attr_values(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in self.attr_names)
 
+    def attrs(self) -> dict[str, Any]:
+        """{attribute name: value}, as the constructor and `inner_specs` take them."""
+        return dict(zip(self.attr_names, self.attr_values(), strict=True))
+
     def inner_tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.inner_names}
 
@@ -221,7 +225,7 @@ class QTensor(torch.Tensor):
         a view, so it does not inherit `write_barrier`.
         """
         new_inner = {**self.inner_tensors(), **(inner or {})}
-        new_attrs = {**dict(zip(self.attr_names, self.attr_values(), strict=True)), **attrs}
+        new_attrs = {**self.attrs(), **attrs}
         out = type(self)(
             new_inner,
             shape=self.logical_shape if shape is None else shape,
@@ -315,7 +319,7 @@ class QTensor(torch.Tensor):
 
     def validate(self) -> None:
         """Check every inner tensor against `inner_specs`; raise LayoutMismatchError if off."""
-        attrs = dict(zip(self.attr_names, self.attr_values(), strict=True))
+        attrs = self.attrs()
         for name, (shape, dtype) in self.inner_specs(self.logical_shape, attrs).items():
             tensor = getattr(self, name)
             if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:

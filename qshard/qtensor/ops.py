@@ -189,10 +189,9 @@ def _new_empty(func, args, kwargs):
     dtype = _float_dtype(q, kwargs.get("dtype"), "new_empty")
     shape = (size[1], size[0]) if q.transposed else size
     device = kwargs.get("device") or q.device
-    attrs = dict(zip(q.attr_names, q.attr_values(), strict=True))
     inner = {
         name: torch.empty(s, dtype=d, device=device)
-        for name, (s, d) in q.inner_specs(shape, attrs).items()
+        for name, (s, d) in q.inner_specs(shape, q.attrs()).items()
     }
     return q.with_changes(inner, shape=shape, dtype=dtype, fresh=True)
 

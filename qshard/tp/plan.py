@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ..api import _is_dtensor
 from ..errors import MisalignedSliceError, QShardError
 from ..qtensor import QTensor
 from .styles import QuantColwiseParallel, QuantRowwiseParallel, shard_cuts
@@ -123,12 +124,6 @@ def _check_entry(name: str, module: nn.Module, style: ParallelStyle) -> None:
             f"{type(style).__name__}, which would send it through a collective; use "
             f"'colwise' or 'rowwise'"
         )
-
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _sharded_weights(model: nn.Module, resolved: Mapping[str, ParallelStyle]):
