@@ -3,12 +3,15 @@
 import qshard
 report = qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
 print(report)
+qshard.save(model, "ckpt/")
+model = qshard.load("ckpt/", model_built_on_meta)
 """
 
 from .api import QuantizationReport, quantize_, register_handler
 from .config import Backend, QuantConfig, ScaleFormat, config_from_dict
 from .errors import (
     BackendUnavailableError,
+    CheckpointError,
     ConfigError,
     InputMismatchError,
     LayoutMismatchError,
@@ -18,6 +21,7 @@ from .errors import (
     UnsupportedOpError,
     UnsupportedWeightError,
 )
+from .io import load, save
 from .layouts import (
     Fp8BlockwiseConfig,
     Fp8BlockwiseTensor,
@@ -32,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "CheckpointError",
     "ConfigError",
     "Fp8BlockwiseConfig",
     "Fp8BlockwiseTensor",
@@ -48,9 +53,11 @@ __all__ = [
     "UnsupportedWeightError",
     "__version__",
     "config_from_dict",
+    "load",
     "quantize_",
     "register_handler",
     "register_layout",
     "registered_layouts",
+    "save",
     "sqnr_db",
 ]

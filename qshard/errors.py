@@ -7,6 +7,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointError",
     "ConfigError",
     "InputMismatchError",
     "InvalidDimError",
@@ -57,3 +58,7 @@ class UnsupportedOpError(QShardError, NotImplementedError):
 
 class BackendUnavailableError(QShardError, RuntimeError):
     """A requested kernel backend cannot run here; qshard never substitutes another silently."""
+
+
+class CheckpointError(QShardError, ValueError):
+    """A checkpoint file that is damaged, inconsistent, or does not fit the model it loads into."""

@@ -147,6 +147,10 @@ class Fp8BlockwiseTensor(QTensor):
     def config(self) -> Fp8BlockwiseConfig:
         return Fp8BlockwiseConfig(**self.attrs())
 
+    @classmethod
+    def check_attrs(cls, attrs) -> None:
+        Fp8BlockwiseConfig(**attrs)  # every attribute is a config field, checked there
+
     # ---- hooks for the shared shape ops ---------------------------------------------------
 
     def packing(self) -> dict[str, tuple[int, int] | None]:

@@ -1,9 +1,11 @@
-"""The layout registry: a layout is usable by `quantize_`, `torch.load(weights_only=True)` and the
-contract suite by being registered here, with no other list to keep."""
+"""The layout registry: a layout is usable by `quantize_`, `torch.load(weights_only=True)`,
+`qshard.save`/`qshard.load` and the contract suite by being registered here, with no other list
+to keep."""
 
 from __future__ import annotations
 
 import enum
+import typing
 
 import torch
 
@@ -11,15 +13,34 @@ from ..api import register_handler
 from ..config import Backend, QuantConfig, ScaleFormat
 from ..qtensor import QTensor
 
-__all__ = ["config_class_of", "register_layout", "registered_layouts"]
+__all__ = [
+    "attr_types",
+    "config_class_of",
+    "layout_by_name",
+    "register_layout",
+    "registered_layouts",
+]
 
 _LAYOUTS: dict[type[QTensor], type[QuantConfig]] = {}
+_ATTR_TYPES: dict[type[QTensor], dict[str, typing.Any]] = {}
 
 
 def register_layout(config_cls: type[QuantConfig], *safe_enums: type[enum.Enum]):
     """Class decorator: register a QTensor layout and the config that produces it."""
 
     def decorator(tensor_cls: type[QTensor]) -> type[QTensor]:
+        if tensor_cls.__name__ in {c.__name__ for c in _LAYOUTS if c is not tensor_cls}:
+            raise TypeError(f"a layout named {tensor_cls.__name__} is registered already")
+        # Checkpoints store attributes as JSON and decode them by these annotations, so a
+        # layout whose attributes lack one could be saved but not loaded: refuse it here.
+        hints = typing.get_type_hints(tensor_cls)
+        missing = [name for name in tensor_cls.attr_names if name not in hints]
+        if missing:
+            raise TypeError(
+                f"{tensor_cls.__name__}: attributes {missing} need a class-level type annotation "
+                f"(qshard.load decodes checkpoint metadata by it)"
+            )
+        _ATTR_TYPES[tensor_cls] = {name: hints[name] for name in tensor_cls.attr_names}
         _LAYOUTS[tensor_cls] = config_cls
         register_handler(config_cls, tensor_cls.from_float)
         # torch.load(weights_only=True) rebuilds the subclass and its enum attributes only
@@ -36,3 +57,13 @@ def registered_layouts() -> list[type[QTensor]]:
 
 def config_class_of(tensor_cls: type[QTensor]) -> type[QuantConfig]:
     return _LAYOUTS[tensor_cls]
+
+
+def layout_by_name(name: str) -> type[QTensor] | None:
+    """The registered layout class called `name`, or None."""
+    return next((cls for cls in _LAYOUTS if cls.__name__ == name), None)
+
+
+def attr_types(tensor_cls: type[QTensor]) -> dict[str, typing.Any]:
+    """{attribute name: its annotated type} of a registered layout."""
+    return _ATTR_TYPES[tensor_cls]

@@ -108,6 +108,15 @@ class QTensor(torch.Tensor):
     def from_float(cls, weight: torch.Tensor, config: Any = None) -> QTensor:
         raise NotImplementedError
 
+    def config(self) -> Any:
+        """The QuantConfig that gives this tensor's layout (recorded in checkpoints)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_attrs(cls, attrs: Mapping[str, Any]) -> None:
+        """Raise ConfigError if `attrs` (decoded from a checkpoint) are not a valid layout."""
+        raise NotImplementedError
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight this tensor stands for, in its outer (possibly transposed) shape."""
         raise NotImplementedError

@@ -19,8 +19,10 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -32,9 +34,15 @@ from torch.distributed.tensor.parallel import (
 from ..api import _is_dtensor
 from ..errors import MisalignedSliceError, QShardError
 from ..qtensor import QTensor
-from .styles import QuantColwiseParallel, QuantRowwiseParallel, shard_cuts
+from .styles import QuantColwiseParallel, QuantRowwiseParallel, param_placements, shard_cuts
 
-__all__ = ["CANDIDATE_TP_SIZES", "parallelize", "resolve_plan"]
+__all__ = [
+    "CANDIDATE_TP_SIZES",
+    "apply_styles",
+    "checked_placements",
+    "parallelize",
+    "resolve_plan",
+]
 
 CANDIDATE_TP_SIZES = tuple(range(1, 65))  # what an error lists as sizes that work
 _STYLE_NAMES = {"colwise": QuantColwiseParallel, "rowwise": QuantRowwiseParallel}
@@ -127,7 +135,8 @@ def _check_entry(name: str, module: nn.Module, style: ParallelStyle) -> None:
 
 
 def _sharded_weights(model: nn.Module, resolved: Mapping[str, ParallelStyle]):
-    """(module name, quantized weight, sharded dim) for every quantized Linear the plan shards."""
+    """(module name, quantized weight, sharded logical dim) for every quantized Linear the plan
+    shards."""
     for name, style in resolved.items():
         module = model.get_submodule(name)
         weight = getattr(module, "weight", None)
@@ -140,21 +149,18 @@ def _sharded_weights(model: nn.Module, resolved: Mapping[str, ParallelStyle]):
 
 def _fits(weight: QTensor, dim: int, world: int) -> bool:
     try:
-        weight.realign(dim, shard_cuts(weight.shape[dim], world))
+        weight.realign(dim, shard_cuts(weight.logical_shape[dim], world))
     except MisalignedSliceError:
         return False
     return True
 
 
-def _validate(model: nn.Module, resolved: Mapping[str, ParallelStyle], world: int) -> None:
-    """Everything that can be checked before the model changes."""
-    for name, style in resolved.items():
-        _check_entry(name, model.get_submodule(name), style)
-    sharded = list(_sharded_weights(model, resolved))
+def _check_alignment(sharded: list[tuple[str, QTensor, int]], world: int) -> None:
+    """Every sharded quantized weight can be cut at the `world`-way shard boundaries."""
     failures = []
     for name, weight, dim in sharded:
         try:
-            weight.realign(dim, shard_cuts(weight.shape[dim], world))
+            weight.realign(dim, shard_cuts(weight.logical_shape[dim], world))
         except MisalignedSliceError as e:
             failures.append(f"{name!r}: {e}")
     if failures:
@@ -167,20 +173,56 @@ def _validate(model: nn.Module, resolved: Mapping[str, ParallelStyle], world: in
         )
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
-    """Shard `model` in place over the 1-D `mesh` by `plan` (a table of module-name patterns to
-    styles, or one style for `model` itself); returns the model. Every entry is checked before
-    anything changes."""
+def _check_mesh(mesh: DeviceMesh, caller: str) -> None:
     if mesh.ndim != 1:
         raise QShardError(
-            f"qshard.tp.parallelize: a {mesh.ndim}-D device mesh; tensor parallelism takes a 1-D "
-            f"mesh (pass the TP sub-mesh, e.g. mesh['tp'])"
+            f"{caller}: a {mesh.ndim}-D device mesh; tensor parallelism takes a 1-D mesh (pass "
+            f"the TP sub-mesh, e.g. mesh['tp'])"
         )
+
+
+def checked_placements(
+    model: nn.Module, mesh: DeviceMesh, plan: Plan, tensors: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, ParallelStyle], dict[str, Placement]]:
+    """For a sharded load: the resolved plan and {state_dict key: placement} of every parameter
+    it places, checked as `parallelize` checks (with the checkpoint's `tensors`, on the meta
+    device, standing in for the model's) before anything is read or changed."""
+    _check_mesh(mesh, "qshard.load")
     resolved = resolve_plan(model, plan)
-    _validate(model, resolved, mesh.size())
+    placements: dict[str, Placement] = {}
+    sharded = []
+    for name, style in resolved.items():
+        module = model.get_submodule(name)
+        _check_entry(name, module, style)
+        for param, placement in param_placements(style, module).items():
+            key = f"{name}.{param}" if name else param
+            placements[key] = placement
+            tensor = tensors.get(key)
+            if isinstance(tensor, QTensor) and isinstance(placement, Shard):
+                sharded.append((key, tensor, tensor.logical_dim(placement.dim)))
+    _check_alignment(sharded, mesh.size())
+    return resolved, placements
+
+
+def apply_styles(model: nn.Module, mesh: DeviceMesh, resolved: Mapping[str, ParallelStyle]):
+    """Run the resolved styles (torch's parallelize_module): parameters that are DTensors
+    already are kept, the input/output hooks are installed."""
+    resolved = dict(resolved)
     root = resolved.pop("", None)
     if root is not None:
         parallelize_module(model, mesh, root)
     if resolved:
         parallelize_module(model, mesh, resolved)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
+    """Shard `model` in place over the 1-D `mesh` by `plan` (a table of module-name patterns to
+    styles, or one style for `model` itself); returns the model. Every entry is checked before
+    anything changes."""
+    _check_mesh(mesh, "qshard.tp.parallelize")
+    resolved = resolve_plan(model, plan)
+    for name, style in resolved.items():
+        _check_entry(name, model.get_submodule(name), style)
+    _check_alignment(list(_sharded_weights(model, resolved)), mesh.size())
+    apply_styles(model, mesh, resolved)
     return model

@@ -22,12 +22,26 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from ..errors import QShardError
 from ..qtensor import QTensor
 
-__all__ = ["QuantColwiseParallel", "QuantRowwiseParallel", "chunk_bounds", "shard_cuts"]
+__all__ = [
+    "QuantColwiseParallel",
+    "QuantRowwiseParallel",
+    "chunk_bounds",
+    "param_placements",
+    "shard_cuts",
+]
 
 
 def chunk_bounds(size: int, world: int, rank: int) -> tuple[int, int]:
@@ -70,12 +84,42 @@ def shard_locally(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement) 
 
 
 def _shard_parameter(style, module: nn.Module, name: str, mesh: DeviceMesh, placement):
-    param = getattr(module, name).detach()
+    param = getattr(module, name)
+    if isinstance(param, DTensor):  # loaded as this rank's shard by qshard.load(mesh=, plan=)
+        if tuple(param.placements) != (placement,):
+            raise QShardError(
+                f"qshard.tp: {name!r} of a {type(module).__name__} is placed {param.placements}; "
+                f"{type(style).__name__} places it ({placement},)"
+            )
+        return
+    param = param.detach()
     if isinstance(param, QTensor):
         dtensor = shard_locally(param, mesh, placement)
     else:
         dtensor = distribute_tensor(param, mesh, [placement], src_data_rank=style.src_data_rank)
     module.register_parameter(name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+
+
+def param_placements(style: ParallelStyle, module: nn.Module) -> dict[str, Placement]:
+    """{parameter name: placement} that `style` gives `module`'s parameters (what a sharded load
+    reads for each rank); QShardError for a style that places parameters in a way not known
+    here."""
+    names = [name for name, _ in module.named_parameters()]
+    linear = isinstance(module, nn.Linear)
+    if isinstance(style, QuantColwiseParallel):
+        table = {"weight": Shard(0), "bias": Shard(0)} if linear else {"weight": Shard(1)}
+    elif isinstance(style, QuantRowwiseParallel):
+        table = {"weight": Shard(1), "bias": Replicate()} if linear else {"weight": Shard(0)}
+    elif isinstance(style, SequenceParallel):
+        table = dict.fromkeys(names, Replicate())
+    elif isinstance(style, PrepareModuleInput | PrepareModuleOutput | PrepareModuleInputOutput):
+        table = {}
+    else:
+        raise QShardError(
+            f"qshard.load: the TP style {type(style).__name__} places parameters in a way qshard "
+            f"does not know; load without mesh and plan, then call qshard.tp.parallelize"
+        )
+    return {name: placement for name, placement in table.items() if name in names}
 
 
 class QuantColwiseParallel(ColwiseParallel):

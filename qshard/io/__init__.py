@@ -1,0 +1,23 @@
+"""Saving and loading quantized models as safetensors (see `format.py` for the file layout).
+
+qshard.save(model, "ckpt/")                                  # any model, TP-sharded ones too
+model = qshard.load("ckpt/", meta_model)                     # no float weights allocated
+model = qshard.load("ckpt/", meta_model, mesh=mesh, plan=plan)  # each rank reads its slices
+"""
+
+from .checkpoint import INDEX_NAME, SINGLE_FILE_NAME, Checkpoint
+from .format import FORMAT_VERSION
+from .load import load
+from .save import DEFAULT_MAX_SHARD_SIZE, QUANTIZATION_CONFIG_NAME, parse_size, save
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "FORMAT_VERSION",
+    "INDEX_NAME",
+    "QUANTIZATION_CONFIG_NAME",
+    "SINGLE_FILE_NAME",
+    "Checkpoint",
+    "load",
+    "parse_size",
+    "save",
+]

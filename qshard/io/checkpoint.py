@@ -1,0 +1,328 @@
+"""Reading checkpoints: find the files, check every header, read entries whole or by TP shard.
+
+A checkpoint is a directory holding `model.safetensors`, or shards listed by
+`model.safetensors.index.json` (the Hugging Face convention), or a path to one of those files.
+`Checkpoint.open` reads and checks only the headers; tensor data is read by `read` (a whole entry,
+its checksums verified) and `read_shard` (one rank's slice, read through safetensors' `get_slice`
+so that a rank never reads the rest of the tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ..tp.styles import chunk_bounds, shard_cuts
+from .format import SAFETENSORS_DTYPES, Record, StoredTensor, crc32, decode_metadata, dtype_name
+
+__all__ = ["INDEX_NAME", "SINGLE_FILE_NAME", "Checkpoint"]
+
+SINGLE_FILE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
+
+
+@dataclasses.dataclass
+class FileHeader:
+    path: pathlib.Path
+    stored: dict[str, StoredTensor]
+    offsets: dict[str, int]  # absolute byte offset of each stored tensor's data
+    metadata: dict[str, str] | None
+
+
+def read_header(path: pathlib.Path) -> FileHeader:
+    """Parse and check a safetensors header against the file it heads (the safetensors spec:
+    8-byte little-endian length, JSON header, tensor data covering the rest with no gaps)."""
+    where = str(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(
+                f"{where}: a {size}-byte file whose header length field reads {length}; the "
+                f"file is truncated or not safetensors"
+            )
+        text = f.read(length)
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: the safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where}: the safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise CheckpointError(f"{where}: __metadata__ is not a map of strings")
+    data_start = 8 + length
+    stored, offsets, spans = {}, {}, []
+    for key, info in header.items():
+        tensor, begin, end = _parse_entry(key, info, where)
+        stored[key], offsets[key] = tensor, data_start + begin
+        spans.append((begin, end, key))
+    position = 0
+    for begin, end, key in sorted(spans):
+        if begin != position:
+            raise CheckpointError(
+                f"{where}: tensor {key!r} starts at data byte {begin}, expected {position} (the "
+                f"data must be packed with no gap or overlap)"
+            )
+        position = end
+    if data_start + position != size:
+        raise CheckpointError(
+            f"{where}: the header describes {data_start + position} bytes, the file has {size}; "
+            f"the file is truncated or damaged"
+        )
+    return FileHeader(path, stored, offsets, metadata)
+
+
+def _parse_entry(key: str, info: Any, where: str) -> tuple[StoredTensor, int, int]:
+    at = f"{where}: tensor {key!r}"
+    if not isinstance(info, dict) or info.get("dtype") not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{at}: header entry {info!r} has no supported dtype")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not _ints(shape) or not (_ints(offsets) and len(offsets) == 2):
+        raise CheckpointError(f"{at}: shape {shape!r} / data_offsets {offsets!r} are invalid")
+    dtype = SAFETENSORS_DTYPES[info["dtype"]]
+    begin, end = offsets
+    if end - begin != math.prod(shape) * dtype.itemsize:
+        raise CheckpointError(
+            f"{at}: data_offsets [{begin}, {end}] hold {end - begin} bytes; "
+            f"{dtype_name(dtype)}{shape} needs {math.prod(shape) * dtype.itemsize}"
+        )
+    return StoredTensor(key, dtype, tuple(shape)), begin, end
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    )
+
+
+def checkpoint_files(path: str | os.PathLike) -> tuple[list[pathlib.Path], dict[str, str] | None]:
+    """The safetensors files of the checkpoint at `path`, and its index's weight map if any."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        if (path / INDEX_NAME).is_file():
+            path = path / INDEX_NAME
+        elif (path / SINGLE_FILE_NAME).is_file():
+            path = path / SINGLE_FILE_NAME
+        else:
+            found = sorted(path.glob("*.safetensors"))
+            if len(found) != 1:
+                raise CheckpointError(
+                    f"{path}: no {INDEX_NAME} or {SINGLE_FILE_NAME}, and {len(found)} other "
+                    f".safetensors files; pass the path of the file or index to load"
+                )
+            path = found[0]
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file or directory")
+    if path.suffix != ".json":
+        return [path], None
+    try:
+        index = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: the index is not JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    valid = isinstance(weight_map, dict) and all(
+        isinstance(f, str) and f == pathlib.PurePath(f).name and f.endswith(".safetensors")
+        for f in weight_map.values()
+    )
+    if not valid or not all(isinstance(k, str) for k in weight_map):
+        raise CheckpointError(
+            f"{path}: 'weight_map' must map tensor names to .safetensors file names in the "
+            f"index's directory"
+        )
+    files = [path.parent / name for name in dict.fromkeys(weight_map.values())]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: shard files {missing} listed in the index are missing")
+    return files, weight_map
+
+
+class Checkpoint:
+    """The entries of a checkpoint, with every header checked; tensor data is read on demand."""
+
+    def __init__(self, path: str | os.PathLike):
+        files, weight_map = checkpoint_files(path)
+        self.headers = {file: read_header(file) for file in files}
+        self.records: dict[str, Record] = {}
+        self.file_of: dict[str, FileHeader] = {}
+        for header in self.headers.values():
+            if weight_map is not None:
+                _check_index(weight_map, header)
+            records = decode_metadata(header.metadata, header.stored, str(header.path))
+            for key, record in records.items():
+                if key in self.records:
+                    raise CheckpointError(
+                        f"{header.path}: entry {key!r} is also in {self.file_of[key].path}"
+                    )
+                self.records[key], self.file_of[key] = record, header
+        for key, record in self.records.items():
+            target = self.records.get(record.alias_of) if record.alias_of else record
+            if target is None or target.alias_of is not None:
+                raise CheckpointError(
+                    f"{self.file_of[key].path}: entry {key!r} is an alias of "
+                    f"{record.alias_of!r}, which is not a stored entry of this checkpoint"
+                )
+        self._slicers = contextlib.ExitStack()
+        self._open: dict[pathlib.Path, Any] = {}
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._slicers.close()
+        self._open.clear()
+
+    def keys(self) -> list[str]:
+        return list(self.records)
+
+    def record(self, key: str) -> Record:
+        """The record that holds `key`'s data (an alias's target)."""
+        record = self.records[key]
+        return self.records[record.alias_of] if record.alias_of else record
+
+    def read(self, key: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Entry `key`, whole, with its checksums verified."""
+        record = self.record(key)
+        header = self.file_of[record.key]
+        if record.tensor is not None:
+            return self._read_stored(header, record.tensor).to(device)
+        inner = {}
+        for name, stored in record.inner.items():
+            tensor = self._read_stored(header, stored)
+            _check_finite(tensor, f"{header.path}: {record.key}.{name}")
+            inner[name] = tensor.to(device)
+        return record.build(inner)
+
+    def read_shard(
+        self, key: str, dim: int, world: int, rank: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """Rank `rank`'s chunk (torch.chunk sizes) of entry `key` along outer `dim`, reading only
+        that slice from disk. A quantized entry is first re-packed for all `world` shard
+        boundaries (`QTensor.realign`), so every rank gets the packing `qshard.tp` would give."""
+        record = self.record(key)
+        header = self.file_of[record.key]
+        size = record.outer_shape()[dim]
+        start, end = chunk_bounds(size, world, rank)
+        if record.tensor is not None:
+            return self._read_slice(header, record.tensor, dim, start, end).to(device)
+        meta = record.meta()
+        logical = meta.logical_dim(dim)
+        # The whole packed elements (blocks) that cover [start, end): a part of the stored
+        # weight that starts and ends on its packing boundaries.
+        step = meta.slice_granularity(logical)
+        first, last = start - start % step, min(-(-end // step) * step, size)
+        inner = {}
+        for name, stored in record.inner.items():
+            packing = meta.packing()[name]
+            if packing is None:
+                tensor = self._read_stored(header, stored)
+            else:
+                p = packing[logical]
+                tensor = self._read_slice(header, stored, logical, first // p, -(-last // p))
+            _check_finite(tensor, f"{header.path}: {record.key}.{name}")
+            inner[name] = tensor
+        shape = list(record.shape)
+        shape[logical] = last - first
+        part = record.layout(
+            inner, shape=tuple(shape), dtype=record.dtype, transposed=record.transposed,
+            **record.attrs,
+        )  # fmt: skip
+        # Offsets of all the full weight's cuts, relative to this part: realign packs the part
+        # exactly as it packs the whole weight for those cuts.
+        part = part.realign(logical, [c - first for c in shard_cuts(size, world)])
+        local = part.slice_logical(logical, start - first, end - first)
+        return local.clone().to(device)
+
+    # ---- raw reads ------------------------------------------------------------------------
+
+    def _read_stored(self, header: FileHeader, stored: StoredTensor) -> torch.Tensor:
+        """A stored tensor, whole, by plain reads (no mmap), checksum verified."""
+        buffer = torch.empty(stored.nbytes, dtype=torch.uint8)
+        with open(header.path, "rb") as f:
+            f.seek(header.offsets[stored.key])
+            count = f.readinto(buffer.numpy()) if stored.nbytes else 0
+        if count != stored.nbytes:
+            raise CheckpointError(
+                f"{header.path}: tensor {stored.key!r} is cut short ({count} of "
+                f"{stored.nbytes} bytes); the file changed while loading"
+            )
+        if stored.crc32 is not None and crc32(buffer) != stored.crc32:
+            raise CheckpointError(
+                f"{header.path}: tensor {stored.key!r} does not match its checksum; the file "
+                f"is damaged, save it again"
+            )
+        return buffer.view(stored.dtype).reshape(stored.shape)
+
+    def _read_slice(
+        self, header: FileHeader, stored: StoredTensor, dim: int, start: int, end: int
+    ) -> torch.Tensor:
+        """Indices [start, end) of `dim` of a stored tensor, through safetensors' get_slice."""
+        index = (slice(None),) * dim + (slice(start, end),)
+        try:
+            tensor = self._safe_open(header.path).get_slice(stored.key)[index]
+        except BaseException as e:  # safetensors raises its own errors and Rust panics
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
+            raise CheckpointError(
+                f"{header.path}: reading {stored.key!r}[{index}] failed: {e}"
+            ) from None
+        expected = list(stored.shape)
+        expected[dim] = end - start
+        if tensor.dtype != stored.dtype or list(tensor.shape) != expected:
+            raise CheckpointError(
+                f"{header.path}: slice of {stored.key!r} read as {tensor.dtype}"
+                f"{list(tensor.shape)}, expected {stored.dtype}{expected}"
+            )
+        return tensor.contiguous()
+
+    def _safe_open(self, path: pathlib.Path):
+        if path not in self._open:
+            from safetensors import safe_open
+
+            self._open[path] = self._slicers.enter_context(safe_open(str(path), "pt"))
+        return self._open[path]
+
+
+def _check_index(weight_map: Mapping[str, str], header: FileHeader) -> None:
+    listed = {k for k, f in weight_map.items() if f == header.path.name}
+    if listed != set(header.stored):
+        diff = sorted(listed ^ set(header.stored))[:5]
+        raise CheckpointError(
+            f"{header.path}: the index lists other tensors for this file than it holds "
+            f"(e.g. {diff}); the index and the shards are from different saves"
+        )
+
+
+def _check_finite(tensor: torch.Tensor, where: str) -> None:
+    """Quantized data and scales must be finite: a NaN scale would silently poison a layer."""
+    bits = tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 else None
+    if tensor.dtype == torch.float8_e4m3fn:
+        bad = (bits & 0x7F) == 0x7F  # e4m3fn has no Inf; S.1111.111 is NaN
+    elif tensor.dtype == torch.float8_e5m2:
+        bad = (bits & 0x7C) == 0x7C  # exponent all ones: Inf or NaN
+    elif tensor.dtype == getattr(torch, "float8_e8m0fnu", None):
+        bad = bits == 0xFF
+    elif tensor.is_floating_point():
+        bad = ~torch.isfinite(tensor)
+    else:
+        return
+    count = int(bad.sum())
+    if count:
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise CheckpointError(
+            f"{where}: {count} NaN/Inf values (first at {first}); the checkpoint is corrupt, "
+            f"re-quantize from the float weights"
+        )

@@ -1,0 +1,370 @@
+"""The qshard checkpoint format: safetensors files whose header describes every state_dict entry.
+
+A state_dict entry is stored as plain safetensors tensors:
+
+    plain tensor   one tensor under its own key
+    QTensor        one tensor per inner tensor, in the layout's canonical packing, under
+                   "<key>.<inner name>" (e.g. "layers.0.mlp.up.weight.qdata", "....scale")
+    alias          nothing: an entry that is the same tensor as an earlier one (tied weights)
+
+The header's `__metadata__` (string values only, by the safetensors spec) holds
+
+    "format": "pt"                        the Hugging Face convention
+    "qshard": JSON text                   {"format_version": 1, "qshard_version": "0.1.0",
+                                           "entries": {key: record, ...}} for this file's entries
+    "qshard_crc32": "<8 hex digits>"      CRC-32 of the "qshard" text
+
+with one record per entry:
+
+    {"kind": "tensor", "tensor": stored}
+    {"kind": "qtensor", "layout": "Fp8BlockwiseTensor", "shape": [N, K], "dtype": "bfloat16",
+     "transposed": false, "attrs": {...}, "config": {...}, "inner": {"qdata": stored, ...}}
+    {"kind": "alias", "of": other key}
+    stored = {"key": safetensors key, "dtype": "float8_e4m3fn", "shape": [...], "crc32": int}
+
+Attributes are JSON values decoded by the layout's type annotations (enums by value, tuples as
+lists). Every stored tensor has its CRC-32 and the metadata has its own, so a corrupted byte
+anywhere in a file raises `CheckpointError` instead of loading different numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import types
+import typing
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, QShardError
+from ..layouts.registry import attr_types, layout_by_name, registered_layouts
+from ..qtensor import QTensor
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Record",
+    "StoredTensor",
+    "crc32",
+    "decode_metadata",
+    "encode_metadata",
+]
+
+FORMAT_VERSION = 1
+METADATA_KEY = "qshard"
+CRC_KEY = "qshard_crc32"
+
+# safetensors dtype names (its spec) <-> torch dtypes.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def crc32(tensor: torch.Tensor) -> int:
+    """CRC-32 of a contiguous CPU tensor's bytes."""
+    return zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as stored in a safetensors file."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    crc32: int | None = None  # None in files qshard did not write
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "dtype": dtype_name(self.dtype),
+            "shape": list(self.shape),
+            "crc32": self.crc32,
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """How one state_dict entry is stored: a plain tensor, a QTensor's inner tensors, or an
+    alias of another entry."""
+
+    key: str
+    tensor: StoredTensor | None = None  # a plain tensor
+    layout: type[QTensor] | None = None  # a QTensor: its class, logical shape, dtype, attrs
+    shape: tuple[int, int] = (0, 0)
+    dtype: torch.dtype = torch.float32
+    transposed: bool = False
+    attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    inner: Mapping[str, StoredTensor] = dataclasses.field(default_factory=dict)
+    alias_of: str | None = None
+
+    def stored(self) -> list[StoredTensor]:
+        return [self.tensor] if self.tensor is not None else list(self.inner.values())
+
+    def outer_shape(self) -> tuple[int, ...]:
+        if self.tensor is not None:
+            return self.tensor.shape
+        n, k = self.shape
+        return (k, n) if self.transposed else (n, k)
+
+    def meta(self) -> torch.Tensor:
+        """A meta-device tensor with this entry's class, shape, dtype and attributes."""
+        if self.tensor is not None:
+            return torch.empty(self.tensor.shape, dtype=self.tensor.dtype, device="meta")
+        return self.build(
+            {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in self.inner.items()}
+        )
+
+    def build(self, inner: Mapping[str, torch.Tensor]) -> QTensor:
+        assert self.layout is not None
+        return self.layout(
+            inner, shape=self.shape, dtype=self.dtype, transposed=self.transposed, **self.attrs
+        )
+
+
+# ---- encoding ---------------------------------------------------------------------------------
+
+
+def qtensor_record(key: str, tensor: QTensor, inner: Mapping[str, StoredTensor]) -> dict:
+    cls = type(tensor)
+    if cls not in registered_layouts():
+        raise QShardError(
+            f"qshard.save: {key!r} is a {cls.__name__}, which is not a registered layout; "
+            f"decorate the class with @qshard.register_layout(ItsConfig) so it can be loaded"
+        )
+    return {
+        "kind": "qtensor",
+        "layout": cls.__name__,
+        "shape": list(tensor.logical_shape),
+        "dtype": dtype_name(tensor.dtype),
+        "transposed": tensor.transposed,
+        "attrs": {name: _attr_to_json(value) for name, value in tensor.attrs().items()},
+        "config": tensor.config().to_dict(),
+        "inner": {name: stored.to_json() for name, stored in inner.items()},
+    }
+
+
+def _attr_to_json(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple | list):
+        return [_attr_to_json(v) for v in value]
+    return value
+
+
+def encode_metadata(records: Mapping[str, dict], qshard_version: str) -> dict[str, str]:
+    """The safetensors `__metadata__` of a file holding `records` ({key: record JSON})."""
+    text = json.dumps(
+        {"format_version": FORMAT_VERSION, "qshard_version": qshard_version, "entries": records},
+        separators=(",", ":"),
+    )
+    return {"format": "pt", METADATA_KEY: text, CRC_KEY: f"{zlib.crc32(text.encode()):08x}"}
+
+
+# ---- decoding ---------------------------------------------------------------------------------
+
+
+def decode_metadata(
+    metadata: Mapping[str, str] | None, stored: Mapping[str, StoredTensor], where: str
+) -> dict[str, Record]:
+    """{entry key: Record} of one file, from its `__metadata__` and its stored tensors.
+
+    A file qshard did not write (no "qshard" metadata) holds plain tensors under their keys.
+    """
+    metadata = metadata or {}
+    if METADATA_KEY not in metadata and CRC_KEY not in metadata:
+        return {key: Record(key, tensor=t) for key, t in stored.items()}
+    text, crc = metadata.get(METADATA_KEY), metadata.get(CRC_KEY)
+    if not isinstance(text, str) or not isinstance(crc, str):
+        raise CheckpointError(
+            f"{where}: header metadata has only one of {METADATA_KEY!r} and {CRC_KEY!r}; the "
+            f"file is damaged, save it again"
+        )
+    if f"{zlib.crc32(text.encode()):08x}" != crc:
+        raise CheckpointError(
+            f"{where}: the qshard header metadata does not match its checksum {crc}; the file "
+            f"is damaged, save it again"
+        )
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{where}: qshard header metadata is not JSON ({e})") from None
+    _check_version(data, where)
+    entries = _expect(data.get("entries"), dict, "entries", where)
+    records = {key: _decode_record(key, raw, stored, where) for key, raw in entries.items()}
+    described = [s.key for r in records.values() for s in r.stored()]
+    extra = sorted(set(stored) - set(described))
+    twice = sorted({k for k in described if described.count(k) > 1})
+    if extra or twice:
+        raise CheckpointError(
+            f"{where}: stored tensors {extra or twice} are "
+            f"{'described by no' if extra else 'claimed by more than one'} qshard entry; the "
+            f"header does not describe this file"
+        )
+    return records
+
+
+def _check_version(data: Any, where: str) -> None:
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{where}: qshard header metadata is {type(data).__name__}, not {{}}")
+    version = data.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(f"{where}: format_version {version!r} is not a positive integer")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: written by qshard {data.get('qshard_version')!r} in checkpoint format "
+            f"{version}; this qshard reads formats <= {FORMAT_VERSION}; upgrade qshard"
+        )
+
+
+def _decode_record(key: str, raw: Any, stored: Mapping[str, StoredTensor], where: str) -> Record:
+    at = f"{where}: entry {key!r}"
+    raw = _expect(raw, dict, "record", at)
+    kind = raw.get("kind")
+    if kind == "alias":
+        return Record(key, alias_of=_expect(raw.get("of"), str, "of", at))
+    if kind == "tensor":
+        return Record(key, tensor=_decode_stored(raw.get("tensor"), stored, at))
+    if kind != "qtensor":
+        raise CheckpointError(f"{at}: kind {kind!r} is not 'tensor', 'qtensor' or 'alias'")
+    name = _expect(raw.get("layout"), str, "layout", at)
+    layout = layout_by_name(name)
+    if layout is None:
+        known = [c.__name__ for c in registered_layouts()]
+        raise CheckpointError(
+            f"{at}: layout {name!r} is not registered in this qshard (known: {known}); "
+            f"upgrade qshard or import the package that registers it"
+        )
+    shape = _expect_ints(raw.get("shape"), 2, "shape", at)
+    dtype = _decode_dtype(raw.get("dtype"), at)
+    transposed = _expect(raw.get("transposed"), bool, "transposed", at)
+    attrs = _decode_attrs(layout, _expect(raw.get("attrs"), dict, "attrs", at), at)
+    inner_raw = _expect(raw.get("inner"), dict, "inner", at)
+    if sorted(inner_raw) != sorted(layout.inner_names):
+        raise CheckpointError(
+            f"{at}: inner tensors {sorted(inner_raw)}; {name} has {list(layout.inner_names)}"
+        )
+    inner = {n: _decode_stored(inner_raw[n], stored, f"{at}.{n}") for n in layout.inner_names}
+    specs = layout.inner_specs(shape, attrs)
+    for n, s in inner.items():
+        expected_shape, expected_dtype = specs[n]
+        if s.shape != tuple(expected_shape) or s.dtype != expected_dtype:
+            raise CheckpointError(
+                f"{at}: inner tensor {n!r} is {dtype_name(s.dtype)}{list(s.shape)}; a {name} "
+                f"of shape {list(shape)} with {_attrs_text(attrs)} needs "
+                f"{dtype_name(expected_dtype)}{list(expected_shape)}"
+            )
+    return Record(
+        key, layout=layout, shape=shape, dtype=dtype, transposed=transposed, attrs=attrs,
+        inner=inner,
+    )  # fmt: skip
+
+
+def _decode_stored(raw: Any, stored: Mapping[str, StoredTensor], at: str) -> StoredTensor:
+    raw = _expect(raw, dict, "stored tensor", at)
+    key = _expect(raw.get("key"), str, "key", at)
+    dtype = _decode_dtype(raw.get("dtype"), at)
+    shape = _expect_ints(raw.get("shape"), None, "shape", at)
+    crc = _expect(raw.get("crc32"), int, "crc32", at)
+    actual = stored.get(key)
+    if actual is None:
+        raise CheckpointError(f"{at}: stored tensor {key!r} is not in the file")
+    if (actual.dtype, actual.shape) != (dtype, shape):
+        raise CheckpointError(
+            f"{at}: stored tensor {key!r} is {dtype_name(actual.dtype)}{list(actual.shape)} in "
+            f"the file, {dtype_name(dtype)}{list(shape)} in the qshard metadata"
+        )
+    return StoredTensor(key, dtype, shape, crc)
+
+
+def _decode_attrs(layout: type[QTensor], raw: dict, at: str) -> dict[str, Any]:
+    types_ = attr_types(layout)
+    if sorted(raw) != sorted(types_):
+        raise CheckpointError(
+            f"{at}: attributes {sorted(raw)}; {layout.__name__} has {sorted(types_)}"
+        )
+    attrs = {name: _decode_value(raw[name], hint, f"{at} attribute {name!r}") for name, hint in
+             types_.items()}  # fmt: skip
+    try:
+        layout.check_attrs(attrs)
+    except QShardError as e:
+        raise CheckpointError(f"{at}: attributes {_attrs_text(attrs)} are invalid: {e}") from None
+    return attrs
+
+
+def _decode_value(value: Any, hint: Any, at: str) -> Any:
+    """`value` (JSON) as the annotated type `hint`, or CheckpointError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return _decode_value(value, hint, at)
+    if origin is tuple:
+        if not isinstance(value, list) or (args[-1] is not Ellipsis and len(value) != len(args)):
+            raise CheckpointError(f"{at}: {value!r} is not a list of {len(args)} values")
+        item_types = [args[0]] * len(value) if args[-1] is Ellipsis else args
+        return tuple(_decode_value(v, t, at) for v, t in zip(value, item_types, strict=True))
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            choices = [m.value for m in hint]
+            raise CheckpointError(f"{at}: {value!r} is not one of {choices}") from None
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (bool, int, float, str):
+        return _expect(value, hint, hint.__name__, at)
+    raise CheckpointError(f"{at}: qshard cannot decode attributes of type {hint!r}")
+
+
+def _decode_dtype(raw: Any, at: str) -> torch.dtype:
+    dtype = getattr(torch, raw, None) if isinstance(raw, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{at}: dtype {raw!r} is not a torch dtype name")
+    return dtype
+
+
+def _expect(value: Any, kind: type, what: str, at: str) -> Any:
+    # bool is an int subclass, and an int where a bool is expected is a damaged file.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CheckpointError(f"{at}: {what} {value!r} is not a {kind.__name__}")
+    return value
+
+
+def _expect_ints(value: Any, length: int | None, what: str, at: str) -> tuple[int, ...]:
+    ok = isinstance(value, list) and (length is None or len(value) == length)
+    if not ok or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        size = f"{length} " if length else ""
+        raise CheckpointError(f"{at}: {what} {value!r} is not a list of {size}sizes >= 0")
+    return tuple(value)
+
+
+def _attrs_text(attrs: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={_attr_to_json(v)!r}" for k, v in attrs.items())

@@ -1,0 +1,163 @@
+"""`qshard.load`: a checkpoint into a state_dict, a model, or a tensor-parallel model.
+
+Loading into a model follows `load_state_dict(assign=True)`: each parameter and buffer is
+replaced by the loaded tensor (a QTensor where the checkpoint holds one), so a model built on
+the meta device is loaded without ever allocating its float weights. Everything is checked
+(keys, shapes, headers, checksums, finite scales) and every tensor read before the model is
+touched: a load that fails leaves the model as it was.
+
+With a `mesh` and a TP `plan` (the table `qshard.tp.parallelize` takes), each rank reads only its
+own slice of every sharded parameter from disk and the model comes out as `parallelize` would
+leave it: DTensor parameters and the styles' input/output hooks. The checkpoint is always the
+full model, so one saved at any TP size loads at any other that its blocks allow.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..api import _is_dtensor, _local
+from ..errors import CheckpointError, QShardError
+from ..qtensor import QTensor
+from .checkpoint import Checkpoint
+
+__all__ = ["load"]
+
+
+def load(
+    path: str | os.PathLike,
+    model: nn.Module | None = None,
+    *,
+    device: torch.device | str | None = None,
+    mesh=None,
+    plan=None,
+    strict: bool = True,
+):
+    """Load the checkpoint at `path` (a directory written by `qshard.save`, a `.safetensors`
+    file, or a `model.safetensors.index.json`).
+
+    Without `model`: returns the state_dict (QTensors rebuilt) on `device` (default CPU).
+    With `model`: loads into it and returns it. `strict=False` loads the keys both have and
+    warns about the rest. With `mesh` (a 1-D DeviceMesh) and `plan`: a tensor-parallel load.
+    """
+    if (mesh is None) != (plan is None):
+        raise QShardError("qshard.load: pass both mesh and plan for a tensor-parallel load")
+    with Checkpoint(path) as checkpoint:
+        if model is None:
+            if mesh is not None:
+                raise QShardError("qshard.load: mesh and plan shard a model; pass model=")
+            device = torch.device("cpu") if device is None else torch.device(device)
+            return _read_all(checkpoint, checkpoint.keys(), {}, device, None)
+        return _load_into(checkpoint, model, device, mesh, plan, strict)
+
+
+def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, strict: bool):
+    state = model.state_dict(keep_vars=True)
+    targets = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if any(_is_dtensor(t) for t in targets.values()):
+        raise QShardError(
+            "qshard.load: the model is sharded already; load into the unsharded model (built on "
+            "the meta device) and pass mesh= and plan= to shard it while loading"
+        )
+    missing = [k for k in targets if k not in checkpoint.records]
+    unexpected = [k for k in checkpoint.records if k not in targets]
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"qshard.load into {type(model).__name__}: missing keys {_few(missing)}, unexpected "
+            f"keys {_few(unexpected)}; pass strict=False to load the keys both have"
+        )
+    keys = [k for k in targets if k in checkpoint.records]
+    for key in keys:
+        stored = tuple(checkpoint.record(key).outer_shape())
+        if stored != tuple(targets[key].shape):
+            raise CheckpointError(
+                f"qshard.load: {key!r} is {list(stored)} in the checkpoint and "
+                f"{list(targets[key].shape)} in the model"
+            )
+    placements, resolved = {}, None
+    if mesh is not None:
+        from ..tp.plan import checked_placements
+
+        metas = {k: checkpoint.record(k).meta() for k in keys}
+        resolved, placements = checked_placements(model, mesh, plan, metas)
+    device = _target_device(device, mesh, targets)
+    values = _read_all(checkpoint, keys, placements, device, mesh)
+    _assign(model, targets, values)
+    if resolved is not None:
+        from ..tp.plan import apply_styles
+
+        apply_styles(model, mesh, resolved)
+    if missing or unexpected:
+        warnings.warn(
+            f"qshard.load (strict=False): missing keys {_few(missing)}, unexpected keys "
+            f"{_few(unexpected)}",
+            stacklevel=3,
+        )
+    return model
+
+
+def _read_all(checkpoint: Checkpoint, keys, placements: Mapping, device, mesh) -> dict:
+    """{key: tensor}; an alias gets the very tensor of its target, read once."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    values, cache = {}, {}
+    for key in keys:
+        placement = placements.get(key)
+        cache_key = (checkpoint.record(key).key, repr(placement))
+        if cache_key not in cache:
+            if placement is None:
+                value = checkpoint.read(key, device)
+            else:
+                world, rank = mesh.size(), mesh.get_local_rank()
+                record = checkpoint.record(key)
+                if isinstance(placement, Shard):
+                    local = checkpoint.read_shard(key, placement.dim, world, rank, device)
+                else:
+                    local = checkpoint.read(key, device)
+                shape = record.outer_shape()
+                stride = torch.empty(shape, device="meta").stride()
+                value = DTensor.from_local(
+                    local, mesh, [placement], run_check=False, shape=shape, stride=stride
+                )
+            cache[cache_key] = value
+        values[key] = cache[cache_key]
+    return values
+
+
+def _assign(model: nn.Module, targets: Mapping[str, torch.Tensor], values: Mapping) -> None:
+    """Replace each parameter and buffer; parameters tied in the model stay tied."""
+    new_params: dict[tuple, nn.Parameter] = {}
+    for key, value in values.items():
+        module_name, _, attr = key.rpartition(".")
+        owner = model.get_submodule(module_name)
+        old = targets[key]
+        if attr in owner._parameters:
+            tie = (id(old), id(value))
+            if tie not in new_params:
+                grad = old.requires_grad and not isinstance(_local(value), QTensor)
+                new_params[tie] = nn.Parameter(value, requires_grad=grad)
+            owner._parameters[attr] = new_params[tie]
+        else:
+            owner._buffers[attr] = value
+
+
+def _target_device(device, mesh, targets: Mapping[str, torch.Tensor]) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if mesh is not None:
+        if mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(mesh.device_type)
+    real = [t.device for t in targets.values() if t.device.type != "meta"]
+    return real[0] if real else torch.device("cpu")
+
+
+def _few(keys: list[str], count: int = 5) -> str:
+    shown = ", ".join(repr(k) for k in keys[:count])
+    more = f" and {len(keys) - count} more" if len(keys) > count else ""
+    return f"[{shown}{more}]"
