@@ -173,6 +173,13 @@ def _check_alignment(sharded: list[tuple[str, QTensor, int]], world: int) -> Non
         )
 
 
+def _validate(model: nn.Module, resolved: Mapping[str, ParallelStyle], world: int) -> None:
+    """Everything that can be checked before the model changes."""
+    for name, style in resolved.items():
+        _check_entry(name, model.get_submodule(name), style)
+    _check_alignment(list(_sharded_weights(model, resolved)), world)
+
+
 def _check_mesh(mesh: DeviceMesh, caller: str) -> None:
     if mesh.ndim != 1:
         raise QShardError(
@@ -221,8 +228,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
     anything changes."""
     _check_mesh(mesh, "qshard.tp.parallelize")
     resolved = resolve_plan(model, plan)
-    for name, style in resolved.items():
-        _check_entry(name, model.get_submodule(name), style)
-    _check_alignment(list(_sharded_weights(model, resolved)), mesh.size())
+    _validate(model, resolved, mesh.size())
     apply_styles(model, mesh, resolved)
     return model
