@@ -7,8 +7,8 @@ model = qshard.load("ckpt/", meta_model, mesh=mesh, plan=plan)  # each rank read
 
 from .checkpoint import INDEX_NAME, SINGLE_FILE_NAME, Checkpoint
 from .format import FORMAT_VERSION
-from .load import load
-from .save import DEFAULT_MAX_SHARD_SIZE, QUANTIZATION_CONFIG_NAME, parse_size, save
+from .loading import load
+from .saving import DEFAULT_MAX_SHARD_SIZE, QUANTIZATION_CONFIG_NAME, parse_size, save
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",

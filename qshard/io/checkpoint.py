@@ -89,7 +89,11 @@ def read_header(path: pathlib.Path) -> FileHeader:
 def _parse_entry(key: str, info: Any, where: str) -> tuple[StoredTensor, int, int]:
     at = f"{where}: tensor {key!r}"
     if not isinstance(info, dict) or info.get("dtype") not in SAFETENSORS_DTYPES:
-        raise CheckpointError(f"{at}: header entry {info!r} has no supported dtype")
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        raise CheckpointError(
+            f"{at}: dtype {dtype!r} is not one of the safetensors dtypes qshard reads "
+            f"({sorted(SAFETENSORS_DTYPES)})"
+        )
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not _ints(shape) or not (_ints(offsets) and len(offsets) == 2):
         raise CheckpointError(f"{at}: shape {shape!r} / data_offsets {offsets!r} are invalid")
@@ -158,16 +162,24 @@ class Checkpoint:
         self.headers = {file: read_header(file) for file in files}
         self.records: dict[str, Record] = {}
         self.file_of: dict[str, FileHeader] = {}
+        save_ids = {}
         for header in self.headers.values():
             if weight_map is not None:
                 _check_index(weight_map, header)
-            records = decode_metadata(header.metadata, header.stored, str(header.path))
+            records, save_ids[header.path.name] = decode_metadata(
+                header.metadata, header.stored, str(header.path)
+            )
             for key, record in records.items():
                 if key in self.records:
                     raise CheckpointError(
                         f"{header.path}: entry {key!r} is also in {self.file_of[key].path}"
                     )
                 self.records[key], self.file_of[key] = record, header
+        if len(set(save_ids.values())) > 1:
+            raise CheckpointError(
+                f"{path}: the files come from different saves (save ids {save_ids}); the index "
+                f"and the shards are from different saves, save the model again"
+            )
         for key, record in self.records.items():
             target = self.records.get(record.alias_of) if record.alias_of else record
             if target is None or target.alias_of is not None:
@@ -306,23 +318,36 @@ def _check_index(weight_map: Mapping[str, str], header: FileHeader) -> None:
         )
 
 
+FINITE_CHECK_CHUNK = 1 << 20  # elements per pass: no weight-sized temporaries (peak memory)
+
+
 def _check_finite(tensor: torch.Tensor, where: str) -> None:
     """Quantized data and scales must be finite: a NaN scale would silently poison a layer."""
-    bits = tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 else None
-    if tensor.dtype == torch.float8_e4m3fn:
-        bad = (bits & 0x7F) == 0x7F  # e4m3fn has no Inf; S.1111.111 is NaN
-    elif tensor.dtype == torch.float8_e5m2:
-        bad = (bits & 0x7C) == 0x7C  # exponent all ones: Inf or NaN
-    elif tensor.dtype == getattr(torch, "float8_e8m0fnu", None):
-        bad = bits == 0xFF
-    elif tensor.is_floating_point():
-        bad = ~torch.isfinite(tensor)
-    else:
-        return
-    count = int(bad.sum())
+    flat, count, first = tensor.reshape(-1), 0, None
+    for start in range(0, flat.numel(), FINITE_CHECK_CHUNK):
+        bad = _non_finite(flat[start : start + FINITE_CHECK_CHUNK])
+        if bad is None:
+            return
+        found = int(bad.sum())
+        if found and first is None:
+            first = start + int(bad.nonzero()[0, 0])
+        count += found
     if count:
-        first = [int(i) for i in bad.nonzero()[0]]
+        index = [int(i) for i in torch.unravel_index(torch.tensor(first), tensor.shape)]
         raise CheckpointError(
-            f"{where}: {count} NaN/Inf values (first at {first}); the checkpoint is corrupt, "
+            f"{where}: {count} NaN/Inf values (first at {index}); the checkpoint is corrupt, "
             f"re-quantize from the float weights"
         )
+
+
+def _non_finite(values: torch.Tensor) -> torch.Tensor | None:
+    """A mask of the NaN/Inf elements, or None for a dtype that has none."""
+    if values.dtype == torch.float8_e4m3fn:
+        return (values.view(torch.uint8) & 0x7F) == 0x7F  # no Inf; S.1111.111 is NaN
+    if values.dtype == torch.float8_e5m2:
+        return (values.view(torch.uint8) & 0x7C) == 0x7C  # exponent all ones: Inf or NaN
+    if values.dtype == getattr(torch, "float8_e8m0fnu", None):
+        return values.view(torch.uint8) == 0xFF
+    if values.is_floating_point():
+        return ~torch.isfinite(values)
+    return None

@@ -11,6 +11,7 @@ The header's `__metadata__` (string values only, by the safetensors spec) holds
 
     "format": "pt"                        the Hugging Face convention
     "qshard": JSON text                   {"format_version": 1, "qshard_version": "0.1.0",
+                                           "save_id": "<hex, the same in every file of a save>",
                                            "entries": {key: record, ...}} for this file's entries
     "qshard_crc32": "<8 hex digits>"      CRC-32 of the "qshard" text
 
@@ -178,12 +179,18 @@ def _attr_to_json(value: Any) -> Any:
     return value
 
 
-def encode_metadata(records: Mapping[str, dict], qshard_version: str) -> dict[str, str]:
-    """The safetensors `__metadata__` of a file holding `records` ({key: record JSON})."""
-    text = json.dumps(
-        {"format_version": FORMAT_VERSION, "qshard_version": qshard_version, "entries": records},
-        separators=(",", ":"),
-    )
+def encode_metadata(
+    records: Mapping[str, dict], qshard_version: str, save_id: str
+) -> dict[str, str]:
+    """The safetensors `__metadata__` of a file holding `records` ({key: record JSON});
+    `save_id` is shared by the files of one save."""
+    header = {
+        "format_version": FORMAT_VERSION,
+        "qshard_version": qshard_version,
+        "save_id": save_id,
+        "entries": records,
+    }
+    text = json.dumps(header, separators=(",", ":"))
     return {"format": "pt", METADATA_KEY: text, CRC_KEY: f"{zlib.crc32(text.encode()):08x}"}
 
 
@@ -192,14 +199,14 @@ def encode_metadata(records: Mapping[str, dict], qshard_version: str) -> dict[st
 
 def decode_metadata(
     metadata: Mapping[str, str] | None, stored: Mapping[str, StoredTensor], where: str
-) -> dict[str, Record]:
-    """{entry key: Record} of one file, from its `__metadata__` and its stored tensors.
+) -> tuple[dict[str, Record], str | None]:
+    """({entry key: Record}, save id) of one file, from its `__metadata__` and stored tensors.
 
     A file qshard did not write (no "qshard" metadata) holds plain tensors under their keys.
     """
     metadata = metadata or {}
     if METADATA_KEY not in metadata and CRC_KEY not in metadata:
-        return {key: Record(key, tensor=t) for key, t in stored.items()}
+        return {key: Record(key, tensor=t) for key, t in stored.items()}, None
     text, crc = metadata.get(METADATA_KEY), metadata.get(CRC_KEY)
     if not isinstance(text, str) or not isinstance(crc, str):
         raise CheckpointError(
@@ -227,7 +234,7 @@ def decode_metadata(
             f"{'described by no' if extra else 'claimed by more than one'} qshard entry; the "
             f"header does not describe this file"
         )
-    return records
+    return records, _expect(data.get("save_id"), str, "save_id", where)
 
 
 def _check_version(data: Any, where: str) -> None:

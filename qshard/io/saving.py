@@ -203,9 +203,9 @@ def _write_checkpoint(
         else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
     directory.mkdir(parents=True, exist_ok=True)
-    written, weight_map = [], {}
+    written, weight_map, save_id = [], {}, secrets.token_hex(8)
     for name, group in zip(names, groups, strict=True):
-        tensors, metadata = _file_contents(group, qshard.__version__)
+        tensors, metadata = _file_contents(group, qshard.__version__, save_id)
         _atomic_write(directory / name, functools.partial(_write_safetensors, tensors, metadata))
         weight_map.update(dict.fromkeys(tensors, name))
         written.append(directory / name)
@@ -221,7 +221,7 @@ def _write_checkpoint(
     return written
 
 
-def _file_contents(group: list[_Entry], version: str):
+def _file_contents(group: list[_Entry], version: str, save_id: str):
     """({stored key: contiguous CPU tensor}, header metadata) of one file."""
     tensors, records = {}, {}
     for entry in group:
@@ -236,7 +236,7 @@ def _file_contents(group: list[_Entry], version: str):
             records[entry.key] = qtensor_record(entry.key, entry.value, stored)
         else:
             records[entry.key] = {"kind": "tensor", "tensor": stored[entry.key].to_json()}
-    return tensors, encode_metadata(records, version)
+    return tensors, encode_metadata(records, version, save_id)
 
 
 def _split(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
