@@ -100,6 +100,16 @@ def _shard_parameter(style, module: nn.Module, name: str, mesh: DeviceMesh, plac
     module.register_parameter(name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
 
 
+# Hook-only styles leave parameters alone; SequenceParallel wraps each full local parameter as
+# a replicated DTensor itself (no collective): a sharded load reads their parameters whole.
+_WHOLE_PARAMETER_STYLES = (
+    SequenceParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    PrepareModuleInputOutput,
+)
+
+
 def param_placements(style: ParallelStyle, module: nn.Module) -> dict[str, Placement]:
     """{parameter name: placement} that `style` gives `module`'s parameters (what a sharded load
     reads for each rank); QShardError for a style that places parameters in a way not known
@@ -110,9 +120,7 @@ def param_placements(style: ParallelStyle, module: nn.Module) -> dict[str, Place
         table = {"weight": Shard(0), "bias": Shard(0)} if linear else {"weight": Shard(1)}
     elif isinstance(style, QuantRowwiseParallel):
         table = {"weight": Shard(1), "bias": Replicate()} if linear else {"weight": Shard(0)}
-    elif isinstance(style, SequenceParallel):
-        table = dict.fromkeys(names, Replicate())
-    elif isinstance(style, PrepareModuleInput | PrepareModuleOutput | PrepareModuleInputOutput):
+    elif isinstance(style, _WHOLE_PARAMETER_STYLES):
         table = {}
     else:
         raise QShardError(
