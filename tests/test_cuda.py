@@ -47,3 +47,17 @@ def test_compile_on_gpu(cls):
             x = torch.randn(batch, 320, device="cuda")
             torch._dynamo.mark_dynamic(x, 0)
             assert qshard.sqnr_db(model(x), compiled(x)) > 60
+
+
+@cases
+def test_save_from_gpu_and_load_onto_gpu(cls, config, tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(320, 864), torch.nn.Linear(864, 320)).cuda()
+    qshard.quantize_(model, config)
+    qshard.save(model, tmp_path)
+    with torch.device("meta"):
+        fresh = torch.nn.Sequential(torch.nn.Linear(320, 864), torch.nn.Linear(864, 320))
+    qshard.load(tmp_path, fresh, device="cuda")
+    assert fresh[0].weight.device.type == "cuda"
+    assert_same_qtensor(fresh[0].weight.cpu(), model[0].weight.cpu())
+    x = torch.randn(5, 320, device="cuda")
+    assert torch.equal(fresh(x), model(x))

@@ -39,3 +39,29 @@ def _nccl_block_worker(rank, world, mesh):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_llama_block_on_two_gpus_with_nccl():
     spawn(_nccl_block_worker, 2, backend="nccl")
+
+
+def _nccl_checkpoint_worker(rank, world, mesh, directory):
+    """Load the TP-1 checkpoint at TP 2 on the GPUs, then save the sharded model (gathering the
+    quantized shards over NCCL) and check that it is the same checkpoint."""
+    from test_checkpoint_tp import PLAN, TOKENS, assert_same_parameters, meta_model, quantized_model
+
+    for i, (_, config) in enumerate(LAYOUT_CASES):
+        loaded = qshard.load(directory / str(i), meta_model({}), mesh=mesh, plan=PLAN)
+        assert loaded.block.qkv.weight.to_local().device.type == "cuda"
+        expected = quantized_model({}, config, seed=i).cuda()
+        qshard.tp.parallelize(expected, mesh, PLAN)
+        assert_same_parameters(loaded, expected)
+        with torch.no_grad():
+            assert torch.equal(loaded(TOKENS.cuda()), expected(TOKENS.cuda()))
+        qshard.save(loaded, directory / f"{i}-from-tp2")
+        again = qshard.load(directory / f"{i}-from-tp2", meta_model({}))
+        assert_same_parameters(again, quantized_model({}, config, seed=i))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_checkpoint_tp_load_and_save_on_two_gpus_with_nccl(tmp_path):
+    from test_checkpoint_tp import save_every_case
+
+    save_every_case(tmp_path, {})
+    spawn(_nccl_checkpoint_worker, 2, tmp_path, backend="nccl")
