@@ -39,4 +39,5 @@ if rank == 0:
         f"TP {world} on {device.type}: each rank holds a {type(local).__name__} "
         f"{list(local.shape)} of [4096, 1024]; SQNR vs float {qshard.sqnr_db(expected, out):.1f} dB"
     )
+dist.barrier()  # gloo may abort a process that tears down while another is mid-collective
 dist.destroy_process_group()

@@ -6,9 +6,10 @@ Writes into a directory, the Hugging Face way: `model.safetensors`, or above `ma
 layout is in `format.py`. Every file is written to a temporary name, synced, then renamed, so
 a crash never leaves a partial file under a final name.
 
-A tensor-parallel model saves as one full checkpoint: every rank calls `save`, sharded weights
-are gathered (quantized ones too, `qshard.tp.gather`), rank 0 writes, and every rank returns
-once the files exist (or raises rank 0's error).
+A tensor-parallel model (DTensor parameters) saves as one full checkpoint: every rank calls
+`save`, sharded weights are gathered (quantized ones too, `qshard.tp.gather`), rank 0 writes,
+and every rank returns once the files exist (or raises rank 0's error). A model without DTensors
+is written by whichever process calls `save` (in a distributed job, usually rank 0 alone).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import re
@@ -78,7 +80,16 @@ class _Entry:
         return [self.key]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.stored().values())
+        """Bytes on disk; for a sharded (DTensor) value, those of the full tensor."""
+        if self.value is None:
+            return 0
+        local = _local(self.value)
+        if not isinstance(local, QTensor):
+            return self.value.numel() * local.element_size()
+        n, k = self.value.shape
+        shape = (k, n) if local.transposed else (n, k)
+        specs = local.inner_specs(shape, local.attrs()).values()
+        return sum(math.prod(size) * dtype.itemsize for size, dtype in specs)
 
 
 def save(
@@ -94,25 +105,29 @@ def save(
         raise QShardError(f"qshard.save: {directory} is a file; pass a directory to save into")
     state = _state_dict(model_or_state_dict)
     entries = _plan_entries(state)
-    # Gather sharded tensors (a collective on every rank) before rank 0 writes.
-    for entry in entries:
-        if entry.value is not None:
-            entry.value = _full(entry.value)
-    distributed = dist.is_available() and dist.is_initialized()
-    written, failure = [], None
-    if not distributed or dist.get_rank() == 0:
-        try:
-            written = _write_checkpoint(entries, directory, limit)
-        except Exception as e:  # re-raised below, after the other ranks hear of it
-            failure = e
+    # A sharded model is saved by every rank (gathers are collectives) and written by rank 0;
+    # anything else is written by whichever process calls save.
+    distributed = any(_is_dtensor(v) for v in state.values())
+    writer = _Writer(directory, len(_split(entries, limit)))
+    writing = not distributed or dist.get_rank() == 0
+    for group in _split(entries, limit):
+        # One file's worth gathered at a time; every rank takes part even after a failure on
+        # rank 0, so that no rank waits forever in a collective.
+        full = [dataclasses.replace(e, value=_full(e.value)) for e in group]
+        if writing:
+            writer.run(writer.write_file, full)
+    if writing:
+        writer.run(writer.finish, entries)
     if distributed:
+        failure = writer.failure
         message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
         dist.broadcast_object_list(message, src=0)
+        dist.barrier()  # leave together, so that no rank races ahead into a teardown
         if failure is None and message[0] is not None:
             raise QShardError(f"qshard.save failed on rank 0: {message[0]}")
-    if failure is not None:
-        raise failure
-    return written
+    if writer.failure is not None:
+        raise writer.failure
+    return writer.written
 
 
 def _state_dict(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -191,34 +206,62 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 # ---- writing ------------------------------------------------------------------------------
 
 
-def _write_checkpoint(
-    entries: list[_Entry], directory: pathlib.Path, limit: int
-) -> list[pathlib.Path]:
-    import qshard
+class _Writer:
+    """Writes the files of one save, one group of entries at a time; remembers the first
+    failure (and then writes nothing more)."""
 
-    groups = _split(entries, limit)
-    names = (
-        [SINGLE_FILE_NAME]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    written, weight_map, save_id = [], {}, secrets.token_hex(8)
-    for name, group in zip(names, groups, strict=True):
-        tensors, metadata = _file_contents(group, qshard.__version__, save_id)
-        _atomic_write(directory / name, functools.partial(_write_safetensors, tensors, metadata))
-        weight_map.update(dict.fromkeys(tensors, name))
-        written.append(directory / name)
-    if len(groups) > 1:
-        total = sum(entry.nbytes() for entry in entries)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _atomic_write(directory / INDEX_NAME, functools.partial(_write_json, index))
-        written.append(directory / INDEX_NAME)
-    config = _quantization_config(entries, qshard.__version__)
-    _atomic_write(directory / QUANTIZATION_CONFIG_NAME, functools.partial(_write_json, config))
-    written.append(directory / QUANTIZATION_CONFIG_NAME)
-    _remove_stale(directory, {p.name for p in written})
-    return written
+    def __init__(self, directory: pathlib.Path, count: int):
+        import qshard
+
+        self.directory, self.version = directory, qshard.__version__
+        self.names = (
+            [SINGLE_FILE_NAME]
+            if count == 1
+            else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        )
+        self.save_id = secrets.token_hex(8)
+        self.written: list[pathlib.Path] = []
+        self.weight_map: dict[str, str] = {}
+        self.configs: dict[str, dict] = {}
+        self.failure: Exception | None = None
+
+    def run(self, step, *args) -> None:
+        if self.failure is None:
+            try:
+                step(*args)
+            except Exception as e:  # re-raised by save, after the other ranks hear of it
+                self.failure = e
+
+    def write_file(self, group: list[_Entry]) -> None:
+        name = self.names[len(self.written)]
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tensors, metadata = _file_contents(group, self.version, self.save_id)
+        _atomic_write(
+            self.directory / name, functools.partial(_write_safetensors, tensors, metadata)
+        )
+        self.weight_map.update(dict.fromkeys(tensors, name))
+        self.written.append(self.directory / name)
+        for entry in group:
+            if isinstance(entry.value, QTensor):
+                config = entry.value.config().to_dict()
+                text = json.dumps(config, sort_keys=True)
+                group_ = self.configs.setdefault(text, {"config": config, "targets": []})
+                group_["targets"].append(entry.key)
+
+    def finish(self, entries: list[_Entry]) -> None:
+        if len(self.names) > 1:
+            total = sum(entry.nbytes() for entry in entries)
+            index = {"metadata": {"total_size": total}, "weight_map": self.weight_map}
+            self._write_json(INDEX_NAME, index)
+        groups = {f"group_{i}": g for i, g in enumerate(self.configs.values())}
+        config = {"quant_method": "qshard", "qshard_version": self.version, "config_groups": groups}
+        self._write_json(QUANTIZATION_CONFIG_NAME, config)
+        _remove_stale(self.directory, {p.name for p in self.written})
+
+    def _write_json(self, name: str, data) -> None:
+        text = (json.dumps(data, indent=2) + "\n").encode()
+        _atomic_write(self.directory / name, lambda f: f.write(text))
+        self.written.append(self.directory / name)
 
 
 def _file_contents(group: list[_Entry], version: str, save_id: str):
@@ -314,21 +357,3 @@ def _remove_stale(directory: pathlib.Path, keep: set[str]) -> None:
         ours = path.name in (SINGLE_FILE_NAME, INDEX_NAME) or SHARD_NAME.fullmatch(path.name)
         if ours and path.name not in keep:
             path.unlink()
-
-
-def _quantization_config(entries: list[_Entry], version: str) -> dict:
-    groups: dict[str, dict] = {}
-    for entry in entries:
-        if isinstance(entry.value, QTensor):
-            config = entry.value.config().to_dict()
-            text = json.dumps(config, sort_keys=True)
-            groups.setdefault(text, {"config": config, "targets": []})["targets"].append(entry.key)
-    return {
-        "quant_method": "qshard",
-        "qshard_version": version,
-        "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
-    }
-
-
-def _write_json(data, f) -> None:
-    f.write((json.dumps(data, indent=2) + "\n").encode())
