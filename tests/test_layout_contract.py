@@ -185,6 +185,31 @@ def test_misaligned_slice_is_exact_or_raises(cls, config, data):
     assert torch.equal(sliced.dequantize(), q.dequantize()[index])
 
 
+@cases
+@HYPOTHESIS
+@given(data=st.data())
+def test_realign_of_an_aligned_part_packs_it_as_the_whole(cls, config, data):
+    """A sharded load reads only the blocks covering a rank's chunk and realigns that part with
+    the full weight's cuts (offsets relative to the part, possibly outside it): the result must
+    be the part of the whole weight realigned for those cuts."""
+    n, k = 3 * 64 + 5, 2 * 64 + 7
+    q = cls.from_float(gaussian(n, k, seed=data.draw(st.integers(0, 2**31))), config)
+    dim = data.draw(st.sampled_from([0, 1]))
+    size, step = (n, k)[dim], q.slice_granularity(dim)
+    # Cuts on a finer power-of-two grid than the packing (realignable for FP8), or anywhere.
+    unit = data.draw(st.sampled_from([step // 2, step // 4, step // 8, 1]))
+    grid = st.integers(1, (size - 1) // max(unit, 1)).map(lambda i: i * max(unit, 1))
+    cuts = sorted(set(data.draw(st.lists(grid, min_size=1, max_size=3))))
+    try:
+        whole = q.realign(dim, cuts)
+    except MisalignedSliceError:
+        return
+    first = data.draw(st.integers(0, (size - 1) // step)) * step
+    last = min(size, first + data.draw(st.integers(1, 3)) * step)
+    part = q.slice_logical(dim, first, last).realign(dim, [c - first for c in cuts])
+    assert_same_qtensor(part.clone(), whole.slice_logical(dim, first, last).clone())
+
+
 # ---- narrow + copy_ write through to the parent (the vLLM loading pattern) ------------------
 
 

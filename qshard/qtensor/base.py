@@ -290,7 +290,11 @@ class QTensor(torch.Tensor):
         """This weight, re-packed if needed so that cutting logical `dim` at every offset in
         `offsets` keeps whole packed elements and blocks; raises MisalignedSliceError if the
         layout cannot. Tensor parallelism calls it once with every shard boundary, so that all
-        ranks get the same packing."""
+        ranks get the same packing.
+
+        Offsets may lie outside [0, size]: on a part of a larger weight that starts and ends on
+        packing boundaries, `realign` with the larger weight's cuts (relative to the part) packs
+        the part exactly as it packs the whole (a sharded load reads only a rank's blocks)."""
         misaligned = self.misaligned_offsets(dim, offsets)
         return self._realign_misaligned(dim, misaligned) if misaligned else self
 
