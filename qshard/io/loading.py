@@ -32,7 +32,6 @@ __all__ = ["load"]
 def load(
     path: str | os.PathLike,
     model: nn.Module | None = None,
-    *,
     device: torch.device | str | None = None,
     mesh=None,
     plan=None,
