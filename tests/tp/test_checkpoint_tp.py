@@ -121,10 +121,14 @@ def _load_sharded_worker(rank, world, mesh, directory, dims):
             assert torch.equal(loaded(TOKENS), expected(TOKENS))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_checkpoint_saved_at_tp1_loads_at_tp_n(world, tmp_path):
-    save_every_case(tmp_path, {})
-    spawn(_load_sharded_worker, world, tmp_path, {})
+# At TP 8 the block needs 8 heads; its 96-row qkv and 32-column o shards re-block to 32.
+EIGHT_HEADS = {"dim": 256, "heads": 8, "head_dim": 32, "hidden": 1024}
+
+
+@pytest.mark.parametrize(("world", "dims"), [(2, {}), (4, {}), (8, EIGHT_HEADS)])
+def test_a_checkpoint_saved_at_tp1_loads_at_tp_n(world, dims, tmp_path):
+    save_every_case(tmp_path, dims)
+    spawn(_load_sharded_worker, world, tmp_path, dims)
 
 
 def test_a_tp4_load_reblocks_cut_blocks_like_parallelize(tmp_path):
