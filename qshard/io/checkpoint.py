@@ -15,6 +15,7 @@ import json
 import math
 import os
 import pathlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = ["INDEX_NAME", "SINGLE_FILE_NAME", "Checkpoint"]
 
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 
 
@@ -88,8 +90,8 @@ def read_header(path: pathlib.Path) -> FileHeader:
 
 def _parse_entry(key: str, info: Any, where: str) -> tuple[StoredTensor, int, int]:
     at = f"{where}: tensor {key!r}"
-    if not isinstance(info, dict) or info.get("dtype") not in SAFETENSORS_DTYPES:
-        dtype = info.get("dtype") if isinstance(info, dict) else None
+    dtype = info.get("dtype") if isinstance(info, dict) else None
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
         raise CheckpointError(
             f"{at}: dtype {dtype!r} is not one of the safetensors dtypes qshard reads "
             f"({sorted(SAFETENSORS_DTYPES)})"
@@ -97,7 +99,9 @@ def _parse_entry(key: str, info: Any, where: str) -> tuple[StoredTensor, int, in
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not _ints(shape) or not (_ints(offsets) and len(offsets) == 2):
         raise CheckpointError(f"{at}: shape {shape!r} / data_offsets {offsets!r} are invalid")
-    dtype = SAFETENSORS_DTYPES[info["dtype"]]
+    if any(size >= 2**62 or math.prod(shape[: i + 1]) >= 2**62 for i, size in enumerate(shape)):
+        raise CheckpointError(f"{at}: shape {shape} is too large for any file")
+    dtype = SAFETENSORS_DTYPES[dtype]
     begin, end = offsets
     if end - begin != math.prod(shape) * dtype.itemsize:
         raise CheckpointError(
@@ -132,6 +136,12 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[list[pathlib.Path], dict[
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file or directory")
     if path.suffix != ".json":
+        shard = SHARD_NAME.fullmatch(path.name)
+        if shard and int(shard.group(2)) > 1:  # one shard alone is part of a checkpoint
+            raise CheckpointError(
+                f"{path}: one shard of {int(shard.group(2))}, without its {INDEX_NAME} (a save "
+                f"that did not finish, or a missing file); load the checkpoint's index"
+            )
         return [path], None
     try:
         index = json.loads(path.read_text())
@@ -293,12 +303,15 @@ class Checkpoint:
             ) from None
         expected = list(stored.shape)
         expected[dim] = end - start
+        # get_slice returns a view of safetensors' memory map of the file: copy it out, so that
+        # the tensor neither keeps the file mapped nor changes with it.
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
         if tensor.dtype != stored.dtype or list(tensor.shape) != expected:
             raise CheckpointError(
                 f"{header.path}: slice of {stored.key!r} read as {tensor.dtype}"
                 f"{list(tensor.shape)}, expected {stored.dtype}{expected}"
             )
-        return tensor.contiguous()
+        return tensor
 
     def _safe_open(self, path: pathlib.Path):
         if path not in self._open:

@@ -30,6 +30,7 @@ anywhere in a file raises `CheckpointError` instead of loading different numbers
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import json
@@ -44,7 +45,7 @@ import torch
 
 from ..errors import CheckpointError, QShardError
 from ..layouts.registry import attr_types, layout_by_name, registered_layouts
-from ..qtensor import QTensor
+from ..qtensor import FLOAT_DTYPES, QTensor
 
 __all__ = [
     "FORMAT_VERSION",
@@ -127,6 +128,9 @@ class Record:
 
     def stored(self) -> list[StoredTensor]:
         return [self.tensor] if self.tensor is not None else list(self.inner.values())
+
+    def outer_dtype(self) -> torch.dtype:
+        return self.tensor.dtype if self.tensor is not None else self.dtype
 
     def outer_shape(self) -> tuple[int, ...]:
         if self.tensor is not None:
@@ -225,9 +229,9 @@ def decode_metadata(
     _check_version(data, where)
     entries = _expect(data.get("entries"), dict, "entries", where)
     records = {key: _decode_record(key, raw, stored, where) for key, raw in entries.items()}
-    described = [s.key for r in records.values() for s in r.stored()]
+    described = collections.Counter(s.key for r in records.values() for s in r.stored())
     extra = sorted(set(stored) - set(described))
-    twice = sorted({k for k in described if described.count(k) > 1})
+    twice = sorted(k for k, count in described.items() if count > 1)
     if extra or twice:
         raise CheckpointError(
             f"{where}: stored tensors {extra or twice} are "
@@ -270,6 +274,11 @@ def _decode_record(key: str, raw: Any, stored: Mapping[str, StoredTensor], where
         )
     shape = _expect_ints(raw.get("shape"), 2, "shape", at)
     dtype = _decode_dtype(raw.get("dtype"), at)
+    if dtype not in FLOAT_DTYPES:
+        raise CheckpointError(
+            f"{at}: a quantized weight stands for a {dtype}; expected one of "
+            f"{[dtype_name(d) for d in FLOAT_DTYPES]}"
+        )
     transposed = _expect(raw.get("transposed"), bool, "transposed", at)
     attrs = _decode_attrs(layout, _expect(raw.get("attrs"), dict, "attrs", at), at)
     inner_raw = _expect(raw.get("inner"), dict, "inner", at)

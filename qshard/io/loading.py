@@ -51,7 +51,7 @@ def load(
             if mesh is not None:
                 raise QShardError("qshard.load: mesh and plan shard a model; pass model=")
             device = torch.device("cpu") if device is None else torch.device(device)
-            return _read_all(checkpoint, checkpoint.keys(), {}, device, None)
+            return _read_all(checkpoint, checkpoint.keys(), {}, device, None, {})
         return _load_into(checkpoint, model, device, mesh, plan, strict)
 
 
@@ -78,6 +78,14 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
                 f"qshard.load: {key!r} is {list(stored)} in the checkpoint and "
                 f"{list(targets[key].shape)} in the model"
             )
+    dtypes = {}  # the model's dtype where a floating checkpoint tensor is converted to it
+    for key in keys:
+        stored, wanted = checkpoint.record(key).outer_dtype(), targets[key].dtype
+        if stored != wanted and not (stored.is_floating_point and wanted.is_floating_point):
+            raise CheckpointError(
+                f"qshard.load: {key!r} is {stored} in the checkpoint and {wanted} in the model"
+            )
+        dtypes[key] = wanted
     placements, resolved = {}, None
     if mesh is not None:
         from ..tp.plan import checked_placements
@@ -85,7 +93,7 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
         metas = {k: checkpoint.record(k).meta() for k in keys}
         resolved, placements = checked_placements(model, mesh, plan, metas)
     device = _target_device(device, mesh, targets)
-    values = _read_all(checkpoint, keys, placements, device, mesh)
+    values = _read_all(checkpoint, keys, placements, device, mesh, dtypes)
     _assign(model, targets, values)
     if resolved is not None:
         from ..tp.plan import apply_styles
@@ -100,17 +108,18 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
     return model
 
 
-def _read_all(checkpoint: Checkpoint, keys, placements: Mapping, device, mesh) -> dict:
-    """{key: tensor}; an alias gets the very tensor of its target, read once."""
+def _read_all(checkpoint: Checkpoint, keys, placements: Mapping, device, mesh, dtypes) -> dict:
+    """{key: tensor}, floating ones in `dtypes[key]` where given; an alias gets the very tensor
+    of its target, read once."""
     from torch.distributed.tensor import DTensor, Shard
 
     values, cache = {}, {}
     for key in keys:
-        placement = placements.get(key)
-        cache_key = (checkpoint.record(key).key, repr(placement))
+        placement, dtype = placements.get(key), dtypes.get(key)
+        cache_key = (checkpoint.record(key).key, repr(placement), dtype)
         if cache_key not in cache:
             if placement is None:
-                value = checkpoint.read(key, device)
+                value = _as_dtype(checkpoint.read(key, device), dtype)
             else:
                 world, rank = mesh.size(), mesh.get_local_rank()
                 record = checkpoint.record(key)
@@ -118,6 +127,7 @@ def _read_all(checkpoint: Checkpoint, keys, placements: Mapping, device, mesh) -
                     local = checkpoint.read_shard(key, placement.dim, world, rank, device)
                 else:
                     local = checkpoint.read(key, device)
+                local = _as_dtype(local, dtype)
                 shape = record.outer_shape()
                 stride = torch.empty(shape, device="meta").stride()
                 value = DTensor.from_local(
@@ -128,9 +138,21 @@ def _read_all(checkpoint: Checkpoint, keys, placements: Mapping, device, mesh) -
     return values
 
 
+def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` as the model's floating `dtype`: a plain tensor is cast, a quantized one only
+    changes the float dtype it stands for (its packed data is unchanged)."""
+    if dtype is None or tensor.dtype == dtype:
+        return tensor
+    if isinstance(tensor, QTensor):
+        return tensor.with_changes(dtype=dtype, fresh=True)
+    return tensor.to(dtype)
+
+
 def _assign(model: nn.Module, targets: Mapping[str, torch.Tensor], values: Mapping) -> None:
-    """Replace each parameter and buffer; parameters tied in the model stay tied."""
+    """Replace each parameter and buffer; parameters tied in the model stay tied. Every new
+    Parameter is made before the first one is assigned, so that nothing is half-done."""
     new_params: dict[tuple, nn.Parameter] = {}
+    changes = []
     for key, value in values.items():
         module_name, _, attr = key.rpartition(".")
         owner = model.get_submodule(module_name)
@@ -140,9 +162,11 @@ def _assign(model: nn.Module, targets: Mapping[str, torch.Tensor], values: Mappi
             if tie not in new_params:
                 grad = old.requires_grad and not isinstance(_local(value), QTensor)
                 new_params[tie] = nn.Parameter(value, requires_grad=grad)
-            owner._parameters[attr] = new_params[tie]
+            changes.append((owner._parameters, attr, new_params[tie]))
         else:
-            owner._buffers[attr] = value
+            changes.append((owner._buffers, attr, value))
+    for table, attr, value in changes:
+        table[attr] = value
 
 
 def _target_device(device, mesh, targets: Mapping[str, torch.Tensor]) -> torch.device:

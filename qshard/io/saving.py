@@ -31,14 +31,13 @@ from torch import nn
 from ..api import _is_dtensor, _local
 from ..errors import QShardError
 from ..qtensor import QTensor
-from .checkpoint import INDEX_NAME, SINGLE_FILE_NAME
+from .checkpoint import INDEX_NAME, SHARD_NAME, SINGLE_FILE_NAME
 from .format import SAFETENSORS_DTYPES, StoredTensor, crc32, encode_metadata, qtensor_record
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "QUANTIZATION_CONFIG_NAME", "parse_size", "save"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 QUANTIZATION_CONFIG_NAME = "quantization_config.json"
-SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = {
     "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
@@ -142,9 +141,16 @@ def _state_dict(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.
                 f"qshard.save: entry {key!r} is a {type(value).__name__}; a state_dict maps "
                 f"names (str) to tensors"
             )
+        if key == "__metadata__":
+            raise QShardError(
+                "qshard.save: the key '__metadata__' is reserved by the safetensors format; "
+                "rename that entry"
+            )
         local = _local(value)
         if local.device.type == "meta":
             raise QShardError(f"qshard.save: {key!r} is on the meta device and has no data")
+        if isinstance(local, QTensor):  # checked before any file is written
+            qtensor_record(key, local, {})
         inner = local.inner_tensors().values() if isinstance(local, QTensor) else [local]
         for t in inner:
             if t.dtype not in _SAFETENSORS_NAMES:
@@ -306,6 +312,9 @@ def _write_safetensors(tensors: Mapping[str, torch.Tensor], metadata: dict[str, 
     then each tensor's bytes in header order."""
     header: dict = {"__metadata__": metadata}
     offset = 0
+    # Widest elements first (a stable sort): every tensor's data starts at a multiple of its
+    # element size, as safetensors' own writer arranges, so that readers can view it in place.
+    tensors = dict(sorted(tensors.items(), key=lambda item: -item[1].element_size()))
     for key, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
         header[key] = {

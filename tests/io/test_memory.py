@@ -77,8 +77,9 @@ print(json.dumps({"before_kib": before, "after_kib": peak_kib()}))
 
 def test_peak_memory_of_a_load_is_the_quantized_size_not_the_float_size(tmp_path):
     """The peak RSS growth while loading 16 fp8 layers of 4096x4096 (256 MiB of fp8 data,
-    1 GiB as float32) into a meta model: measured 1.2x the fp8 bytes (307 MiB) on the 2-core
-    dev machine (torch 2.13 CPU), the rest being allocator and import overhead."""
+    1 GiB as float32) into a meta model: measured 1.1x to 1.5x the fp8 bytes (273 to 389 MiB)
+    on the 2-core dev machine (torch 2.13 CPU), the rest being allocator noise. The bound, 2x,
+    is far below what float weights would add (the 1 GiB, or 512 MiB in bf16)."""
     layers, width = 16, 4096
     state = {}
     for i in range(layers):
@@ -94,7 +95,7 @@ def test_peak_memory_of_a_load_is_the_quantized_size_not_the_float_size(tmp_path
     growth = (result["after_kib"] - result["before_kib"]) * 1024
     fp8_bytes = layers * width * width
     float_bytes = 4 * fp8_bytes
-    assert growth < 1.5 * fp8_bytes, (
+    assert growth < 2 * fp8_bytes, (
         f"peak grew {growth / 2**20:.0f} MiB while loading {fp8_bytes / 2**20:.0f} MiB of fp8 "
         f"({float_bytes / 2**20:.0f} MiB as float32)"
     )

@@ -366,9 +366,9 @@ def test_damaged_files(tmp_path):
     path.write_bytes(data[:5])
     expect_load_error(path, "truncated or not safetensors")
     damaged = bytearray(data)
-    damaged[-10] ^= 0xFF  # a byte of norm.bias
+    damaged[-10] ^= 0xFF  # a byte of the last tensor
     path.write_bytes(bytes(damaged))
-    expect_load_error(path, "'norm.bias' does not match its checksum")
+    expect_load_error(path, "'[^']+' does not match its checksum")
     damaged = bytearray(data)
     damaged[data.index(b"save_id") + 20] ^= 0x01  # inside the qshard metadata text
     path.write_bytes(bytes(damaged))
@@ -407,6 +407,10 @@ def test_header_metadata_that_does_not_parse_or_is_not_understood(tmp_path):
             "alias of 'nothing'",
         ),
         "entry missing": (lambda h: h["entries"].pop("norm.bias"), "described by no"),
+        "outer dtype not a float": (
+            lambda h: h["entries"]["up.weight"].update(dtype="int64"),
+            "stands for a torch.int64",
+        ),
     }
     original = path.read_bytes()
     for name, (edit, message) in edits.items():
@@ -446,3 +450,88 @@ def test_load_argument_errors(tmp_path):
     (tmp_path / "third.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"2 other \.safetensors files"):
         qshard.load(tmp_path)
+
+
+def write_raw(path: pathlib.Path, header: dict, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def test_malformed_safetensors_headers(tmp_path):
+    path = tmp_path / "model.safetensors"
+    entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    for bad, message in [
+        ({**entry, "dtype": ["F32"]}, "dtype .* is not one of"),
+        ({**entry, "dtype": "F128"}, "dtype 'F128' is not one of"),
+        ({**entry, "shape": [2**40, 2**40, 0]}, "too large"),
+        ({**entry, "shape": [-2]}, "invalid"),
+        ({**entry, "data_offsets": [0, 4]}, "hold 4 bytes"),
+        ({**entry, "data_offsets": [8, 16]}, "starts at data byte 8"),
+    ]:
+        write_raw(path, {"x": bad}, bytes(8))
+        with pytest.raises(CheckpointError, match=message):
+            qshard.load(path)
+    write_raw(path, {"x": entry}, bytes(8))
+    assert torch.equal(qshard.load(path)["x"], torch.zeros(2))  # a plain safetensors file loads
+
+
+def test_tensors_are_aligned_to_their_element_size(tmp_path):
+    """Widest elements first, as safetensors' own writer does, so a reader can view in place."""
+    weight = qshard.Fp8BlockwiseTensor.from_float(torch.randn(72, 40))
+    qshard.save({"flag": torch.ones(3, dtype=torch.bool), "w": weight, "i": torch.ones(3).long()},
+                tmp_path)  # fmt: skip
+    data = (tmp_path / "model.safetensors").read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    assert start % 8 == 0
+    header = json.loads(data[8:start])
+    sizes = {"BOOL": 1, "F8_E4M3": 1, "F32": 4, "I64": 8}
+    for key, info in header.items():
+        if key != "__metadata__":
+            assert (start + info["data_offsets"][0]) % sizes[info["dtype"]] == 0, key
+
+
+def test_one_shard_without_its_index_is_refused(tmp_path):
+    model = quantized_model(qshard.Fp8BlockwiseConfig())
+    qshard.save(model, tmp_path, max_shard_size=40_000)
+    for path in sorted(tmp_path.glob("model-*.safetensors"))[1:]:
+        path.unlink()
+    (tmp_path / "model.safetensors.index.json").unlink()  # as after a crash mid-save
+    expect_load_error(tmp_path, "one shard of .* without its model.safetensors.index.json")
+
+
+def test_an_unregistered_layout_is_refused_before_any_file_is_written(tmp_path):
+    weight = qshard.Fp8BlockwiseTensor.from_float(torch.randn(64, 64))
+
+    class Unregistered(qshard.Fp8BlockwiseTensor):
+        pass
+
+    stray = Unregistered(weight.inner_tensors(), shape=(64, 64), dtype=torch.float32,
+                         **weight.attrs())  # fmt: skip
+    with pytest.raises(QShardError, match="not a registered layout"):
+        qshard.save({"a": weight, "b": stray}, tmp_path / "out", max_shard_size=1)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(QShardError, match="__metadata__"):
+        qshard.save({"__metadata__": torch.zeros(1)}, tmp_path / "out")
+
+
+def test_dtypes_follow_the_model_and_non_float_mismatches_are_refused(tmp_path):
+    model = quantized_model(qshard.Fp8BlockwiseConfig())
+    qshard.save(model, tmp_path)
+    with torch.device("meta"):
+        bf16 = Model().to(torch.bfloat16)
+    qshard.load(tmp_path, bf16)
+    assert bf16.up.weight.dtype == torch.bfloat16 and bf16.up.bias.dtype == torch.bfloat16
+    assert_same_qtensor(bf16.up.weight.to(torch.float32), model.up.weight)  # same packed data
+    qshard.save(model.state_dict() | {"up.bias": torch.arange(336, dtype=torch.int32)}, tmp_path)
+    expect_load_error(tmp_path, "'up.bias' is torch.int32 in the checkpoint and torch.float32",
+                      file_is_bad=False)  # fmt: skip
+
+
+def test_sliced_reads_are_copies_not_views_of_the_file(tmp_path):
+    state = {"w": torch.randn(6, 4), "q": qshard.Fp8BlockwiseTensor.from_float(torch.randn(64, 64))}
+    qshard.save(state, tmp_path)
+    with qshard.io.Checkpoint(tmp_path) as checkpoint:
+        rows = checkpoint.read_shard("w", 0, 2, 1)
+        cols = checkpoint.read_shard("w", 1, 2, 0)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # the file changes under the tensors
+    assert torch.equal(rows, state["w"][3:]) and torch.equal(cols, state["w"][:, :2])
