@@ -10,7 +10,8 @@ Attributes:
     act_group_size  activations are quantized per token per this many channels; divides bk
     weight_only     True: activations stay in their float dtype (W8A16)
     scale_format    ScaleFormat.FP32, or UE8M0 (scales rounded up to powers of two)
-    backend         Backend.AUTO or REFERENCE (the only implementation in this version)
+    backend         AUTO (GPU kernels where they run, else the reference), REFERENCE, TRITON
+                    or CUBLAS (forced; BackendUnavailableError where they cannot run)
 
 Packing for the shape ops: qdata (1, 1), scale (bn, bk). A slice whose offsets are not multiples
 of the block but are multiples of a finer power-of-two block (>= 16) re-blocks exactly: each
@@ -35,6 +36,11 @@ from ..errors import (
     NonFiniteWeightError,
     UnsupportedWeightError,
 )
+from ..kernels.availability import (
+    cublas_unavailable_reason,
+    load_gpu_ops,
+    triton_unavailable_reason,
+)
 from ..kernels.fp8_blockwise import (
     dequantize_blockwise,
     fp8_blockwise_linear_reference,
@@ -47,7 +53,7 @@ __all__ = ["FP8_MIN_SQNR_DB", "MIN_BLOCK", "Fp8BlockwiseConfig", "Fp8BlockwiseTe
 
 MIN_BLOCK = 16  # smallest block side: the K tile of an fp8 MMA instruction is 32, of tl.dot 16
 FP8_MIN_SQNR_DB = 25.0  # F.linear vs float on Gaussian weights; e4m3's 3 mantissa bits give ~29
-AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE)
+AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE, Backend.TRITON, Backend.CUBLAS)
 
 
 def _is_block_side(n: Any) -> bool:
@@ -217,7 +223,13 @@ class Fp8BlockwiseTensor(QTensor):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         _check_activation(self, x)
         backend = self.select_backend(x)
-        assert backend is Backend.REFERENCE, backend
+        if backend is not Backend.REFERENCE:
+            load_gpu_ops()
+            (bn, bk), ue8m0 = self.block_size, self.scale_format is ScaleFormat.UE8M0
+            return torch.ops.qshard.fp8_blockwise_linear(
+                x, self.qdata, self.scale, bias, bn, bk, self.act_group_size, ue8m0,
+                backend.value,
+            )  # fmt: skip
         return fp8_blockwise_linear_reference(
             x,
             self.qdata,
@@ -230,15 +242,34 @@ class Fp8BlockwiseTensor(QTensor):
         )
 
     def select_backend(self, x: torch.Tensor) -> Backend:
-        """Which implementation runs `x @ W.T`. Only the reference exists in this version, on
-        every device; `auto` will choose by (M, N, K, GPU) when the kernels land."""
-        if self.backend in (Backend.AUTO, Backend.REFERENCE):
+        """Which implementation runs `x @ W.T`.
+
+        `auto`: the GPU kernels where they can run (W8A8 on a CUDA GPU with Triton, sm_89+),
+        else the reference; between Triton and cuBLAS the op itself picks by the number of
+        tokens at run time (kernels/fp8_blockwise_gpu.py). A forced `triton` or `cublas` that
+        cannot run here raises BackendUnavailableError; nothing is substituted silently.
+        """
+        if self.backend is Backend.REFERENCE:
             return Backend.REFERENCE
-        raise BackendUnavailableError(
-            f"Fp8BlockwiseTensor: backend {self.backend.value!r} is not available in this qshard "
-            f"version (available: {[b.value for b in AVAILABLE_BACKENDS]}); re-quantize with "
-            f"backend='auto'"
-        )
+        reason = self._unavailable_reason(x.device, self.backend)
+        if self.backend is Backend.AUTO:
+            interpreted = x.device.type == "cpu"  # the Triton interpreter: for tests only
+            return Backend.REFERENCE if reason or interpreted else Backend.AUTO
+        if reason:
+            raise BackendUnavailableError(
+                f"Fp8BlockwiseTensor {list(self.logical_shape)}: backend "
+                f"{self.backend.value!r} cannot run here: {reason}; use backend='auto' (which "
+                f"picks what runs) or 'reference'"
+            )
+        return self.backend
+
+    def _unavailable_reason(self, device: torch.device, backend: Backend) -> str | None:
+        if self.weight_only:
+            return "weight-only (W8A16) FP8 runs on the reference path in this version"
+        if backend is Backend.CUBLAS:
+            n, k = self.logical_shape
+            return cublas_unavailable_reason(device, n, k, *self.block_size, self.act_group_size)
+        return triton_unavailable_reason(device)
 
 
 def _check_weight(weight: Any) -> None:

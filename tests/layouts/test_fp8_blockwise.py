@@ -29,7 +29,7 @@ def test_defaults_are_deepseek_v3():
         ({"act_group_size": 48}, "power of two"),
         ({"scale_format": "e5m2"}, "'fp32', 'ue8m0'"),
         ({"backend": "cuda"}, "not one of"),
-        ({"backend": "triton"}, "not available"),
+        ({"backend": "gemlite"}, "not available"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, match):

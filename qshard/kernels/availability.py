@@ -1,0 +1,58 @@
+"""Which GPU kernel backends can run here, decided without importing Triton (layouts use this;
+the kernel modules, which import Triton, are loaded only when a kernel is about to run)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["cublas_unavailable_reason", "load_gpu_ops", "triton_unavailable_reason"]
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Triton FP8 kernels cannot run on `device`, or None if they can. On the CPU they
+    run only under the Triton interpreter (TRITON_INTERPRET=1, for tests)."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton)"
+    if device.type == "cpu" and triton_interpreted():
+        return None
+    if device.type != "cuda":
+        return f"the Triton kernels run on CUDA GPUs, not {device.type}"
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return f"Triton's fp8 dot needs sm_89 or newer (Ada, Hopper); {name} is older"
+    return None
+
+
+def cublas_unavailable_reason(
+    device: torch.device, n: int, k: int, block_n: int, block_k: int, group: int
+) -> str | None:
+    """Why cuBLAS blockwise FP8 (`F.scaled_mm`) cannot run this layout here, or None."""
+    if device.type != "cuda":
+        return f"it needs a CUDA device, not {device.type}"
+    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+        return f"torch {torch.__version__} has no F.scaled_mm blockwise scaling (torch >= 2.10)"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "cuBLAS blockwise FP8 runs on sm_90 (H100/H200) only"
+    if (block_n, block_k, group) != (128, 128, 128):
+        return (
+            f"cuBLAS takes 128x128 weight blocks and 1x128 activation groups, not "
+            f"{block_n}x{block_k} blocks with 1x{group} groups"
+        )
+    if k % 128 or n % 128:
+        return f"cuBLAS needs N and K multiples of 128 (no partial blocks), got N={n}, K={k}"
+    return None
+
+
+@functools.cache
+def load_gpu_ops() -> None:
+    """Import the kernel modules once: that registers `torch.ops.qshard.fp8_*`."""
+    from . import fp8_blockwise_gpu  # noqa: F401

@@ -1,0 +1,69 @@
+"""The GPU entry point of the FP8 blockwise W8A8 matmul, and its cuBLAS backend.
+
+`torch.ops.qshard.fp8_blockwise_linear(x, qdata, scale, bias, block_n, block_k, group, ue8m0,
+backend)` runs `backend` "triton" or "cublas", or for "auto" picks by the number of tokens M at
+run time (inside the op, so that torch.compile with a dynamic batch puts no guard on M):
+
+    M <= CUBLAS_MIN_M, or cuBLAS cannot take the layout  ->  Triton (act quant fused for M <= 32)
+    otherwise                                             ->  cuBLAS blockwise scaled_mm
+
+cuBLAS: `F.scaled_mm` with BlockWise1x128 activations x BlockWise128x128 weights (torch >= 2.10,
+CUDA >= 12.9, sm_90 only; facts.md §3): `a` fp8 [M, K] row-major with scales [M, K/128] of
+strides (1, M) (exactly the group-major scales the Triton act-quant kernel writes), `b` = W.t()
+with scales = the [N/128, K/128] block scales `.t()`. M is padded to a multiple of 16 (M = 1 is
+refused by cuBLAS).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .availability import cublas_unavailable_reason
+from .fp8_blockwise_triton import act_quant_launch, gemm_launch
+
+__all__ = ["CUBLAS_MIN_M", "cublas_linear", "fp8_blockwise_linear"]
+
+CUBLAS_MIN_M = 256  # auto: from this many tokens on cuBLAS is faster (bench/bench_fp8.py)
+CUBLAS_M_MULTIPLE = 16
+
+
+def cublas_linear(
+    x2d: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    ue8m0: bool,
+) -> torch.Tensor:  # fmt: skip
+    m = x2d.shape[0]
+    pad = -m % CUBLAS_M_MULTIPLE
+    if pad:
+        x2d = F.pad(x2d, (0, 0, 0, pad))
+    q, x_scale = act_quant_launch(x2d, 128, ue8m0)
+    out = F.scaled_mm(
+        q, qdata.t(), x_scale.t(), F.ScalingType.BlockWise1x128,
+        scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x2d.dtype,
+    )  # fmt: skip
+    out = out[:m]
+    return out + bias if bias is not None else out
+
+
+@torch.library.custom_op("qshard::fp8_blockwise_linear", mutates_args=())
+def fp8_blockwise_linear(
+    x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    block_n: int, block_k: int, group: int, ue8m0: bool, backend: str,
+) -> torch.Tensor:  # fmt: skip
+    """y = x @ W.T + bias for x [..., K] and the FP8 blockwise weight (qdata, scale)."""
+    n, k = qdata.shape
+    x2d = x.reshape(-1, k).contiguous()
+    scale = scale.contiguous()
+    if backend == "auto":
+        cublas_ok = cublas_unavailable_reason(x.device, n, k, block_n, block_k, group) is None
+        backend = "cublas" if cublas_ok and x2d.shape[0] > CUBLAS_MIN_M else "triton"
+    if backend == "cublas":
+        out = cublas_linear(x2d, qdata, scale, bias, ue8m0)
+    else:
+        out = gemm_launch(x2d, qdata, scale, bias, block_n, block_k, group, ue8m0)
+    return out.reshape(*x.shape[:-1], n)
+
+
+@fp8_blockwise_linear.register_fake
+def _(x, qdata, scale, bias, block_n, block_k, group, ue8m0, backend):
+    return x.new_empty((*x.shape[:-1], qdata.shape[0]))

@@ -1,0 +1,219 @@
+"""FP8 blockwise W8A8 kernels in Triton: per-token-group activation quantization and the GEMM.
+
+Layers: @triton.jit kernels -> launchers (tile choice by shape) -> torch.library ops with fake
+implementations (`torch.ops.qshard.fp8_act_quant` here; the matmul op, which also picks between
+this GEMM and cuBLAS, is `torch.ops.qshard.fp8_blockwise_linear` in `fp8_blockwise_gpu.py`).
+Their definition is `fp8_blockwise.py`'s reference; tests compare against it (bit for bit for
+the activation quantization, within fp32 summation order for the GEMM).
+
+GEMM: y[m, n] = sum over activation groups g of
+    (sum_{k in g} xq[m, k] * wq[n, k]) * (x_scale[m, g] * w_scale[n // bn, k // bk])
+The fp8 dot of one group is accumulated by the tensor cores, then promoted to fp32 with its
+scales (DeepSeek-V3 §3.3.2), so BLOCK_K is the activation group (128, or 64 after re-blocking).
+Activation scales are stored group-major, [ceil(K/group), M] (M contiguous): the GEMM reads a
+row of them per K step, coalesced, and it is the layout cuBLAS wants for its 1x128 scales.
+
+For small M the activation quantization is fused into the GEMM (QUANT_A): each program quantizes
+the few activation rows it needs in registers, which saves a launch and a round trip of the
+quantized activations, the larger costs at decode sizes.
+
+Runs on the GPU (sm_89+: Triton's fp8 dot), and on the CPU under TRITON_INTERPRET=1 for tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_blockwise import E4M3_MAX
+
+__all__ = ["act_quant", "act_quant_launch", "gemm_config", "gemm_launch"]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+FUSED_QUANT_MAX_M = 32  # up to this M each program quantizes its own activation rows
+
+
+@triton.jit
+def _round_up_to_power_of_two(scale):
+    """UE8M0: the smallest power of two >= scale, on the bits (as the reference)."""
+    bits = scale.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    has_mantissa = ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return ((exponent + has_mantissa) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3_grid(v):
+    """fp32 values in [-448, 448] rounded to nearest-even e4m3 values, still in fp32: normals
+    keep 3 mantissa bits (a carry moves into the exponent), subnormals are multiples of 2**-9
+    (adding and subtracting 1.5 * 2**14 rounds there). Used under the Triton interpreter, whose
+    fp32 -> e4m3 cast (triton 3.9) drops the carry (124.3 -> 64 instead of 128)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = (v + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _quantize_rows(x, UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """[rows, group] fp32 -> (e4m3 [rows, group], fp32 scales [rows]), as the reference:
+    scale = amax / 448 (1.0 for an all-zero group), q = clamp(x / scale) rounded to nearest.
+    Divisions are correctly rounded (div_rn), not Triton's approximate fp32 division."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    scale = tl.where(scale > 0, scale, 1.0)
+    if UE8M0:
+        scale = _round_up_to_power_of_two(scale)
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    if EXACT_CAST:
+        q = _round_to_e4m3_grid(q)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
+    GROUP: tl.constexpr, UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    q, scale = _quantize_rows(x.to(tl.float32), UE8M0, EXACT_CAST)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + g * M + rows, scale, mask=rows < M)
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_am, stride_wn, stride_wsn, stride_om,
+    W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    QUANT_A: tl.constexpr, UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Grouped tile order: GROUP_M row tiles share each weight tile while it is in L2.
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_rows
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, GROUP)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    w_scale_ptrs = w_scale_ptr + (offs_n // W_BLOCK_N) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, tl.cdiv(K, GROUP)):
+        if EVEN_K:
+            a_mask, w_mask = m_ok[:, None], n_ok[:, None]
+        else:
+            k_ok = offs_k < K - g * GROUP
+            a_mask, w_mask = m_ok[:, None] & k_ok[None, :], n_ok[:, None] & k_ok[None, :]
+        if QUANT_A:
+            x = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+            a, a_scale = _quantize_rows(x, UE8M0, EXACT_CAST)
+        else:
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            a_scale = tl.load(a_scale_ptr + g * M + offs_m, mask=m_ok, other=0.0)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        w_scale = tl.load(w_scale_ptrs + (g * GROUP) // W_BLOCK_K, mask=n_ok, other=0.0)
+        partial = tl.dot(a, tl.trans(w))
+        acc += partial * (a_scale[:, None] * w_scale[None, :])
+        a_ptrs += GROUP
+        w_ptrs += GROUP
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---- launchers ---------------------------------------------------------------------------------
+
+
+def act_quant_launch(x: torch.Tensor, group: int, ue8m0: bool):
+    """[M, K] float -> (e4m3 [M, K], fp32 scales [ceil(K/group), M] group-major)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((-(-k // group), m), dtype=torch.float32, device=x.device)
+    if m and k:
+        block_m = 16 if m >= 16 else 1 << (m - 1).bit_length()
+        grid = (triton.cdiv(m, block_m), triton.cdiv(k, group))
+        _act_quant_kernel[grid](
+            x, q, scales, m, k, x.stride(0), q.stride(0),
+            GROUP=group, UE8M0=ue8m0, EXACT_CAST=INTERPRETED, BLOCK_M=block_m, num_warps=4,
+        )  # fmt: skip
+    return q, scales
+
+
+def gemm_config(m: int, n: int, k: int) -> dict:
+    """Tile sizes by shape: small M reads weights at full bandwidth with many narrow programs;
+    large M uses 128x128 tensor-core tiles. Tuned on H200 (bench/bench_fp8.py --sweep)."""
+    if m <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 5}
+    if m <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+    if m <= 256:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def gemm_launch(
+    x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    block_n: int, block_k: int, group: int, ue8m0: bool, config: dict | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] float -> x @ W.T + bias [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qdata.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n) if bias is not None else out.zero_())
+    config = dict(config or gemm_config(m, n, k))
+    if INTERPRETED:  # the interpreter runs one program at a time: keep tiles small
+        config.update(num_stages=1)
+    fused = m <= FUSED_QUANT_MAX_M
+    if fused:
+        a, a_scale = x, x  # a_scale is unused when the kernel quantizes
+    else:
+        a, a_scale = act_quant_launch(x, group, ue8m0)
+    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    _gemm_kernel[grid](
+        a, a_scale, qdata, scale, bias if bias is not None else out, out,
+        m, n, k, a.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
+        W_BLOCK_N=block_n, W_BLOCK_K=block_k, GROUP=group,
+        QUANT_A=fused, UE8M0=ue8m0, EXACT_CAST=INTERPRETED,
+        HAS_BIAS=bias is not None, EVEN_K=k % group == 0,
+        **config,
+    )  # fmt: skip
+    return out
+
+
+# ---- torch.library ops -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("qshard::fp8_act_quant", mutates_args=())
+def act_quant(x: torch.Tensor, group: int, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group e4m3 quantization: (q [M, K], scales [ceil(K/group), M])."""
+    return act_quant_launch(x.contiguous(), group, ue8m0)
+
+
+@act_quant.register_fake
+def _(x, group, ue8m0):
+    m, k = x.shape
+    q = x.new_empty((m, k), dtype=torch.float8_e4m3fn)
+    return q, x.new_empty((-(-k // group), m), dtype=torch.float32)
+
+
+assert E4M3_MAX == 448.0  # the kernels hard-code the e4m3 range
