@@ -1,0 +1,221 @@
+"""FP8 blockwise W8A8 linears vs bf16 and the alternatives, activation quantization included.
+
+    python bench/bench_fp8.py            # the table (bench/README.md)
+    python bench/bench_fp8.py --sweep    # also: Triton tile configs per (M, shape), best first
+
+Shapes: the four linears of a Llama-3.1-8B layer (summed, as facts.md §1) and DeepSeek-V3's
+24576x7168, 7168x2048, 18432x7168, 7168x18432; M in {1, 16, 128, 2048, 4096}. Each method is
+timed with CUDA graphs (triton.testing.do_bench_cudagraph, median), over enough weight copies
+that their total exceeds the 50 MB L2, so small-M numbers measure HBM, not cache.
+
+Methods: bf16 F.linear (cuBLAS); qshard auto / triton / cublas; torch's cuBLAS blockwise
+scaled_mm with the activation quantization in plain torch; torchao blockwise FP8
+(Float8DynamicActivationFloat8WeightConfig, PerBlock 1x128 / 128x128); gemlite fp8 dynamic
+(per-channel, A8W8_fp8_dynamic). Missing optional packages are reported, not silently skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import qshard
+from qshard.kernels import fp8_blockwise as ref
+from qshard.kernels.availability import load_gpu_ops
+
+LLAMA = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+DEEPSEEK = {"24576x7168": (24576, 7168), "7168x2048": (7168, 2048),
+            "18432x7168": (18432, 7168), "7168x18432": (7168, 18432)}  # fmt: skip
+MS = (1, 16, 128, 2048, 4096)
+L2_BYTES = 50 * 2**20
+
+
+def copies_for(bytes_per_weight: int, m: int) -> int:
+    """Enough weight copies that one pass over them does not fit in L2 (small M only)."""
+    return 1 if m >= 2048 else max(1, math.ceil(3 * L2_BYTES / bytes_per_weight))
+
+
+def time_us(fn, count: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3 / count
+
+
+# ---- methods: each builds per-weight state and returns a callable x -> y ----------------------
+
+
+def bf16_method(w):
+    return lambda x: F.linear(x, w)
+
+
+def qshard_method(backend):
+    def build(w):
+        qdata, scale = ref.quantize_weight_blockwise(w, (128, 128), qshard.ScaleFormat.FP32)
+        op = torch.ops.qshard.fp8_blockwise_linear
+        return lambda x: op(x, qdata, scale, None, 128, 128, 128, False, backend)
+
+    return build
+
+
+def torch_cublas_method(w):
+    """cuBLAS blockwise with plain-torch activation quantization (the issue's baseline)."""
+    qdata, scale = ref.quantize_weight_blockwise(w, (128, 128), qshard.ScaleFormat.FP32)
+
+    def run(x):
+        m = x.shape[0]
+        pad = -m % 16
+        xp = F.pad(x, (0, 0, 0, pad)) if pad else x
+        q, s = ref.quantize_activation_groups(xp, 128, qshard.ScaleFormat.FP32)
+        s = torch.empty_strided(s.shape, (1, s.shape[0]), device=s.device).copy_(s)
+        out = F.scaled_mm(q, qdata.t(), s, F.ScalingType.BlockWise1x128, scale.t(),
+                          F.ScalingType.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip
+        return out[:m]
+
+    return run
+
+
+def torchao_method(w):
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerBlock
+    from torchao.quantization import quantize_ as ao_quantize
+
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
+    linear.weight.data.copy_(w)
+    granularity = [PerBlock([1, 128]), PerBlock([128, 128])]
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=granularity)
+    ao_quantize(linear, config)
+    return linear
+
+
+def gemlite_method(w):
+    import gemlite
+    from gemlite.helper import A8W8_fp8_dynamic
+
+    config = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
+    gemlite.core.GemLiteLinear.load_config(config)  # H200 has no shipped config (facts.md §4)
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
+    linear.weight.data.copy_(w)
+    return A8W8_fp8_dynamic(device="cuda", dtype=w.dtype).from_linear(linear)
+
+
+METHODS = {
+    "bf16": bf16_method,
+    "qshard-auto": qshard_method("auto"),
+    "qshard-triton": qshard_method("triton"),
+    "qshard-cublas": qshard_method("cublas"),
+    "torch-cublas-blockwise": torch_cublas_method,
+    "torchao-blockwise": torchao_method,
+    "gemlite-fp8-perchannel": gemlite_method,
+}
+
+
+def measure(method, shapes: dict, m: int) -> float | str:
+    """Summed time (us) of `method` over `shapes` at M = m, or the error that stopped it."""
+    total = 0.0
+    for n, k in shapes.values():
+        try:
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            count = copies_for(n * k, m)
+            fns = [METHODS[method](w if i == 0 else w.clone()) for i in range(count)]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            total += time_us(lambda fns=fns, x=x: [f(x) for f in fns], count)
+            del fns
+        except Exception as e:  # reported in the table, e.g. a baseline that cannot run
+            return f"fails: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
+    return total
+
+
+def table(shapes: dict, title: str, methods, ms=MS) -> None:
+    print(f"\n### {title}\n")
+    print("| method | " + " | ".join(f"M={m}" for m in ms) + " |")
+    print("|---|" + "---|" * len(ms))
+    base = {m: measure("bf16", shapes, m) for m in ms}
+    for method in methods:
+        cells = []
+        for m in ms:
+            t = base[m] if method == "bf16" else measure(method, shapes, m)
+            if isinstance(t, str):
+                cells.append(t)
+            else:
+                flops = 2 * m * sum(n * k for n, k in shapes.values())
+                cells.append(f"{t:.0f} us ({base[m] / t:.2f}x, {flops / t / 1e6:.0f} TF/s)")
+        print(f"| {method} | " + " | ".join(cells) + " |", flush=True)
+
+
+SWEEP = [
+    dict(BLOCK_M=16, BLOCK_N=16, GROUP_M=1, num_warps=4, num_stages=6),
+    dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=5),
+    dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=128, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+]
+
+
+def sweep(shapes: dict) -> None:
+    """Triton tile configs per M over the shapes (summed), best first."""
+    from qshard.kernels.fp8_blockwise_triton import gemm_launch
+
+    print("\n### Triton GEMM tile sweep (Llama-3.1-8B layer, summed us)\n")
+    for m in (1, 16, 64, 128, 512, 2048):
+        results = []
+        for config in SWEEP:
+            if config["BLOCK_M"] > max(16, 2 * m):
+                continue
+            total = 0.0
+            with contextlib.suppress(Exception):
+                for n, k in shapes.values():
+                    w = torch.randn(n, k, device="cuda") * 0.02
+                    count = copies_for(n * k, m)
+                    weights = [ref.quantize_weight_blockwise(w, (128, 128), qshard.ScaleFormat.FP32)
+                               for _ in range(count)]  # fmt: skip
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    fn = lambda x=x, weights=weights, config=config: [  # noqa: E731
+                        gemm_launch(x, q, s, None, 128, 128, 128, False, config) for q, s in weights
+                    ]
+                    total += time_us(fn, count)
+                results.append((total, config))
+        results.sort(key=lambda r: r[0])
+        best = ", ".join(f"{t:.0f} us {c}" for t, c in results[:3])
+        print(f"- M={m}: {best}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    args = parser.parse_args()
+    load_gpu_ops()
+    versions = {"torch": torch.__version__, "triton": triton.__version__}
+    for name in ("torchao", "gemlite"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception as e:  # reported, not hidden
+            versions[name] = f"unavailable ({type(e).__name__})"
+    listed = ", ".join(f"{k} {v}" for k, v in versions.items())
+    print(f"GPU: {torch.cuda.get_device_name()}; {listed}")
+    methods = args.methods.split(",")
+    if args.sweep:
+        sweep(LLAMA)
+    table(LLAMA, "Llama-3.1-8B layer (qkv, o, gate_up, down summed)", methods)
+    table(DEEPSEEK, "DeepSeek-V3 shapes (summed)", methods)
+    table({"24576x7168": DEEPSEEK["24576x7168"]}, "DeepSeek-V3 24576x7168", methods, (4096,))
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
