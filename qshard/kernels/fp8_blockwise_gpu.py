@@ -4,8 +4,12 @@
 backend)` runs `backend` "triton" or "cublas", or for "auto" picks by the number of tokens M at
 run time (inside the op, so that torch.compile with a dynamic batch puts no guard on M):
 
-    M <= CUBLAS_MIN_M, or cuBLAS cannot take the layout  ->  Triton (act quant fused for M <= 32)
-    otherwise                                             ->  cuBLAS blockwise scaled_mm
+    M <= GEMV_MAX_M (decode), or cuBLAS cannot take the layout  ->  Triton
+    otherwise                                                     ->  cuBLAS blockwise scaled_mm
+
+On H200 cuBLAS (with the Triton activation quantization) beat the Triton tensor-core GEMM at
+every M from 16 to 4096 (bench/README.md); Triton serves decode and the layouts cuBLAS cannot
+take (re-blocked 64-blocks, partial edge blocks, sm_89).
 
 cuBLAS: `F.scaled_mm` with BlockWise1x128 activations x BlockWise128x128 weights (torch >= 2.10,
 CUDA >= 12.9, sm_90 only; facts.md §3): `a` fp8 [M, K] row-major with scales [M, K/128] of
@@ -20,11 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from .availability import cublas_unavailable_reason
-from .fp8_blockwise_triton import act_quant_launch, gemm_launch
+from .fp8_blockwise_triton import GEMV_MAX_M, act_quant_launch, linear_launch
 
-__all__ = ["CUBLAS_MIN_M", "cublas_linear", "fp8_blockwise_linear"]
+__all__ = ["cublas_linear", "fp8_blockwise_linear"]
 
-CUBLAS_MIN_M = 256  # auto: from this many tokens on cuBLAS is faster (bench/bench_fp8.py)
 CUBLAS_M_MULTIPLE = 16
 
 
@@ -56,11 +59,11 @@ def fp8_blockwise_linear(
     scale = scale.contiguous()
     if backend == "auto":
         cublas_ok = cublas_unavailable_reason(x.device, n, k, block_n, block_k, group) is None
-        backend = "cublas" if cublas_ok and x2d.shape[0] > CUBLAS_MIN_M else "triton"
+        backend = "cublas" if cublas_ok and x2d.shape[0] > GEMV_MAX_M else "triton"
     if backend == "cublas":
         out = cublas_linear(x2d, qdata, scale, bias, ue8m0)
     else:
-        out = gemm_launch(x2d, qdata, scale, bias, block_n, block_k, group, ue8m0)
+        out = linear_launch(x2d, qdata, scale, bias, block_n, block_k, group, ue8m0)
     return out.reshape(*x.shape[:-1], n)
 
 

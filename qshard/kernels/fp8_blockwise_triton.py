@@ -13,9 +13,12 @@ scales (DeepSeek-V3 §3.3.2), so BLOCK_K is the activation group (128, or 64 aft
 Activation scales are stored group-major, [ceil(K/group), M] (M contiguous): the GEMM reads a
 row of them per K step, coalesced, and it is the layout cuBLAS wants for its 1x128 scales.
 
-For small M the activation quantization is fused into the GEMM (QUANT_A): each program quantizes
-the few activation rows it needs in registers, which saves a launch and a round trip of the
-quantized activations, the larger costs at decode sizes.
+Decode sizes (M <= GEMV_MAX_M) run a GEMV-like kernel instead, with the activation quantization
+fused: each program quantizes the activation row in registers (cheap: one row) and streams a
+narrow band of weight rows several groups per step, so that enough programs and enough bytes are
+in flight to read the weights at HBM speed; each group's partial sums are reduced in fp32 and
+promoted with their scales as in the GEMM. (A first version fused the quantization into the
+tensor-core GEMM at BLOCK_M = 16 instead: 0.14x of bf16 at M = 1 on H200, docs/kernels.)
 
 Runs on the GPU (sm_89+: Triton's fp8 dot), and on the CPU under TRITON_INTERPRET=1 for tests.
 """
@@ -30,10 +33,17 @@ import triton.language as tl
 
 from .fp8_blockwise import E4M3_MAX
 
-__all__ = ["act_quant", "act_quant_launch", "gemm_config", "gemm_launch"]
+__all__ = [
+    "GEMV_MAX_M",
+    "act_quant",
+    "act_quant_launch",
+    "gemm_config",
+    "gemv_config",
+    "linear_launch",
+]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-FUSED_QUANT_MAX_M = 32  # up to this M each program quantizes its own activation rows
+GEMV_MAX_M = 4  # up to this many tokens the GEMV-like kernel runs (one program per row band)
 
 
 @triton.jit
@@ -94,7 +104,6 @@ def _gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     M, N, K, stride_am, stride_wn, stride_wsn, stride_om,
     W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    QUANT_A: tl.constexpr, UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -120,12 +129,8 @@ def _gemm_kernel(
         else:
             k_ok = offs_k < K - g * GROUP
             a_mask, w_mask = m_ok[:, None] & k_ok[None, :], n_ok[:, None] & k_ok[None, :]
-        if QUANT_A:
-            x = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
-            a, a_scale = _quantize_rows(x, UE8M0, EXACT_CAST)
-        else:
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            a_scale = tl.load(a_scale_ptr + g * M + offs_m, mask=m_ok, other=0.0)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        a_scale = tl.load(a_scale_ptr + g * M + offs_m, mask=m_ok, other=0.0)
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         w_scale = tl.load(w_scale_ptrs + (g * GROUP) // W_BLOCK_K, mask=n_ok, other=0.0)
         partial = tl.dot(a, tl.trans(w))
@@ -136,6 +141,52 @@ def _gemm_kernel(
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_wsn, stride_om,
+    W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
+):  # fmt: skip
+    """out[m, n-band] for one token m: quantize x[m] per group in registers, stream the band's
+    weights GROUPS_PER_STEP groups at a time, reduce each group's products in fp32."""
+    pid = tl.program_id(0)
+    m = pid % M  # the programs of one weight band run together and share it through L2
+    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    STEP: tl.constexpr = GROUP * GROUPS_PER_STEP
+    offs_k = tl.arange(0, STEP)
+    offs_g = tl.arange(0, GROUPS_PER_STEP)
+    x_ptrs = x_ptr + m * stride_xm + offs_k
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    w_scale_ptrs = w_scale_ptr + (offs_n // W_BLOCK_N)[:, None] * stride_wsn
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, STEP):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            g_ok = offs_g < GROUPS_PER_STEP
+        else:
+            k_ok = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            g_ok = offs_g < tl.cdiv(K - k0, GROUP)
+        xq, x_scale = _quantize_rows(tl.reshape(x, (GROUPS_PER_STEP, GROUP)), UE8M0, EXACT_CAST)
+        products = w.to(tl.float32) * tl.reshape(xq.to(tl.float32), (STEP,))[None, :]
+        partial = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS_PER_STEP, GROUP)), axis=2)
+        w_scale = tl.load(
+            w_scale_ptrs + (k0 + offs_g * GROUP)[None, :] // W_BLOCK_K,
+            mask=n_ok[:, None] & g_ok[None, :], other=0.0,
+        )  # fmt: skip
+        acc += tl.sum(partial * (x_scale[None, :] * w_scale), axis=1)
+        x_ptrs += STEP
+        w_ptrs += STEP
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -157,22 +208,26 @@ def act_quant_launch(x: torch.Tensor, group: int, ue8m0: bool):
 
 
 def gemm_config(m: int, n: int, k: int) -> dict:
-    """Tile sizes by shape: small M reads weights at full bandwidth with many narrow programs;
-    large M uses 128x128 tensor-core tiles. Tuned on H200 (bench/bench_fp8.py --sweep)."""
-    if m <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 1, "num_warps": 4, "num_stages": 5}
+    """Tensor-core tiles by M; from the H200 sweep (bench/bench_fp8.py --sweep, bench/README.md)."""
     if m <= 64:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
     if m <= 256:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
 
 
-def gemm_launch(
+def gemv_config(m: int, n: int, k: int, group: int) -> dict:
+    """A narrow band of weight rows per program (many programs), about 512 K per step."""
+    return {"BLOCK_N": 16, "GROUPS_PER_STEP": max(1, 512 // group), "num_warps": 4,
+            "num_stages": 3}  # fmt: skip
+
+
+def linear_launch(
     x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
     block_n: int, block_k: int, group: int, ue8m0: bool, config: dict | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """x [M, K] float -> x @ W.T + bias [M, N] in x's dtype."""
+    """x [M, K] float -> x @ W.T + bias [M, N] in x's dtype: the GEMV-like kernel (activation
+    quantization fused) up to GEMV_MAX_M tokens, else act quant + the tensor-core GEMM."""
     m, k = x.shape
     n = qdata.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -180,22 +235,30 @@ def gemm_launch(
         return out
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else out.zero_())
-    config = dict(config or gemm_config(m, n, k))
-    if INTERPRETED:  # the interpreter runs one program at a time: keep tiles small
+    gemv = m <= GEMV_MAX_M
+    config = dict(config or (gemv_config(m, n, k, group) if gemv else gemm_config(m, n, k)))
+    if INTERPRETED:  # the interpreter runs one program at a time, sequentially
         config.update(num_stages=1)
-    fused = m <= FUSED_QUANT_MAX_M
-    if fused:
-        a, a_scale = x, x  # a_scale is unused when the kernel quantizes
-    else:
-        a, a_scale = act_quant_launch(x, group, ue8m0)
+    common = dict(
+        W_BLOCK_N=block_n, W_BLOCK_K=block_k, GROUP=group, HAS_BIAS=bias is not None,
+        **config,
+    )  # fmt: skip
+    bias_arg = bias if bias is not None else out
+    if gemv:
+        step = group * config["GROUPS_PER_STEP"]
+        grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
+        _gemv_kernel[grid](
+            x, qdata, scale, bias_arg, out,
+            m, n, k, x.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
+            UE8M0=ue8m0, EXACT_CAST=INTERPRETED, EVEN_K=k % step == 0, **common,
+        )  # fmt: skip
+        return out
+    a, a_scale = act_quant_launch(x, group, ue8m0)
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     _gemm_kernel[grid](
-        a, a_scale, qdata, scale, bias if bias is not None else out, out,
+        a, a_scale, qdata, scale, bias_arg, out,
         m, n, k, a.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
-        W_BLOCK_N=block_n, W_BLOCK_K=block_k, GROUP=group,
-        QUANT_A=fused, UE8M0=ue8m0, EXACT_CAST=INTERPRETED,
-        HAS_BIAS=bias is not None, EVEN_K=k % group == 0,
-        **config,
+        EVEN_K=k % group == 0, **common,
     )  # fmt: skip
     return out
 
