@@ -197,6 +197,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--tables", default="llama,deepseek,deepseek-4096")
     args = parser.parse_args()
     load_gpu_ops()
     versions = {"torch": torch.__version__, "triton": triton.__version__}
@@ -210,9 +211,14 @@ def main() -> None:
     methods = args.methods.split(",")
     if args.sweep:
         sweep(LLAMA)
-    table(LLAMA, "Llama-3.1-8B layer (qkv, o, gate_up, down summed)", methods)
-    table(DEEPSEEK, "DeepSeek-V3 shapes (summed)", methods)
-    table({"24576x7168": DEEPSEEK["24576x7168"]}, "DeepSeek-V3 24576x7168", methods, (4096,))
+    tables = args.tables.split(",")
+    if "llama" in tables:
+        table(LLAMA, "Llama-3.1-8B layer (qkv, o, gate_up, down summed)", methods)
+    if "deepseek" in tables:
+        table(DEEPSEEK, "DeepSeek-V3 shapes (summed)", methods)
+    if "deepseek-4096" in tables:
+        single = {"24576x7168": DEEPSEEK["24576x7168"]}
+        table(single, "DeepSeek-V3 24576x7168", methods, (4096,))
 
 
 if __name__ == "__main__":
