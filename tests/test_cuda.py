@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,9 +25,10 @@ def test_quantize_on_gpu_is_bit_identical_to_cpu(cls, config):
 
 @cases
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16])
-def test_linear_on_gpu_matches_cpu(cls, config, act_dtype):
+def test_reference_linear_on_gpu_matches_cpu(cls, config, act_dtype):
+    """The reference path on both devices (the GPU kernels: tests/kernels)."""
     w, x = gaussian(300, 520), torch.randn(17, 520)
-    q = cls.from_float(w, config)
+    q = cls.from_float(w, dataclasses.replace(config, backend=qshard.Backend.REFERENCE))
     on_cpu = F.linear(x.to(act_dtype), q.to(act_dtype)).float()
     on_gpu = F.linear(x.to(act_dtype).cuda(), q.to(act_dtype).cuda()).float().cpu()
     if act_dtype == torch.float32:
