@@ -61,11 +61,12 @@ def _round_up_to_power_of_two(scale):
 def _round_to_e4m3_grid(v):
     """fp32 values in [-448, 448] rounded to nearest-even e4m3 values, still in fp32: normals
     keep 3 mantissa bits (a carry moves into the exponent), subnormals are multiples of 2**-9
-    (adding and subtracting 1.5 * 2**14 rounds there). Used under the Triton interpreter, whose
-    fp32 -> e4m3 cast (triton 3.9) drops the carry (124.3 -> 64 instead of 128)."""
+    (adding and subtracting 1.5 * 2**14 rounds the magnitude there). Used under the Triton
+    interpreter, whose fp32 -> e4m3 cast (triton 3.9) drops the carry (124.3 -> 64, not 128)."""
     bits = v.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    subnormal = (v + 24576.0) - 24576.0
+    magnitude = (tl.abs(v) + 24576.0) - 24576.0
+    subnormal = tl.where(v < 0, -magnitude, magnitude)  # keeps the sign of a zero (-0.0)
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
