@@ -45,7 +45,7 @@ def cublas_linear(
         scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x2d.dtype,
     )  # fmt: skip
     out = out[:m]
-    return out + bias if bias is not None else out
+    return out + bias.to(out.dtype) if bias is not None else out  # (a float32 bias stays bf16)
 
 
 @torch.library.custom_op("qshard::fp8_blockwise_linear", mutates_args=())
@@ -56,7 +56,8 @@ def fp8_blockwise_linear(
     """y = x @ W.T + bias for x [..., K] and the FP8 blockwise weight (qdata, scale)."""
     n, k = qdata.shape
     x2d = x.reshape(-1, k).contiguous()
-    scale = scale.contiguous()
+    # The kernels read rows with unit stride along K (a TP shard is a compact copy already).
+    qdata, scale = qdata.contiguous(), scale.contiguous()
     if backend == "auto":
         cublas_ok = cublas_unavailable_reason(x.device, n, k, block_n, block_k, group) is None
         backend = "cublas" if cublas_ok and x2d.shape[0] > GEMV_MAX_M else "triton"
