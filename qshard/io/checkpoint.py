@@ -258,10 +258,7 @@ class Checkpoint:
             inner[name] = tensor
         shape = list(record.shape)
         shape[logical] = last - first
-        part = record.layout(
-            inner, shape=tuple(shape), dtype=record.dtype, transposed=record.transposed,
-            **record.attrs,
-        )  # fmt: skip
+        part = record.build(inner, shape=tuple(shape))
         # Offsets of all the full weight's cuts, relative to this part: realign packs the part
         # exactly as it packs the whole weight for those cuts.
         part = part.realign(logical, [c - first for c in shard_cuts(size, world)])

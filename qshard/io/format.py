@@ -146,10 +146,14 @@ class Record:
             {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in self.inner.items()}
         )
 
-    def build(self, inner: Mapping[str, torch.Tensor]) -> QTensor:
+    def build(
+        self, inner: Mapping[str, torch.Tensor], shape: tuple[int, int] | None = None
+    ) -> QTensor:
+        """This entry's QTensor over `inner` (of a part of the weight when `shape` is given)."""
         assert self.layout is not None
+        shape = self.shape if shape is None else shape
         return self.layout(
-            inner, shape=self.shape, dtype=self.dtype, transposed=self.transposed, **self.attrs
+            inner, shape=shape, dtype=self.dtype, transposed=self.transposed, **self.attrs
         )
 
 
