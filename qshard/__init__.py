@@ -25,6 +25,8 @@ from .io import load, save
 from .layouts import (
     Fp8BlockwiseConfig,
     Fp8BlockwiseTensor,
+    Int4Tensor,
+    Int4WeightOnlyConfig,
     register_layout,
     registered_layouts,
 )
@@ -32,6 +34,10 @@ from .metrics import sqnr_db
 from .qtensor import QTensor
 
 __version__ = "0.1.0"
+
+from .tp.compat import patch_dtensor_cache_key
+
+patch_dtensor_cache_key()  # DTensors of quantized layouts must not share compiled graphs
 
 __all__ = [
     "Backend",
@@ -41,6 +47,8 @@ __all__ = [
     "Fp8BlockwiseConfig",
     "Fp8BlockwiseTensor",
     "InputMismatchError",
+    "Int4Tensor",
+    "Int4WeightOnlyConfig",
     "LayoutMismatchError",
     "MisalignedSliceError",
     "NonFiniteWeightError",

@@ -1,11 +1,14 @@
 """Quantized weight layouts, one per file, each registered with `register_layout`."""
 
 from .fp8_blockwise import Fp8BlockwiseConfig, Fp8BlockwiseTensor
+from .int4 import Int4Tensor, Int4WeightOnlyConfig
 from .registry import config_class_of, register_layout, registered_layouts
 
 __all__ = [
     "Fp8BlockwiseConfig",
     "Fp8BlockwiseTensor",
+    "Int4Tensor",
+    "Int4WeightOnlyConfig",
     "config_class_of",
     "register_layout",
     "registered_layouts",

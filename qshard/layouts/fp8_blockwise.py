@@ -31,10 +31,7 @@ from ..config import Backend, QuantConfig, ScaleFormat, parse_enum
 from ..errors import (
     BackendUnavailableError,
     ConfigError,
-    InputMismatchError,
     MisalignedSliceError,
-    NonFiniteWeightError,
-    UnsupportedWeightError,
 )
 from ..kernels.availability import (
     cublas_unavailable_reason,
@@ -46,7 +43,8 @@ from ..kernels.fp8_blockwise import (
     fp8_blockwise_linear_reference,
     quantize_weight_blockwise,
 )
-from ..qtensor import FLOAT_DTYPES, QTensor
+from ..qtensor import QTensor
+from .checks import check_activation, check_float_weight
 from .registry import register_layout
 
 __all__ = ["FP8_MIN_SQNR_DB", "MIN_BLOCK", "Fp8BlockwiseConfig", "Fp8BlockwiseTensor"]
@@ -127,7 +125,7 @@ class Fp8BlockwiseTensor(QTensor):
                 f"Fp8BlockwiseTensor.from_float: config {config!r} is not an "
                 f"Fp8BlockwiseConfig instance; pass e.g. Fp8BlockwiseConfig()"
             )
-        _check_weight(weight)
+        check_float_weight(cls.__name__, weight)
         weight = weight.detach()  # a quantized weight is a leaf: keep no autograd history
         qdata, scale = quantize_weight_blockwise(weight, config.block_size, config.scale_format)
         return cls(
@@ -221,7 +219,7 @@ class Fp8BlockwiseTensor(QTensor):
         return weight.t() if self.transposed else weight
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        _check_activation(self, x)
+        check_activation(self, x)
         backend = self.select_backend(x)
         if backend is not Backend.REFERENCE:
             load_gpu_ops()
@@ -270,44 +268,3 @@ class Fp8BlockwiseTensor(QTensor):
             n, k = self.logical_shape
             return cublas_unavailable_reason(device, n, k, *self.block_size, self.act_group_size)
         return triton_unavailable_reason(device)
-
-
-def _check_weight(weight: Any) -> None:
-    if not isinstance(weight, torch.Tensor) or isinstance(weight, QTensor):
-        raise UnsupportedWeightError(
-            f"Fp8BlockwiseTensor.from_float takes a float torch.Tensor, got {type(weight).__name__}"
-        )
-    if weight.dim() != 2:
-        raise UnsupportedWeightError(
-            f"Fp8BlockwiseTensor: weight of shape {list(weight.shape)} is {weight.dim()}-D; "
-            f"a linear weight is 2-D [out_features, in_features]"
-        )
-    if weight.dtype not in FLOAT_DTYPES:
-        raise UnsupportedWeightError(
-            f"Fp8BlockwiseTensor: weight dtype {weight.dtype} is not one of "
-            f"{[str(d) for d in FLOAT_DTYPES]}; cast it to bfloat16 first"
-        )
-    if weight.device.type != "meta":
-        bad = ~torch.isfinite(weight)
-        if bool(bad.any()):
-            first = [int(i) for i in bad.nonzero()[0]]
-            raise NonFiniteWeightError(
-                f"Fp8BlockwiseTensor: weight of shape {list(weight.shape)} has {int(bad.sum())} "
-                f"NaN/Inf values (first at {first}); fix the weights before quantizing"
-            )
-
-
-def _check_activation(weight: Fp8BlockwiseTensor, x: torch.Tensor) -> None:
-    k = weight.logical_shape[1]
-    features = x.shape[-1] if x.dim() else 0
-    if x.dim() == 0 or features != k:
-        raise InputMismatchError(
-            f"linear: input of shape {list(x.shape)} has {features} features; the "
-            f"Fp8BlockwiseTensor weight {list(weight.logical_shape)} takes {k} (inputs are "
-            f"[..., {k}])"
-        )
-    if x.dtype not in FLOAT_DTYPES:
-        raise InputMismatchError(
-            f"linear: input dtype {x.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}; "
-            f"cast the input to {weight.dtype}"
-        )

@@ -107,9 +107,12 @@ def _load_sharded_worker(rank, world, mesh, directory, dims):
     for i, (cls, config) in enumerate(LAYOUT_CASES):
         reads["whole"].clear(), reads["slice"].clear()
         loaded = qshard.load(directory / str(i), meta_model(dims), mesh=mesh, plan=PLAN)
-        # Every sharded tensor is read by slices: the weights (all their inner tensors), the
-        # column-parallel biases, the row-parallel embedding.
-        sharded = {f"block.{n}.weight.{inner}" for n in BLOCK_PLAN for inner in cls.inner_names}
+        # Every sharded tensor is read by slices: the weights (their packed inner tensors; a
+        # whole-tensor value is read whole), the column-parallel biases, the row-parallel
+        # embedding.
+        packing = loaded.block.qkv.weight.to_local().packing()
+        packed = [name for name in cls.inner_names if packing[name] is not None]
+        sharded = {f"block.{n}.weight.{inner}" for n in BLOCK_PLAN for inner in packed}
         sharded |= {"block.qkv.bias", "block.gate_up.bias", "embed.weight"}
         assert set(reads["slice"]) == sharded and not sharded & set(reads["whole"])
         expected = quantized_model(dims, config, seed=i)

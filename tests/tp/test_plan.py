@@ -85,3 +85,33 @@ def test_working_sizes_are_listed_beyond_powers_of_two():
     with pytest.raises(QShardError) as info:
         _validate(model, resolve_plan(model, {"0": "colwise"}), 2)  # cuts at 120: 8s
     assert "work for this model: [1, 3, 5, 15]" in str(info.value)
+
+
+def test_dtensors_of_different_quantized_layouts_do_not_share_compiled_graphs(tmp_path):
+    """torch keys a DTensor in the AOT autograd cache by its spec alone; qshard adds the local
+    QTensor's hash (qshard/tp/compat.py), or an int4 TP block ran the FP8 block's graph."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = torch.randn(256, 256)
+        cases = [
+            (qshard.Fp8BlockwiseTensor, qshard.Fp8BlockwiseConfig()),
+            (qshard.Fp8BlockwiseTensor, qshard.Fp8BlockwiseConfig(scale_format="ue8m0")),
+            (qshard.Int4Tensor, qshard.Int4WeightOnlyConfig()),
+        ]
+        keys = {
+            DTensor.from_local(
+                cls.from_float(weight, config), mesh, [Replicate()]
+            )._stable_hash_for_caching()
+            for cls, config in cases
+        }
+        assert len(keys) == len(cases)
+        plain = DTensor.from_local(weight, mesh, [Replicate()])
+        assert plain._stable_hash_for_caching() == plain._stable_hash_for_caching()
+    finally:
+        dist.destroy_process_group()

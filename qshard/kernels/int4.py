@@ -1,0 +1,117 @@
+"""Int4 weight-only quantization and matmul: the reference definitions.
+
+Weights [N, K] in groups of `group` consecutive channels along K (the last group may be
+partial): W ~= (u - zero) * scale, u in 0..15 (4 bits), one (scale, zero) per row per group.
+Asymmetric: scale = (max - min) / 15, zero = round(-min / scale), u = clamp(round(w / scale) +
+zero, 0, 15). Symmetric: scale = amax / 7.5, q = clamp(round(w / scale), -8, 7), stored as
+u = q + 8 with zero = 8 for every group (not stored). Scales and zeros are bfloat16 (4.25 bits
+per weight at g128, facts.md §2); u is computed with the bf16-rounded scale, so that the stored
+scale is the one the quantization used.
+
+Packing: two weights per byte along K, the even index in the low nibble (the convention of
+NVFP4, gpt-oss MXFP4 and compressed-tensors' LSB-first order, facts.md §5):
+packed[n, j] = u[n, 2j] | (u[n, 2j + 1] << 4); an odd K leaves the last high nibble zero.
+These plain-PyTorch functions run on any device and define what the kernels must compute.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "SCALE_DTYPE",
+    "dequantize_int4",
+    "int4_linear_reference",
+    "pack_nibbles",
+    "quantize_int4",
+    "unpack_nibbles",
+]
+
+SCALE_DTYPE = torch.bfloat16
+SYMMETRIC_ZERO = 8.0
+
+
+def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] in 0..15 -> uint8 [N, ceil(K/2)], even index in the low nibble."""
+    if u.shape[1] % 2:
+        u = F.pad(u, (0, 1))
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """uint8 [N, ceil(K/2)] -> uint8 [N, K].
+
+    By indexing, not `stack([low, high], -1).reshape(...)`: inductor's CPU codegen (torch 2.13)
+    mis-strides that reshape in a dynamic-shape TP graph (a size/stride assertion fails).
+    """
+    channels = torch.arange(k, device=packed.device)
+    shifts = ((channels % 2) * 4).to(torch.uint8)
+    return (packed[:, channels // 2] >> shifts) & 0x0F
+
+
+def _group_stats(weight: torch.Tensor, group: int, reduce) -> torch.Tensor:
+    """reduce(values, dim) over each row's groups of `group` channels; the last may be partial."""
+    n, k = weight.shape
+    full = k - k % group
+    parts = [reduce(weight[:, :full].reshape(n, full // group, group), 2)] if full else []
+    if full < k:
+        parts.append(reduce(weight[:, full:], 1).unsqueeze(1))
+    return torch.cat(parts, dim=1) if parts else weight.new_zeros(n, 0)
+
+
+def _expand(values: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """[N, ceil(K/group)] -> [N, K], each group's value over its channels."""
+    return values[:, torch.arange(k, device=values.device) // group]
+
+
+def quantize_int4(
+    weight: torch.Tensor, group: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (packed uint8 [N, ceil(K/2)], scale bf16 [N, G], zero bf16 [N, G] or
+    [0, 0] when symmetric), G = ceil(K/group)."""
+    w = weight.float()
+    k = w.shape[1]
+    if symmetric:
+        amax = _group_stats(w.abs(), group, lambda t, d: t.amax(d))
+        scale = amax / torch.full_like(amax, 7.5)
+    else:
+        high = _group_stats(w, group, lambda t, d: t.amax(d))
+        low = _group_stats(w, group, lambda t, d: t.amin(d))
+        scale = (high - low) / torch.full_like(high, 15.0)
+        # A constant group: scale |value| maps it exactly onto one step from the zero point.
+        scale = torch.where(scale > 0, scale, high.abs())
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(SCALE_DTYPE)
+    full_scale = _expand(scale.float(), group, k)
+    if symmetric:
+        q = torch.clamp(torch.round(w / full_scale), -8, 7) + SYMMETRIC_ZERO
+        zero = torch.zeros(0, 0, dtype=SCALE_DTYPE, device=w.device)
+    else:
+        zero = torch.round(-low / scale.float()).to(SCALE_DTYPE)
+        q = torch.clamp(torch.round(w / full_scale) + _expand(zero.float(), group, k), 0, 15)
+    return pack_nibbles(q.to(torch.uint8)), scale, zero
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, k: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """(u - zero) * scale in fp32, rounded once to `dtype`; zero = 8 when `zero` is empty."""
+    u = unpack_nibbles(packed, k).float()
+    z = _expand(zero.float(), group, k) if zero.numel() else SYMMETRIC_ZERO
+    return ((u - z) * _expand(scale.float(), group, k)).to(dtype)
+
+
+def int4_linear_reference(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+    group: int, bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """y = x @ W.T + bias with W dequantized to x's dtype (what a W4A16 kernel multiplies),
+    accumulated in float64 and rounded once: exact enough that the result does not depend on
+    BLAS blocking, so column-parallel shards equal the single-device output bit for bit."""
+    k = x.shape[-1]
+    weight = dequantize_int4(packed, scale, zero, group, k, x.dtype)
+    out = x.double() @ weight.double().t()
+    if bias is not None:
+        out = out + bias.to(x.dtype).double()
+    return out.to(x.dtype)

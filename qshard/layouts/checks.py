@@ -1,0 +1,55 @@
+"""Input checks shared by the layouts' `from_float` and `_linear` (typed errors, design.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import InputMismatchError, NonFiniteWeightError, UnsupportedWeightError
+from ..qtensor import FLOAT_DTYPES, QTensor
+
+__all__ = ["check_activation", "check_float_weight"]
+
+
+def check_float_weight(layout: str, weight: Any) -> None:
+    """A 2-D finite float tensor, or UnsupportedWeightError / NonFiniteWeightError."""
+    if not isinstance(weight, torch.Tensor) or isinstance(weight, QTensor):
+        raise UnsupportedWeightError(
+            f"{layout}.from_float takes a float torch.Tensor, got {type(weight).__name__}"
+        )
+    if weight.dim() != 2:
+        raise UnsupportedWeightError(
+            f"{layout}: weight of shape {list(weight.shape)} is {weight.dim()}-D; "
+            f"a linear weight is 2-D [out_features, in_features]"
+        )
+    if weight.dtype not in FLOAT_DTYPES:
+        raise UnsupportedWeightError(
+            f"{layout}: weight dtype {weight.dtype} is not one of "
+            f"{[str(d) for d in FLOAT_DTYPES]}; cast it to bfloat16 first"
+        )
+    if weight.device.type != "meta":
+        bad = ~torch.isfinite(weight)
+        if bool(bad.any()):
+            first = [int(i) for i in bad.nonzero()[0]]
+            raise NonFiniteWeightError(
+                f"{layout}: weight of shape {list(weight.shape)} has {int(bad.sum())} "
+                f"NaN/Inf values (first at {first}); fix the weights before quantizing"
+            )
+
+
+def check_activation(weight: QTensor, x: torch.Tensor) -> None:
+    """x [..., K] in a float dtype for the weight [N, K], or InputMismatchError."""
+    k = weight.logical_shape[1]
+    features = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or features != k:
+        raise InputMismatchError(
+            f"linear: input of shape {list(x.shape)} has {features} features; the "
+            f"{type(weight).__name__} weight {list(weight.logical_shape)} takes {k} (inputs are "
+            f"[..., {k}])"
+        )
+    if x.dtype not in FLOAT_DTYPES:
+        raise InputMismatchError(
+            f"linear: input dtype {x.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}; "
+            f"cast the input to {weight.dtype}"
+        )

@@ -1,0 +1,183 @@
+"""Int4 weight-only layout (W4A16): 4-bit weights in groups along K, bf16 scales and zeros.
+
+Inner tensors (logical weight [N, K], G = ceil(K / group_size)):
+    qdata  uint8 [N, ceil(K/2)]   two 4-bit codes u per byte along K, the even index in the low
+                                  nibble; W[n, k] = (u[n, k] - zero[n, k // g]) * scale[n, k // g]
+    scale  bfloat16 [N, G]        one multiplier per row per group (the last group may be partial)
+    zero   bfloat16 [N, G]        the code of 0.0 per row per group (asymmetric); an empty [0, 0]
+                                  tensor when symmetric (every zero is 8: u = q + 8, q in -8..7)
+Attributes:
+    group_size  channels per group along K: 32, 64, 128 or 256 (finer after re-grouping)
+    symmetric   False: W = (u - zero) * scale, u in 0..15; True: scale only
+    backend     Backend.AUTO or REFERENCE (GPU kernels: issue 6's next step)
+
+Packing for the shape ops: qdata (1, 2), scale and zero (1, group_size). Rows slice anywhere;
+columns at group boundaries. A cut at a multiple of a finer power-of-two group (>= 16) re-groups
+exactly: each (scale, zero) is repeated over the finer groups it covers, so `dequantize()` is
+unchanged (as FP8 re-blocks; a TP shard of 64 columns of 128-groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+
+from ..config import Backend, QuantConfig, parse_enum
+from ..errors import ConfigError, MisalignedSliceError
+from ..kernels.int4 import SCALE_DTYPE, dequantize_int4, int4_linear_reference, quantize_int4
+from ..qtensor import QTensor
+from .checks import check_activation, check_float_weight
+from .registry import register_layout
+
+__all__ = ["INT4_MIN_SQNR_DB", "Int4Tensor", "Int4WeightOnlyConfig"]
+
+GROUP_SIZES = (32, 64, 128, 256)
+MIN_GROUP = 16  # the finest re-grouping of a TP cut
+# F.linear vs float on Gaussian weights: asymmetric g128 gives ~20 dB (relative error 0.10,
+# facts.md §1), finer groups more.
+INT4_MIN_SQNR_DB = 17.0
+AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4WeightOnlyConfig(QuantConfig):
+    """4-bit weights per group of `group_size` input channels; activations stay bf16/fp16."""
+
+    group_size: int = 128
+    symmetric: bool = False
+    backend: Backend = Backend.AUTO
+
+    def __post_init__(self):
+        name = type(self).__name__
+        if self.group_size not in GROUP_SIZES:
+            raise ConfigError(
+                f"{name}: group_size={self.group_size!r} is not one of {list(GROUP_SIZES)}"
+            )
+        if not isinstance(self.symmetric, bool):
+            raise ConfigError(f"{name}: symmetric={self.symmetric!r} must be True or False")
+        backend = parse_enum(Backend, self.backend, "backend", name)
+        if backend not in AVAILABLE_BACKENDS:
+            raise ConfigError(
+                f"{name}: backend={backend.value!r} is not available in this qshard version; "
+                f"available: {[b.value for b in AVAILABLE_BACKENDS]}"
+            )
+        self._set("backend", backend)
+
+
+@register_layout(Int4WeightOnlyConfig)
+class Int4Tensor(QTensor):
+    """A 4-bit weight with per-group bf16 scales (and zeros). See the module docstring."""
+
+    inner_names = ("qdata", "scale", "zero")
+    attr_names = ("group_size", "symmetric", "backend")
+    min_linear_sqnr_db: ClassVar[float] = INT4_MIN_SQNR_DB
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+    symmetric: bool
+    backend: Backend
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, config: Int4WeightOnlyConfig | None = None):
+        config = Int4WeightOnlyConfig() if config is None else config
+        if not isinstance(config, Int4WeightOnlyConfig):
+            raise ConfigError(
+                f"Int4Tensor.from_float: config {config!r} is not an Int4WeightOnlyConfig "
+                f"instance; pass e.g. Int4WeightOnlyConfig()"
+            )
+        check_float_weight(cls.__name__, weight)
+        weight = weight.detach()
+        qdata, scale, zero = quantize_int4(weight, config.group_size, config.symmetric)
+        return cls(
+            {"qdata": qdata, "scale": scale, "zero": zero},
+            shape=tuple(weight.shape),
+            dtype=weight.dtype,
+            group_size=config.group_size,
+            symmetric=config.symmetric,
+            backend=config.backend,
+        )
+
+    @classmethod
+    def contract_configs(cls) -> list[Int4WeightOnlyConfig]:
+        return [
+            Int4WeightOnlyConfig(),
+            Int4WeightOnlyConfig(group_size=32, symmetric=True),
+            Int4WeightOnlyConfig(group_size=64),
+        ]
+
+    def config(self) -> Int4WeightOnlyConfig:
+        # A re-grouped tensor (finer than any config) reports the nearest config it came from.
+        group = self.group_size if self.group_size in GROUP_SIZES else GROUP_SIZES[0]
+        return Int4WeightOnlyConfig(group, self.symmetric, self.backend)
+
+    @classmethod
+    def check_attrs(cls, attrs) -> None:
+        group = attrs["group_size"]
+        if not (MIN_GROUP <= group <= GROUP_SIZES[-1] and group & (group - 1) == 0):
+            raise ConfigError(f"Int4Tensor: group_size {group} is not a power of two in 16..256")
+        Int4WeightOnlyConfig(GROUP_SIZES[0], attrs["symmetric"], attrs["backend"])
+
+    # ---- hooks for the shared shape ops ---------------------------------------------------
+
+    def packing(self) -> dict[str, tuple[int, int] | None]:
+        group = (1, self.group_size)
+        return {"qdata": (1, 2), "scale": group, "zero": None if self.symmetric else group}
+
+    @classmethod
+    def inner_specs(cls, shape, attrs):
+        (n, k), groups = shape, -(-shape[1] // attrs["group_size"])
+        zero = (0, 0) if attrs["symmetric"] else (n, groups)
+        return {
+            "qdata": ((n, -(-k // 2)), torch.uint8),
+            "scale": ((n, groups), SCALE_DTYPE),
+            "zero": (zero, SCALE_DTYPE),
+        }
+
+    def _realign_misaligned(self, dim: int, offsets: list[int]) -> Int4Tensor:
+        """Re-group K to the largest power-of-two group that divides every offset."""
+        finer = math.gcd(self.group_size, *offsets) if dim == 1 else 0
+        if finer < MIN_GROUP:
+            raise MisalignedSliceError(
+                f"Int4Tensor: cutting {self._dim_text(dim)} (groups of {self.group_size}) at "
+                f"offsets {offsets} falls on no group of {MIN_GROUP} or more; cut at multiples "
+                f"of {self.group_size}, or of a power of two >= {MIN_GROUP} dividing it"
+            )
+        return self.regroup(finer)
+
+    def regroup(self, group_size: int) -> Int4Tensor:
+        """The same weight with finer groups; each scale and zero is repeated, exactly."""
+        repeat, k = self.group_size // group_size, self.logical_shape[1]
+        groups = -(-k // group_size)
+
+        def finer(t: torch.Tensor) -> torch.Tensor:
+            return t.repeat_interleave(repeat, 1)[:, :groups] if t.numel() else t
+
+        out = self.with_changes(
+            {"scale": finer(self.scale), "zero": finer(self.zero)}, group_size=group_size
+        )
+        out.write_barrier = (
+            f"it shares its 4-bit data with a tensor of {self.group_size}-groups but has its own "
+            f"re-grouped {group_size}-group scales, so a copy would update only the data; copy "
+            f"into the original at multiples of its groups, or clone() this one first"
+        )
+        return out
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        weight = dequantize_int4(
+            self.qdata, self.scale, self.zero, self.group_size, self.logical_shape[1],
+            dtype or self.dtype,
+        )  # fmt: skip
+        return weight.t() if self.transposed else weight
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        check_activation(self, x)
+        return int4_linear_reference(x, self.qdata, self.scale, self.zero, self.group_size, bias)
+
+    def select_backend(self, x: torch.Tensor) -> Backend:
+        """The reference path on every device in this version (the kernels are next)."""
+        return Backend.REFERENCE
