@@ -10,7 +10,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cublas_unavailable_reason", "load_gpu_ops", "triton_unavailable_reason"]
+__all__ = [
+    "cublas_unavailable_reason",
+    "load_gpu_ops",
+    "load_int4_ops",
+    "triton_unavailable_reason",
+]
 
 
 def triton_interpreted() -> bool:
@@ -56,3 +61,9 @@ def cublas_unavailable_reason(
 def load_gpu_ops() -> None:
     """Import the kernel modules once: that registers `torch.ops.qshard.fp8_*`."""
     from . import fp8_blockwise_gpu  # noqa: F401
+
+
+@functools.cache
+def load_int4_ops() -> None:
+    """Import the int4 Triton kernels once (registers `torch.ops.qshard.int4_linear`)."""
+    from . import int4_triton  # noqa: F401

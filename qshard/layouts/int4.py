@@ -9,7 +9,8 @@ Inner tensors (logical weight [N, K], G = ceil(K / group_size)):
 Attributes:
     group_size  channels per group along K: 32, 64, 128 or 256 (finer after re-grouping)
     symmetric   False: W = (u - zero) * scale, u in 0..15; True: scale only
-    backend     Backend.AUTO or REFERENCE (GPU kernels: issue 6's next step)
+    backend     AUTO (the reference until the Triton kernels are measured on a GPU),
+                REFERENCE, or TRITON (forced; BackendUnavailableError where it cannot run)
 
 Packing for the shape ops: qdata (1, 2), scale and zero (1, group_size). Rows slice anywhere;
 columns at group boundaries. A cut at a multiple of a finer power-of-two group (>= 16) re-groups
@@ -26,7 +27,8 @@ from typing import ClassVar
 import torch
 
 from ..config import Backend, QuantConfig, parse_enum
-from ..errors import ConfigError, MisalignedSliceError
+from ..errors import BackendUnavailableError, ConfigError, MisalignedSliceError
+from ..kernels.availability import load_int4_ops, triton_unavailable_reason
 from ..kernels.int4 import SCALE_DTYPE, dequantize_int4, int4_linear_reference, quantize_int4
 from ..qtensor import QTensor
 from .checks import check_activation, check_float_weight
@@ -39,7 +41,7 @@ MIN_GROUP = 16  # the finest re-grouping of a TP cut
 # F.linear vs float on Gaussian weights: asymmetric g128 gives ~20 dB (relative error 0.10,
 # facts.md §1), finer groups more.
 INT4_MIN_SQNR_DB = 17.0
-AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE)
+AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE, Backend.TRITON)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +178,23 @@ class Int4Tensor(QTensor):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         check_activation(self, x)
+        if self.select_backend(x) is Backend.TRITON:
+            load_int4_ops()
+            return torch.ops.qshard.int4_linear(
+                x, self.qdata, self.scale, self.zero, bias, self.group_size
+            )
         return int4_linear_reference(x, self.qdata, self.scale, self.zero, self.group_size, bias)
 
     def select_backend(self, x: torch.Tensor) -> Backend:
-        """The reference path on every device in this version (the kernels are next)."""
-        return Backend.REFERENCE
+        """`auto` and `reference`: the reference path on every device (the Triton kernels are
+        tested against it but not yet measured on a GPU, so auto does not pick them).
+        `triton`: the Triton kernels, or BackendUnavailableError where they cannot run."""
+        if self.backend is not Backend.TRITON:
+            return Backend.REFERENCE
+        reason = triton_unavailable_reason(x.device)
+        if reason:
+            raise BackendUnavailableError(
+                f"Int4Tensor {list(self.logical_shape)}: backend 'triton' cannot run here: "
+                f"{reason}; use backend='auto' or 'reference'"
+            )
+        return Backend.TRITON
