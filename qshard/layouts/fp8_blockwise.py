@@ -264,6 +264,9 @@ class Fp8BlockwiseTensor(QTensor):
     def _unavailable_reason(self, device: torch.device, backend: Backend) -> str | None:
         if self.weight_only:
             return "weight-only (W8A16) FP8 runs on the reference path in this version"
+        if self.act_group_size < 32:  # one group is one K step of the fp8 MMA (K = 32)
+            group = self.act_group_size
+            return f"the FP8 kernels take activation groups of 32 or more, not {group}"
         if backend is Backend.CUBLAS:
             n, k = self.logical_shape
             return cublas_unavailable_reason(device, n, k, *self.block_size, self.act_group_size)

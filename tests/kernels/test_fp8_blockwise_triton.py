@@ -129,6 +129,9 @@ def test_unavailable_backends_are_reported_not_substituted():
     weight_only = Fp8BlockwiseConfig(backend="triton", weight_only=True)
     with pytest.raises(BackendUnavailableError, match="weight-only"):
         F.linear(x, qshard.Fp8BlockwiseTensor.from_float(weight, weight_only))
+    fine = Fp8BlockwiseConfig(block_size=(16, 16), backend="triton")
+    with pytest.raises(BackendUnavailableError, match="groups of 32 or more, not 16"):
+        F.linear(x, qshard.Fp8BlockwiseTensor.from_float(weight, fine))
     auto = qshard.Fp8BlockwiseTensor.from_float(weight)  # the interpreter is for tests only
     assert auto.select_backend(x) is qshard.Backend.REFERENCE
 
