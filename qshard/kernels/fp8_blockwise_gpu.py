@@ -58,6 +58,7 @@ def fp8_blockwise_linear(
     x2d = x.reshape(-1, k).contiguous()
     # The kernels read rows with unit stride along K (a TP shard is a compact copy already).
     qdata, scale = qdata.contiguous(), scale.contiguous()
+    bias = bias.contiguous() if bias is not None else None
     if backend == "auto":
         cublas_ok = cublas_unavailable_reason(x.device, n, k, block_n, block_k, group) is None
         backend = "cublas" if cublas_ok and x2d.shape[0] > GEMV_MAX_M else "triton"

@@ -2,9 +2,10 @@
 
 Weights [N, K] in groups of `group` consecutive channels along K (the last group may be
 partial): W ~= (u - zero) * scale, u in 0..15 (4 bits), one (scale, zero) per row per group.
-Asymmetric: scale = (max - min) / 15, zero = round(-min / scale), u = clamp(round(w / scale) +
-zero, 0, 15). Symmetric: scale = amax / 7.5, q = clamp(round(w / scale), -8, 7), stored as
-u = q + 8 with zero = 8 for every group (not stored). Scales and zeros are bfloat16 (4.25 bits
+Asymmetric: over the group's range widened to include 0, scale = (max - min) / 15,
+zero = clamp(round(-min / scale), 0, 15), u = clamp(round(w / scale) + zero, 0, 15).
+Symmetric: scale = amax / 7.5, q = clamp(round(w / scale), -8, 7), stored as u = q + 8 with
+zero = 8 for every group (not stored). Scales and zeros are bfloat16 (4.25 bits
 per weight at g128, facts.md §2); u is computed with the bf16-rounded scale, so that the stored
 scale is the one the quantization used.
 
@@ -76,18 +77,20 @@ def quantize_int4(
         amax = _group_stats(w.abs(), group, lambda t, d: t.amax(d))
         scale = amax / torch.full_like(amax, 7.5)
     else:
-        high = _group_stats(w, group, lambda t, d: t.amax(d))
-        low = _group_stats(w, group, lambda t, d: t.amin(d))
-        scale = (high - low) / torch.full_like(high, 15.0)
-        # A constant group: scale |value| maps it exactly onto one step from the zero point.
-        scale = torch.where(scale > 0, scale, high.abs())
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(SCALE_DTYPE)
+        # The range always includes 0, so the zero point is a code (0..15), exact in bf16.
+        high = _group_stats(w, group, lambda t, d: t.amax(d)).clamp(min=0)
+        low = _group_stats(w, group, lambda t, d: t.amin(d)).clamp(max=0)
+        fifteen = torch.full_like(high, 15.0)
+        scale = high / fifteen - low / fifteen  # not (high - low) / 15: that overflows near 3e38
+    # In bf16 first: a tiny fp32 scale rounds to 0 there. An all-zero group gets scale 1.
+    scale = scale.to(SCALE_DTYPE)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     full_scale = _expand(scale.float(), group, k)
     if symmetric:
         q = torch.clamp(torch.round(w / full_scale), -8, 7) + SYMMETRIC_ZERO
         zero = torch.zeros(0, 0, dtype=SCALE_DTYPE, device=w.device)
     else:
-        zero = torch.round(-low / scale.float()).to(SCALE_DTYPE)
+        zero = torch.clamp(torch.round(-low / scale.float()), 0, 15).to(SCALE_DTYPE)
         q = torch.clamp(torch.round(w / full_scale) + _expand(zero.float(), group, k), 0, 15)
     return pack_nibbles(q.to(torch.uint8)), scale, zero
 

@@ -74,7 +74,8 @@ def _gemv_kernel(
         acc += tl.sum(w * x.to(tl.float32)[None, :], axis=1)
     n_ok = offs_n < N
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0)
+        acc += bias.to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference
     tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -101,7 +102,8 @@ def _gemm_kernel(
         else:
             acc += tl.dot(x, w_t)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc += bias.to(x_ptr.dtype.element_ty).to(tl.float32)[None, :]  # as the reference
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -140,6 +142,7 @@ def int4_linear(
     """y = x @ W.T + bias for x [..., K] and the int4 weight (qdata, scale, zero)."""
     k, n = x.shape[-1], qdata.shape[0]
     x2d = x.reshape(-1, k).contiguous()
+    bias = bias.contiguous() if bias is not None else None  # the kernels read it with stride 1
     out = linear_launch(x2d, qdata.contiguous(), scale.contiguous(), zero.contiguous(), bias,
                         group)  # fmt: skip
     return out.reshape(*x.shape[:-1], n)

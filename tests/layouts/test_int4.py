@@ -1,0 +1,51 @@
+"""Int4 layout specifics beyond the contract suite: zero points, extreme weights, bias handling
+of the Triton op (found in review)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qshard
+from qshard import Int4WeightOnlyConfig
+from qshard.kernels import int4 as ref
+from qshard.kernels.availability import load_int4_ops, triton_unavailable_reason
+
+
+def test_zero_points_are_codes_even_for_groups_that_miss_zero():
+    for weight in (torch.linspace(1.0, 1.01, 64)[None], torch.linspace(-1000, -999, 64)[None],
+                   torch.randn(8, 64) + 3.0):  # fmt: skip
+        q = qshard.Int4Tensor.from_float(weight, Int4WeightOnlyConfig(group_size=32))
+        assert bool(((q.zero >= 0) & (q.zero <= 15) & (q.zero == q.zero.round())).all())
+        step = q.scale.float().amax().item()
+        assert (q.dequantize() - weight).abs().max().item() <= step  # within one step
+
+
+def test_extreme_finite_weights_dequantize_to_finite_values():
+    for symmetric in (False, True):
+        config = Int4WeightOnlyConfig(group_size=32, symmetric=symmetric)
+        for weight in (torch.tensor([[3e38, -3e38, 1.0, 0.0]]), torch.full((1, 4), 1e-41)):
+            assert bool(torch.isfinite(qshard.Int4Tensor.from_float(weight, config)
+                                       .dequantize()).all())  # fmt: skip
+
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(
+    triton_unavailable_reason(DEVICE) is not None, reason=str(triton_unavailable_reason(DEVICE))
+)  # on the CPU it runs under the Triton interpreter (tests/conftest.py)
+def test_triton_op_takes_a_strided_bias_and_rounds_it_like_the_reference():
+    load_int4_ops()
+    qdata, scale, zero = ref.quantize_int4(torch.randn(8, 64, device=DEVICE) * 0.02, 32, False)
+    x = torch.randn(3, 64, dtype=torch.float16, device=DEVICE)
+    strided = torch.randn(8, 2, dtype=torch.float16, device=DEVICE)[:, 1]
+    for bias in (strided, torch.randn(8, device=DEVICE) * 1000):
+        out = torch.ops.qshard.int4_linear(x, qdata, scale, zero, bias, 32)
+        expected = ref.int4_linear_reference(x, qdata, scale, zero, 32, bias)
+        torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
+    config = Int4WeightOnlyConfig(group_size=32, backend="triton")
+    forced = qshard.Int4Tensor.from_float(torch.randn(8, 64, device=DEVICE), config)
+    expected = ref.int4_linear_reference(x, forced.qdata, forced.scale, forced.zero, 32, strided)
+    torch.testing.assert_close(F.linear(x, forced.to(torch.float16), strided), expected)
