@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from .errors import ConfigError
 
-__all__ = ["Backend", "QuantConfig", "ScaleFormat", "config_from_dict"]
+__all__ = ["Backend", "QuantConfig", "ScaleFormat", "config_from_dict", "parse_backend"]
 
 CONFIG_FORMAT_VERSION = 1
 
@@ -45,6 +45,17 @@ def parse_enum(enum_cls: type[enum.Enum], value: Any, field: str, owner: str) ->
     except ValueError:
         choices = ", ".join(repr(m.value) for m in enum_cls)
         raise ConfigError(f"{owner}: {field}={value!r} is not one of {choices}") from None
+
+
+def parse_backend(value: Any, available: tuple[Backend, ...], owner: str) -> Backend:
+    """`value` as a Backend that this version of `owner`'s layout implements, or ConfigError."""
+    backend = parse_enum(Backend, value, "backend", owner)
+    if backend not in available:
+        raise ConfigError(
+            f"{owner}: backend={backend.value!r} is not available in this qshard version; "
+            f"available: {[b.value for b in available]}"
+        )
+    return backend
 
 
 _CONFIG_TYPES: dict[str, type[QuantConfig]] = {}

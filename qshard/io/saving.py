@@ -107,9 +107,10 @@ def save(
     # A sharded model is saved by every rank (gathers are collectives) and written by rank 0;
     # anything else is written by whichever process calls save.
     distributed = any(_is_dtensor(v) for v in state.values())
-    writer = _Writer(directory, len(_split(entries, limit)))
+    groups = _split(entries, limit)
+    writer = _Writer(directory, len(groups))
     writing = not distributed or dist.get_rank() == 0
-    for group in _split(entries, limit):
+    for group in groups:
         # One file's worth gathered at a time; every rank takes part even after a failure on
         # rank 0, so that no rank waits forever in a collective.
         full = [dataclasses.replace(e, value=_full(e.value)) for e in group]

@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from ..errors import InputMismatchError, NonFiniteWeightError, UnsupportedWeightError
+from ..errors import ConfigError, InputMismatchError, NonFiniteWeightError, UnsupportedWeightError
 from ..qtensor import FLOAT_DTYPES, QTensor
 
-__all__ = ["check_activation", "check_float_weight"]
+__all__ = ["check_activation", "check_float_weight", "checked_config"]
 
 
 def check_float_weight(layout: str, weight: Any) -> None:
@@ -53,3 +53,15 @@ def check_activation(weight: QTensor, x: torch.Tensor) -> None:
             f"linear: input dtype {x.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}; "
             f"cast the input to {weight.dtype}"
         )
+
+
+def checked_config(layout: str, config_cls: type, config: Any) -> Any:
+    """`config`, or the default `config_cls()` for None; ConfigError for another type."""
+    if config is None:
+        return config_cls()
+    if not isinstance(config, config_cls):
+        raise ConfigError(
+            f"{layout}.from_float: config {config!r} is not a {config_cls.__name__} instance; "
+            f"pass e.g. {config_cls.__name__}()"
+        )
+    return config

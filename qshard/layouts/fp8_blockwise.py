@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..config import Backend, QuantConfig, ScaleFormat, parse_enum
+from ..config import Backend, QuantConfig, ScaleFormat, parse_backend, parse_enum
 from ..errors import (
     BackendUnavailableError,
     ConfigError,
@@ -44,7 +44,7 @@ from ..kernels.fp8_blockwise import (
     quantize_weight_blockwise,
 )
 from ..qtensor import QTensor
-from .checks import check_activation, check_float_weight
+from .checks import check_activation, check_float_weight, checked_config
 from .registry import register_layout
 
 __all__ = ["FP8_MIN_SQNR_DB", "MIN_BLOCK", "Fp8BlockwiseConfig", "Fp8BlockwiseTensor"]
@@ -88,13 +88,7 @@ class Fp8BlockwiseConfig(QuantConfig):
         if not isinstance(self.weight_only, bool):
             raise ConfigError(f"{name}: weight_only={self.weight_only!r} must be True or False")
         self._set("scale_format", parse_enum(ScaleFormat, self.scale_format, "scale_format", name))
-        backend = parse_enum(Backend, self.backend, "backend", name)
-        if backend not in AVAILABLE_BACKENDS:
-            raise ConfigError(
-                f"{name}: backend={backend.value!r} is not available in this qshard version; "
-                f"available: {[b.value for b in AVAILABLE_BACKENDS]}"
-            )
-        self._set("backend", backend)
+        self._set("backend", parse_backend(self.backend, AVAILABLE_BACKENDS, name))
 
 
 @register_layout(Fp8BlockwiseConfig)
@@ -119,12 +113,7 @@ class Fp8BlockwiseTensor(QTensor):
     def from_float(
         cls, weight: torch.Tensor, config: Fp8BlockwiseConfig | None = None
     ) -> Fp8BlockwiseTensor:
-        config = Fp8BlockwiseConfig() if config is None else config
-        if not isinstance(config, Fp8BlockwiseConfig):
-            raise ConfigError(
-                f"Fp8BlockwiseTensor.from_float: config {config!r} is not an "
-                f"Fp8BlockwiseConfig instance; pass e.g. Fp8BlockwiseConfig()"
-            )
+        config = checked_config(cls.__name__, Fp8BlockwiseConfig, config)
         check_float_weight(cls.__name__, weight)
         weight = weight.detach()  # a quantized weight is a leaf: keep no autograd history
         qdata, scale = quantize_weight_blockwise(weight, config.block_size, config.scale_format)

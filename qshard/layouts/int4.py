@@ -26,12 +26,12 @@ from typing import ClassVar
 
 import torch
 
-from ..config import Backend, QuantConfig, parse_enum
+from ..config import Backend, QuantConfig, parse_backend
 from ..errors import BackendUnavailableError, ConfigError, MisalignedSliceError
 from ..kernels.availability import load_int4_ops, triton_unavailable_reason
 from ..kernels.int4 import SCALE_DTYPE, dequantize_int4, int4_linear_reference, quantize_int4
 from ..qtensor import QTensor
-from .checks import check_activation, check_float_weight
+from .checks import check_activation, check_float_weight, checked_config
 from .registry import register_layout
 
 __all__ = ["INT4_MIN_SQNR_DB", "Int4Tensor", "Int4WeightOnlyConfig"]
@@ -60,13 +60,7 @@ class Int4WeightOnlyConfig(QuantConfig):
             )
         if not isinstance(self.symmetric, bool):
             raise ConfigError(f"{name}: symmetric={self.symmetric!r} must be True or False")
-        backend = parse_enum(Backend, self.backend, "backend", name)
-        if backend not in AVAILABLE_BACKENDS:
-            raise ConfigError(
-                f"{name}: backend={backend.value!r} is not available in this qshard version; "
-                f"available: {[b.value for b in AVAILABLE_BACKENDS]}"
-            )
-        self._set("backend", backend)
+        self._set("backend", parse_backend(self.backend, AVAILABLE_BACKENDS, name))
 
 
 @register_layout(Int4WeightOnlyConfig)
@@ -86,12 +80,7 @@ class Int4Tensor(QTensor):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, config: Int4WeightOnlyConfig | None = None):
-        config = Int4WeightOnlyConfig() if config is None else config
-        if not isinstance(config, Int4WeightOnlyConfig):
-            raise ConfigError(
-                f"Int4Tensor.from_float: config {config!r} is not an Int4WeightOnlyConfig "
-                f"instance; pass e.g. Int4WeightOnlyConfig()"
-            )
+        config = checked_config(cls.__name__, Int4WeightOnlyConfig, config)
         check_float_weight(cls.__name__, weight)
         weight = weight.detach()
         qdata, scale, zero = quantize_int4(weight, config.group_size, config.symmetric)
