@@ -151,53 +151,104 @@ def table(shapes: dict, title: str, methods, ms=MS) -> None:
 
 
 GEMV_SWEEP = [
-    dict(BLOCK_N=n, GROUPS_PER_STEP=g, num_warps=w, num_stages=st)
-    for n, g, w, st in [(8, 4, 4, 3), (16, 4, 4, 3), (16, 8, 4, 3), (16, 2, 4, 4), (32, 4, 4, 3),
-                        (32, 4, 8, 3), (64, 2, 8, 3), (16, 4, 8, 4), (8, 8, 4, 3)]
+    dict(BLOCK_N=n, GROUPS_PER_STEP=g, num_warps=4, num_stages=3) for n, g in [(16, 8), (8, 8)]
+]
+SMALL_M_SWEEP = [  # (weight rows per tile, programs per SM, pipeline stages, warps)
+    (64, 2, 4, 4), (64, 1, 4, 4), (64, 4, 4, 4), (128, 2, 4, 4), (128, 2, 4, 8), (64, 2, 6, 4),
 ]  # fmt: skip
 GEMM_SWEEP = [
     dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
 ]
+SWEEP_MS = (1, 2, 4, 16, 32, 64, 128, 256)
+
+
+def sweep_candidates(m: int):
+    """(name, config for one (n, k) shape or None for cuBLAS) to try at M = m."""
+    from qshard.kernels.fp8_blockwise_triton import small_m_config
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    yield "cublas", lambda n, k: None
+    if m <= 2:
+        for c in GEMV_SWEEP:
+            yield f"gemv {c['BLOCK_N']}x{c['GROUPS_PER_STEP']}", lambda n, k, c=c: c
+    if m <= 256:
+        for bn, waves, stages, warps in SMALL_M_SWEEP:
+            name = f"small-m {bn} rows, {waves} waves, {stages} stages, {warps} warps"
+            yield (
+                name,
+                lambda n, k, a=(bn, waves, stages, warps): small_m_config(
+                    m, n, k, 128, device, block_n=a[0], waves=a[1], num_stages=a[2], num_warps=a[3]
+                ),
+            )
+    if m >= 64:
+        for c in GEMM_SWEEP:
+            yield f"gemm {c['BLOCK_M']}x{c['BLOCK_N']}", lambda n, k, c=c: c
 
 
 def sweep(shapes: dict) -> None:
-    """Triton configs per M over the shapes (summed), best first."""
-    from qshard.kernels.fp8_blockwise_triton import GEMV_MAX_M, linear_launch
+    """Every kernel and config per M over the shapes (summed us), best first, with cuBLAS."""
+    from qshard.kernels.fp8_blockwise_gpu import cublas_linear
+    from qshard.kernels.fp8_blockwise_triton import linear_launch
 
-    print("\n### Triton config sweep (Llama-3.1-8B layer, summed us)\n")
-    for m in (1, 4, 16, 128, 2048):
+    print("\n### Kernel and config sweep (Llama-3.1-8B layer, summed us)\n")
+    weights = {}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda") * 0.02
+        weights[name] = [ref.quantize_weight_blockwise(w, (128, 128), qshard.ScaleFormat.FP32)]
+    for m in SWEEP_MS:
         results = []
-        for config in GEMV_SWEEP if m <= GEMV_MAX_M else GEMM_SWEEP:
-            total = 0.0
+        for label, config_for in sweep_candidates(m):
+            per_shape = []
             try:
-                for n, k in shapes.values():
-                    w = torch.randn(n, k, device="cuda") * 0.02
+                for name, (n, k) in shapes.items():
                     count = copies_for(n * k, m)
-                    weights = [ref.quantize_weight_blockwise(w, (128, 128), qshard.ScaleFormat.FP32)
-                               for _ in range(count)]  # fmt: skip
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    fn = lambda x=x, weights=weights, config=config: [  # noqa: E731
-                        linear_launch(x, q, s, None, 128, 128, 128, False, config)
-                        for q, s in weights
+                    copies = weights[name]
+                    copies += [
+                        (q.clone(), s.clone()) for q, s in copies[:1] * (count - len(copies))
                     ]
-                    total += time_us(fn, count)
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    config = config_for(n, k)
+                    if config is None:
+                        fn = lambda x=x, c=copies[:count]: [  # noqa: E731
+                            cublas_linear(x, q, s, None, False) for q, s in c
+                        ]
+                    else:
+                        fn = lambda x=x, c=copies[:count], config=config: [  # noqa: E731
+                            linear_launch(x, q, s, None, 128, 128, 128, False, config) for q, s in c
+                        ]
+                    per_shape.append(time_us(fn, count))
             except Exception as e:  # a config that does not compile: shown, not fatal
-                print(f"  (M={m} {config}: {type(e).__name__})")
+                print(f"  (M={m} {label}: {type(e).__name__}: {str(e).splitlines()[0][:80]})")
                 continue
-            results.append((total, config))
+            results.append((sum(per_shape), label, per_shape))
         results.sort(key=lambda r: r[0])
-        best = ", ".join(f"{t:.0f} us {c}" for t, c in results[:3])
-        print(f"- M={m}: {best}", flush=True)
+        cublas = next(r for r in results if r[1] == "cublas")
+        best = "; ".join(
+            f"{t:.0f} us {label} ({'/'.join(f'{p:.0f}' for p in per)})"
+            for t, label, per in results[:3]
+        )
+        print(f"- M={m}: cuBLAS {cublas[0]:.0f} us; best: {best}", flush=True)
+
+
+def act_quant_bandwidth() -> None:
+    """The activation-quantization kernel alone at large M (part of every cuBLAS call)."""
+    from qshard.kernels.fp8_blockwise_triton import act_quant_launch
+
+    print("\n### Activation quantization kernel alone\n")
+    for m, k in ((4096, 7168), (2048, 4096), (4096, 14336)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        t = time_us(lambda x=x: act_quant_launch(x, 128, False), 1)
+        moved = m * k * 2 + m * k + m * (k // 128) * 4
+        print(f"- M={m}, K={k}: {t:.1f} us, {moved / t / 1e6:.2f} TB/s", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--tables", default="llama,deepseek,deepseek-4096")
+    parser.add_argument("--tables", default="llama,deepseek,deepseek-4096")  # "" for none
     args = parser.parse_args()
     load_gpu_ops()
     versions = {"torch": torch.__version__, "triton": triton.__version__}
@@ -211,7 +262,8 @@ def main() -> None:
     methods = args.methods.split(",")
     if args.sweep:
         sweep(LLAMA)
-    tables = args.tables.split(",")
+        act_quant_bandwidth()
+    tables = args.tables.split(",") if args.tables else []
     if "llama" in tables:
         table(LLAMA, "Llama-3.1-8B layer (qkv, o, gate_up, down summed)", methods)
     if "deepseek" in tables:

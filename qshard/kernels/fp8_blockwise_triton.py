@@ -25,6 +25,7 @@ Runs on the GPU (sm_89+: Triton's fp8 dot), and on the CPU under TRITON_INTERPRE
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -40,12 +41,18 @@ __all__ = [
     "gemm_config",
     "gemv_config",
     "linear_launch",
+    "small_m_config",
+    "triton_kernel_for",
 ]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Up to this many tokens the GEMV-like kernel runs. Each token re-reads the weights (from L2):
 # on H200 the Llama layer took 73 us at M = 1 but 169 us at M = 4, where cuBLAS takes ~100.
 GEMV_MAX_M = 1
+# Up to this many tokens the small-M (swap-AB, split-K) kernel; the tensor-core GEMM above.
+SMALL_M_MAX = 128
+WAVES = 2
+MIN_GROUPS_PER_SPLIT = 4
 
 
 @triton.jit
@@ -192,6 +199,69 @@ def _gemv_kernel(
     tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _small_m_kernel(
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, acc_ptr,
+    M, N, K, groups_per_split, stride_xm, stride_wn, stride_wsn, stride_om,
+    W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Small M, "swap AB": the weight rows are the MMA's M side (64+ rows fill a wgmma) and the
+    few tokens its N side, out.T[n-tile, m-tile] = W[n-tile] @ xq.T. The activation tile is
+    quantized in registers per group (fused: no act-quant kernel, no scales round trip). The K
+    groups are split over programs so that N/BLOCK_N tiles still fill every SM; when SPLIT
+    (more than one program per tile) the fp32 partial sums are atomically added into `acc_ptr`
+    (zeroed), and `_finish_split_k_kernel` adds the bias and casts."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_group = tl.program_id(1) * groups_per_split
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok, m_ok = offs_n < N, offs_m < M
+    offs_k = first_group * GROUP + tl.arange(0, GROUP)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    w_scale_ptrs = w_scale_ptr + (offs_n // W_BLOCK_N) * stride_wsn
+    last_group = tl.minimum(first_group + groups_per_split, tl.cdiv(K, GROUP))
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for g in range(first_group, last_group):
+        if EVEN_K:
+            x_mask, w_mask = m_ok[:, None], n_ok[:, None]
+        else:
+            k_ok = offs_k < K - (g - first_group) * GROUP
+            x_mask, w_mask = m_ok[:, None] & k_ok[None, :], n_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        xq, x_scale = _quantize_rows(x, UE8M0, EXACT_CAST)  # padded rows: 0 with scale 1
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        w_scale = tl.load(w_scale_ptrs + (g * GROUP) // W_BLOCK_K, mask=n_ok, other=0.0)
+        partial = tl.dot(w, tl.trans(xq))
+        acc += partial * (w_scale[:, None] * x_scale[None, :])
+        x_ptrs += GROUP
+        w_ptrs += GROUP
+    mask = n_ok[:, None] & m_ok[None, :]
+    if not SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc_ptrs = acc_ptr + offs_m[None, :] * N + offs_n[:, None]
+        tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _finish_split_k_kernel(
+    acc_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """out = (acc + bias) in the output dtype: the bias added in fp32, as the reference."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.load(acc_ptr + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + (offs // N) * stride_om + offs % N
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 # ---- launchers ---------------------------------------------------------------------------------
 
 
@@ -210,6 +280,15 @@ def act_quant_launch(x: torch.Tensor, group: int, ue8m0: bool):
     return q, scales
 
 
+def triton_kernel_for(m: int) -> str:
+    """Which Triton kernel serves M tokens (H200 sweep, docs/kernels/fp8_blockwise.md)."""
+    if m <= GEMV_MAX_M:
+        return "gemv"
+    if m <= SMALL_M_MAX:
+        return "small_m"
+    return "gemm"
+
+
 def gemm_config(m: int, n: int, k: int) -> dict:
     """Tensor-core tiles by M; from the H200 sweep (bench/bench_fp8.py --sweep, bench/README.md)."""
     if m <= 64:
@@ -226,12 +305,33 @@ def gemv_config(m: int, n: int, k: int, group: int) -> dict:
             "num_stages": 3}  # fmt: skip
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def small_m_config(
+    m: int, n: int, k: int, group: int, device: torch.device, block_n: int = 64,
+    waves: float = WAVES, num_stages: int = 4, num_warps: int = 4,
+) -> dict:  # fmt: skip
+    """Tiles of `block_n` weight rows x the tokens (16..64), and the K groups split so that
+    about `waves` programs per SM run, each streaming >= MIN_GROUPS_PER_SPLIT groups."""
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    sms = 4 if device.type == "cpu" else _sm_count(device.index or 0)  # the interpreter: splits
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    groups = triton.cdiv(k, group)
+    split = max(1, min(groups // MIN_GROUPS_PER_SPLIT, round(waves * sms / tiles)))
+    return {"BLOCK_N": block_n, "BLOCK_M": block_m, "SPLIT_K": split, "num_warps": num_warps,
+            "num_stages": num_stages}  # fmt: skip
+
+
 def linear_launch(
     x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
     block_n: int, block_k: int, group: int, ue8m0: bool, config: dict | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """x [M, K] float -> x @ W.T + bias [M, N] in x's dtype: the GEMV-like kernel (activation
-    quantization fused) up to GEMV_MAX_M tokens, else act quant + the tensor-core GEMM."""
+    """x [M, K] float -> x @ W.T + bias [M, N] in x's dtype, by the kernel `triton_kernel_for`
+    picks (or the one `config` names: "GROUPS_PER_STEP" the GEMV, "SPLIT_K" the small-M
+    kernel, "GROUP_M" the tensor-core GEMM after the act-quant kernel)."""
     m, k = x.shape
     n = qdata.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -239,31 +339,61 @@ def linear_launch(
         return out
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else out.zero_())
-    gemv = m <= GEMV_MAX_M
-    config = dict(config or (gemv_config(m, n, k, group) if gemv else gemm_config(m, n, k)))
+    if config is None:
+        kernel = triton_kernel_for(m)
+        config = {
+            "gemv": lambda: gemv_config(m, n, k, group),
+            "small_m": lambda: small_m_config(m, n, k, group, x.device),
+            "gemm": lambda: gemm_config(m, n, k),
+        }[kernel]()
+    config = dict(config)
     if INTERPRETED:  # the interpreter runs one program at a time, sequentially
         config.update(num_stages=1)
-    common = dict(
-        W_BLOCK_N=block_n, W_BLOCK_K=block_k, GROUP=group, HAS_BIAS=bias is not None,
-        **config,
-    )  # fmt: skip
+    common = dict(W_BLOCK_N=block_n, W_BLOCK_K=block_k, GROUP=group, HAS_BIAS=bias is not None)
     bias_arg = bias if bias is not None else out
-    if gemv:
+    if "GROUPS_PER_STEP" in config:
         step = group * config["GROUPS_PER_STEP"]
         grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
         _gemv_kernel[grid](
             x, qdata, scale, bias_arg, out,
             m, n, k, x.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
-            UE8M0=ue8m0, EXACT_CAST=INTERPRETED, EVEN_K=k % step == 0, **common,
+            UE8M0=ue8m0, EXACT_CAST=INTERPRETED, EVEN_K=k % step == 0, **common, **config,
         )  # fmt: skip
         return out
+    if "SPLIT_K" in config:
+        return _small_m_launch(x, qdata, scale, bias, out, ue8m0, common, config)
     a, a_scale = act_quant_launch(x, group, ue8m0)
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     _gemm_kernel[grid](
         a, a_scale, qdata, scale, bias_arg, out,
         m, n, k, a.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
-        EVEN_K=k % group == 0, **common,
+        EVEN_K=k % group == 0, **common, **config,
     )  # fmt: skip
+    return out
+
+
+def _small_m_launch(x, qdata, scale, bias, out, ue8m0, common, config):
+    m, k = x.shape
+    n = qdata.shape[0]
+    group = common["GROUP"]
+    groups = triton.cdiv(k, group)
+    split = min(config.pop("SPLIT_K"), groups)
+    groups_per_split = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, groups_per_split)  # no program without a group
+    acc = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(n, config["BLOCK_N"]), split, triton.cdiv(m, config["BLOCK_M"]))
+    _small_m_kernel[grid](
+        x, qdata, scale, bias if bias is not None else out, out, acc,
+        m, n, k, groups_per_split, x.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
+        UE8M0=ue8m0, EXACT_CAST=INTERPRETED, EVEN_K=k % group == 0, SPLIT=split > 1,
+        **common, **config,
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _finish_split_k_kernel[(triton.cdiv(m * n, block),)](
+            acc, bias if bias is not None else acc, out, m, n, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return out
 
 

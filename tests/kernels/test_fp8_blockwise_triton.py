@@ -64,7 +64,7 @@ SHAPES = [  # (N, K, block_size, act_group_size)
 ]
 
 
-@pytest.mark.parametrize("m", [1, 3, 17, 257])  # GEMV (M <= 4) and tensor-core GEMM
+@pytest.mark.parametrize("m", [1, 3, 17, 257])  # GEMV, small-M (split K), tensor-core GEMM
 @pytest.mark.parametrize(("n", "k", "block", "group"), SHAPES)
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
 def test_triton_gemm_matches_the_reference(m, n, k, block, group, ue8m0):
@@ -84,6 +84,59 @@ def test_triton_gemm_matches_the_reference(m, n, k, block, group, ue8m0):
     assert out.dtype == dtype and out.shape == (m, n)
     measured = relative_error(out, expected)
     assert measured <= MAX_RELATIVE_ERROR, f"relative error {measured:.2e} > {MAX_RELATIVE_ERROR}"
+
+
+# Each kernel forced by its config: the GEMV, the small-M kernel without and with split K (the
+# atomic fp32 partial sums, then bias + cast), several token tiles, and the tensor-core GEMM.
+KERNEL_CONFIGS = {
+    "gemv": dict(BLOCK_N=16, GROUPS_PER_STEP=4, num_warps=4, num_stages=3),
+    "small-m": dict(BLOCK_N=64, BLOCK_M=16, SPLIT_K=1, num_warps=4, num_stages=4),
+    "small-m-split3": dict(BLOCK_N=64, BLOCK_M=16, SPLIT_K=3, num_warps=4, num_stages=4),
+    "small-m-tiles": dict(BLOCK_N=64, BLOCK_M=32, SPLIT_K=2, num_warps=4, num_stages=4),
+    "gemm": dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNEL_CONFIGS)
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block", "group", "ue8m0"),
+    [(5, 130, 1100, (128, 128), 128, False), (70, 72, 200, (32, 64), 32, True)],
+)
+def test_each_triton_kernel_matches_the_reference(kernel, m, n, k, block, group, ue8m0):
+    from qshard.kernels.fp8_blockwise_triton import linear_launch
+
+    load_gpu_ops()
+    weight = torch.randn(n, k, device=DEVICE) * 0.02
+    qdata, scale = ref.quantize_weight_blockwise(weight, block, scale_format(ue8m0))
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
+    bias = torch.randn(n, dtype=dtype, device=DEVICE)
+    out = linear_launch(x, qdata, scale, bias, *block, group, ue8m0, KERNEL_CONFIGS[kernel])
+    expected = ref.fp8_blockwise_linear_reference(
+        x, qdata, scale, block_size=block, act_group_size=group,
+        scale_format=scale_format(ue8m0), weight_only=False, bias=bias,
+    )  # fmt: skip
+    measured = relative_error(out, expected)
+    assert measured <= MAX_RELATIVE_ERROR, f"relative error {measured:.2e} > {MAX_RELATIVE_ERROR}"
+
+
+def test_the_small_m_config_splits_k_to_fill_the_gpu():
+    from qshard.kernels.fp8_blockwise_triton import small_m_config, triton_kernel_for
+
+    assert [triton_kernel_for(m) for m in (1, 2, 128, 129)] == [
+        "gemv",
+        "small_m",
+        "small_m",
+        "gemm",
+    ]
+    device = torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 4
+    few_tiles = small_m_config(16, 4096, 14336, 128, device)  # 64 tiles of 64 rows
+    assert few_tiles["BLOCK_M"] == 16 and few_tiles["SPLIT_K"] == max(1, round(2 * sms / 64))
+    many_tiles = small_m_config(16, 28672, 4096, 128, device)  # 448 tiles: no split needed
+    assert many_tiles["SPLIT_K"] == 1
+    short_k = small_m_config(100, 64, 256, 128, device)  # 2 groups: too few to split
+    assert short_k["SPLIT_K"] == 1 and short_k["BLOCK_M"] == 64
 
 
 @pytest.mark.parametrize("act_dtype", [torch.float16, torch.float32])
