@@ -153,15 +153,22 @@ def table(shapes: dict, title: str, methods, ms=MS) -> None:
 GEMV_SWEEP = [
     dict(BLOCK_N=n, GROUPS_PER_STEP=g, num_warps=4, num_stages=3) for n, g in [(16, 8), (8, 8)]
 ]
-SMALL_M_SWEEP = [  # (weight rows per tile, programs per SM, pipeline stages, warps)
-    (64, 2, 4, 4), (64, 1, 4, 4), (64, 4, 4, 4), (128, 2, 4, 4), (128, 2, 4, 8), (64, 2, 6, 4),
-]  # fmt: skip
+SMALL_M_SWEEP = [  # (weight rows per tile, programs per SM, stages, warps, act quant apart)
+    (128, 2, 4, 8, False),
+    (128, 2, 4, 8, True),
+    (64, 2, 4, 4, False),
+    (64, 2, 4, 4, True),
+    (128, 4, 4, 8, False),
+    (128, 1, 4, 8, True),
+    (128, 2, 3, 8, True),
+    (64, 4, 4, 4, True),
+]
 GEMM_SWEEP = [
     dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
 ]
-SWEEP_MS = (1, 2, 4, 16, 32, 64, 128, 256)
+SWEEP_MS = (1, 2, 4, 16, 32, 64, 128)
 
 
 def sweep_candidates(m: int):
@@ -182,8 +189,8 @@ def sweep_candidates(m: int):
                     m, n, k, 128, device, block_n=a[0], waves=a[1], num_stages=a[2], num_warps=a[3]
                 ),
             )
-    if m >= 64:
-        for c in GEMM_SWEEP:
+    if m >= 128:
+        for c in GEMM_SWEEP[1:2]:
             yield f"gemm {c['BLOCK_M']}x{c['BLOCK_N']}", lambda n, k, c=c: c
 
 
@@ -227,7 +234,7 @@ def sweep(shapes: dict) -> None:
         cublas = next(r for r in results if r[1] == "cublas")
         best = "; ".join(
             f"{t:.0f} us {label} ({'/'.join(f'{p:.0f}' for p in per)})"
-            for t, label, per in results[:3]
+            for t, label, per in results[:4]
         )
         print(f"- M={m}: cuBLAS {cublas[0]:.0f} us; best: {best}", flush=True)
 

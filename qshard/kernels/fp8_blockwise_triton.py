@@ -78,16 +78,24 @@ def _round_to_e4m3_grid(v):
 
 
 @triton.jit
-def _quantize_rows(x, UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr):
+def _quantize_rows(x, UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, EXACT_DIV: tl.constexpr):
     """[rows, group] fp32 -> (e4m3 [rows, group], fp32 scales [rows]), as the reference:
     scale = amax / 448 (1.0 for an all-zero group), q = clamp(x / scale) rounded to nearest.
-    Divisions are correctly rounded (div_rn), not Triton's approximate fp32 division."""
+    EXACT_DIV divides each value with correct rounding (div_rn: Triton's default fp32 `/` is
+    approximate), bit-exact; otherwise (the fused GEMM paths, which redo this per program)
+    values are multiplied by the correctly rounded 1 / scale, one multiply instead of a
+    division sequence: equal for power-of-two scales, and for fp32 scales within 1.5 ulp of the
+    quotient before the e4m3 rounding, which drops 20 of its 23 mantissa bits (a code differs
+    only when the quotient is that close to a rounding midpoint)."""
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
     scale = tl.where(scale > 0, scale, 1.0)
     if UE8M0:
         scale = _round_up_to_power_of_two(scale)
-    q = tl.math.div_rn(x, scale[:, None])
+    if EXACT_DIV:
+        q = tl.math.div_rn(x, scale[:, None])
+    else:
+        q = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     if EXACT_CAST:
         q = _round_to_e4m3_grid(q)
@@ -104,7 +112,7 @@ def _act_quant_kernel(
     cols = g * GROUP + tl.arange(0, GROUP)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    q, scale = _quantize_rows(x.to(tl.float32), UE8M0, EXACT_CAST)
+    q, scale = _quantize_rows(x.to(tl.float32), UE8M0, EXACT_CAST, True)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     tl.store(s_ptr + g * M + rows, scale, mask=rows < M)
 
@@ -184,7 +192,8 @@ def _gemv_kernel(
             x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             g_ok = offs_g < tl.cdiv(K - k0, GROUP)
-        xq, x_scale = _quantize_rows(tl.reshape(x, (GROUPS_PER_STEP, GROUP)), UE8M0, EXACT_CAST)
+        rows = tl.reshape(x, (GROUPS_PER_STEP, GROUP))
+        xq, x_scale = _quantize_rows(rows, UE8M0, EXACT_CAST, False)
         products = w.to(tl.float32) * tl.reshape(xq.to(tl.float32), (STEP,))[None, :]
         partial = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS_PER_STEP, GROUP)), axis=2)
         w_scale = tl.load(
@@ -201,15 +210,16 @@ def _gemv_kernel(
 
 @triton.jit
 def _small_m_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, acc_ptr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, acc_ptr,
     M, N, K, groups_per_split, stride_xm, stride_wn, stride_wsn, stride_om,
     W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, PREQUANT: tl.constexpr,
 ):  # fmt: skip
     """Small M, "swap AB": the weight rows are the MMA's M side (64+ rows fill a wgmma) and the
     few tokens its N side, out.T[n-tile, m-tile] = W[n-tile] @ xq.T. The activation tile is
-    quantized in registers per group (fused: no act-quant kernel, no scales round trip). The K
+    quantized in registers per group (fused: no act-quant kernel, no scales round trip), or with
+    PREQUANT read quantized (x_ptr e4m3, x_scale_ptr group-major scales). The K
     groups are split over programs so that N/BLOCK_N tiles still fill every SM; when SPLIT
     (more than one program per tile) the fp32 partial sums are atomically added into `acc_ptr`
     (zeroed), and `_finish_split_k_kernel` adds the bias and casts."""
@@ -229,8 +239,12 @@ def _small_m_kernel(
         else:
             k_ok = offs_k < K - (g - first_group) * GROUP
             x_mask, w_mask = m_ok[:, None] & k_ok[None, :], n_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-        xq, x_scale = _quantize_rows(x, UE8M0, EXACT_CAST)  # padded rows: 0 with scale 1
+        if PREQUANT:
+            xq = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            x_scale = tl.load(x_scale_ptr + g * M + offs_m, mask=m_ok, other=0.0)
+        else:  # padded rows quantize to 0 with scale 1
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+            xq, x_scale = _quantize_rows(x, UE8M0, EXACT_CAST, False)
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         w_scale = tl.load(w_scale_ptrs + (g * GROUP) // W_BLOCK_K, mask=n_ok, other=0.0)
         partial = tl.dot(w, tl.trans(xq))
@@ -312,7 +326,7 @@ def _sm_count(device_index: int) -> int:
 
 def small_m_config(
     m: int, n: int, k: int, group: int, device: torch.device, block_n: int = 64,
-    waves: float = WAVES, num_stages: int = 4, num_warps: int = 4,
+    waves: float = WAVES, num_stages: int = 4, num_warps: int = 4, prequant: bool = False,
 ) -> dict:  # fmt: skip
     """Tiles of `block_n` weight rows x the tokens (16..64), and the K groups split so that
     about `waves` programs per SM run, each streaming >= MIN_GROUPS_PER_SPLIT groups."""
@@ -321,8 +335,8 @@ def small_m_config(
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     groups = triton.cdiv(k, group)
     split = max(1, min(groups // MIN_GROUPS_PER_SPLIT, round(waves * sms / tiles)))
-    return {"BLOCK_N": block_n, "BLOCK_M": block_m, "SPLIT_K": split, "num_warps": num_warps,
-            "num_stages": num_stages}  # fmt: skip
+    return {"BLOCK_N": block_n, "BLOCK_M": block_m, "SPLIT_K": split, "PREQUANT": prequant,
+            "num_warps": num_warps, "num_stages": num_stages}  # fmt: skip
 
 
 def linear_launch(
@@ -381,9 +395,11 @@ def _small_m_launch(x, qdata, scale, bias, out, ue8m0, common, config):
     groups_per_split = triton.cdiv(groups, split)
     split = triton.cdiv(groups, groups_per_split)  # no program without a group
     acc = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    config.setdefault("PREQUANT", False)
+    x, x_scale = act_quant_launch(x, group, ue8m0) if config["PREQUANT"] else (x, x)
     grid = (triton.cdiv(n, config["BLOCK_N"]), split, triton.cdiv(m, config["BLOCK_M"]))
     _small_m_kernel[grid](
-        x, qdata, scale, bias if bias is not None else out, out, acc,
+        x, x_scale, qdata, scale, bias if bias is not None else out, out, acc,
         m, n, k, groups_per_split, x.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
         UE8M0=ue8m0, EXACT_CAST=INTERPRETED, EVEN_K=k % group == 0, SPLIT=split > 1,
         **common, **config,

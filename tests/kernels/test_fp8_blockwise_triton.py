@@ -93,6 +93,7 @@ KERNEL_CONFIGS = {
     "small-m": dict(BLOCK_N=64, BLOCK_M=16, SPLIT_K=1, num_warps=4, num_stages=4),
     "small-m-split3": dict(BLOCK_N=64, BLOCK_M=16, SPLIT_K=3, num_warps=4, num_stages=4),
     "small-m-tiles": dict(BLOCK_N=64, BLOCK_M=32, SPLIT_K=2, num_warps=4, num_stages=4),
+    "small-m-prequant": dict(BLOCK_N=64, BLOCK_M=16, SPLIT_K=2, PREQUANT=True, num_warps=4),
     "gemm": dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
 }
 
