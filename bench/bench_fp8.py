@@ -181,12 +181,14 @@ def sweep_candidates(m: int):
         for c in GEMV_SWEEP:
             yield f"gemv {c['BLOCK_N']}x{c['GROUPS_PER_STEP']}", lambda n, k, c=c: c
     if m <= 256:
-        for bn, waves, stages, warps in SMALL_M_SWEEP:
-            name = f"small-m {bn} rows, {waves} waves, {stages} stages, {warps} warps"
+        for bn, waves, stages, warps, prequant in SMALL_M_SWEEP:
+            name = f"small-m {bn} rows {waves} waves {stages} stages {warps} warps"
+            name += " prequant" if prequant else " fused"
+            args = dict(block_n=bn, waves=waves, num_stages=stages, num_warps=warps)
             yield (
                 name,
-                lambda n, k, a=(bn, waves, stages, warps): small_m_config(
-                    m, n, k, 128, device, block_n=a[0], waves=a[1], num_stages=a[2], num_warps=a[3]
+                lambda n, k, a=args, p=prequant: small_m_config(
+                    m, n, k, 128, device, prequant=p, **a
                 ),
             )
     if m >= 128:
