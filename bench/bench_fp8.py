@@ -153,22 +153,23 @@ def table(shapes: dict, title: str, methods, ms=MS) -> None:
 GEMV_SWEEP = [
     dict(BLOCK_N=n, GROUPS_PER_STEP=g, num_warps=4, num_stages=3) for n, g in [(16, 8), (8, 8)]
 ]
-SMALL_M_SWEEP = [  # (weight rows per tile, programs per SM, stages, warps, act quant apart)
-    (128, 2, 4, 8, False),
-    (128, 2, 4, 8, True),
-    (64, 2, 4, 4, False),
-    (64, 2, 4, 4, True),
-    (128, 4, 4, 8, False),
-    (128, 1, 4, 8, True),
-    (128, 2, 3, 8, True),
-    (64, 4, 4, 4, True),
+SMALL_M_SWEEP = [  # (weight rows per tile, programs per SM, stages, warps, act quant apart, tokens)
+    (128, 2, 4, 8, False, 64),
+    (128, 2, 4, 8, True, 64),
+    (64, 4, 4, 4, True, 64),
+    (64, 4, 4, 4, False, 64),
+    (128, 2, 3, 8, True, 64),
+    (64, 2, 4, 4, False, 64),
+    (128, 2, 3, 8, True, 128),
+    (128, 1, 3, 8, True, 128),
+    (64, 2, 3, 4, True, 128),
 ]
 GEMM_SWEEP = [
     dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
 ]
-SWEEP_MS = (1, 2, 4, 16, 32, 64, 128)
+SWEEP_MS = (1, 4, 16, 32, 64, 128, 256)
 
 
 def sweep_candidates(m: int):
@@ -181,16 +182,14 @@ def sweep_candidates(m: int):
         for c in GEMV_SWEEP:
             yield f"gemv {c['BLOCK_N']}x{c['GROUPS_PER_STEP']}", lambda n, k, c=c: c
     if m <= 256:
-        for bn, waves, stages, warps, prequant in SMALL_M_SWEEP:
-            name = f"small-m {bn} rows {waves} waves {stages} stages {warps} warps"
+        for bn, waves, stages, warps, prequant, max_m in SMALL_M_SWEEP:
+            if max_m > 64 and m <= 64:
+                continue
+            name = f"small-m {bn}x{max_m} {waves} waves {stages} stages {warps} warps"
             name += " prequant" if prequant else " fused"
             args = dict(block_n=bn, waves=waves, num_stages=stages, num_warps=warps)
-            yield (
-                name,
-                lambda n, k, a=args, p=prequant: small_m_config(
-                    m, n, k, 128, device, prequant=p, **a
-                ),
-            )
+            args.update(prequant=prequant, max_block_m=max_m)
+            yield name, lambda n, k, a=args: small_m_config(m, n, k, 128, device, **a)
     if m >= 128:
         for c in GEMM_SWEEP[1:2]:
             yield f"gemm {c['BLOCK_M']}x{c['BLOCK_N']}", lambda n, k, c=c: c

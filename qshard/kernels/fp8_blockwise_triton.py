@@ -210,7 +210,7 @@ def _gemv_kernel(
 
 @triton.jit
 def _small_m_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, acc_ptr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, acc_ptr, arrived_ptr,
     M, N, K, groups_per_split, stride_xm, stride_wn, stride_wsn, stride_om,
     W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
@@ -220,9 +220,10 @@ def _small_m_kernel(
     few tokens its N side, out.T[n-tile, m-tile] = W[n-tile] @ xq.T. The activation tile is
     quantized in registers per group (fused: no act-quant kernel, no scales round trip), or with
     PREQUANT read quantized (x_ptr e4m3, x_scale_ptr group-major scales). The K
-    groups are split over programs so that N/BLOCK_N tiles still fill every SM; when SPLIT
-    (more than one program per tile) the fp32 partial sums are atomically added into `acc_ptr`
-    (zeroed), and `_finish_split_k_kernel` adds the bias and casts."""
+    groups are split over programs so that N/BLOCK_N tiles still fill every SM. When SPLIT
+    (several programs per tile) the fp32 partial sums are atomically added into `acc_ptr`
+    (zeroed), each program then counts itself in `arrived_ptr[tile]`, and the last to arrive
+    adds the bias, casts and writes the tile: one kernel, no reduction pass."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     first_group = tl.program_id(1) * groups_per_split
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -252,28 +253,28 @@ def _small_m_kernel(
         x_ptrs += GROUP
         w_ptrs += GROUP
     mask = n_ok[:, None] & m_ok[None, :]
-    if not SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
+    if SPLIT:
         acc_ptrs = acc_ptr + offs_m[None, :] * N + offs_n[:, None]
         tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial sums are in before the program counts itself
+        tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+        arrived = tl.atomic_add(arrived_ptr + tile, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:  # the last split of this tile finishes it
+            acc = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS)
+    else:
+        _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS)
 
 
 @triton.jit
-def _finish_split_k_kernel(
-    acc_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+def _store_tile(
+    acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS: tl.constexpr
 ):
-    """out = (acc + bias) in the output dtype: the bias added in fp32, as the reference."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < M * N
-    acc = tl.load(acc_ptr + offs, mask=ok, other=0.0)
+    """out[m, n] = acc.T[m, n] + bias[n], the bias added in fp32 as the reference, then cast."""
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + (offs // N) * stride_om + offs % N
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -327,10 +328,11 @@ def _sm_count(device_index: int) -> int:
 def small_m_config(
     m: int, n: int, k: int, group: int, device: torch.device, block_n: int = 64,
     waves: float = WAVES, num_stages: int = 4, num_warps: int = 4, prequant: bool = False,
+    max_block_m: int = 64,
 ) -> dict:  # fmt: skip
-    """Tiles of `block_n` weight rows x the tokens (16..64), and the K groups split so that
+    """Tiles of `block_n` weight rows x the tokens (16..max_block_m), and the K groups split so that
     about `waves` programs per SM run, each streaming >= MIN_GROUPS_PER_SPLIT groups."""
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_m = min(max_block_m, max(16, triton.next_power_of_2(m)))
     sms = 4 if device.type == "cpu" else _sm_count(device.index or 0)  # the interpreter: splits
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     groups = triton.cdiv(k, group)
@@ -394,22 +396,19 @@ def _small_m_launch(x, qdata, scale, bias, out, ue8m0, common, config):
     split = min(config.pop("SPLIT_K"), groups)
     groups_per_split = triton.cdiv(groups, split)
     split = triton.cdiv(groups, groups_per_split)  # no program without a group
-    acc = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     config.setdefault("PREQUANT", False)
     x, x_scale = act_quant_launch(x, group, ue8m0) if config["PREQUANT"] else (x, x)
     grid = (triton.cdiv(n, config["BLOCK_N"]), split, triton.cdiv(m, config["BLOCK_M"]))
+    acc, arrived = out, out
+    if split > 1:  # one zeroed buffer: the fp32 sums, then a counter per tile
+        workspace = torch.zeros(m * n + grid[0] * grid[2], dtype=torch.int32, device=x.device)
+        acc, arrived = workspace[: m * n].view(torch.float32), workspace[m * n :]
     _small_m_kernel[grid](
-        x, x_scale, qdata, scale, bias if bias is not None else out, out, acc,
+        x, x_scale, qdata, scale, bias if bias is not None else out, out, acc, arrived,
         m, n, k, groups_per_split, x.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
         UE8M0=ue8m0, EXACT_CAST=INTERPRETED, EVEN_K=k % group == 0, SPLIT=split > 1,
         **common, **config,
     )  # fmt: skip
-    if split > 1:
-        block = 1024
-        _finish_split_k_kernel[(triton.cdiv(m * n, block),)](
-            acc, bias if bias is not None else acc, out, m, n, out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-        )  # fmt: skip
     return out
 
 
