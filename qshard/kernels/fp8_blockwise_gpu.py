@@ -4,12 +4,13 @@
 backend)` runs `backend` "triton" or "cublas", or for "auto" picks by the number of tokens M at
 run time (inside the op, so that torch.compile with a dynamic batch puts no guard on M):
 
-    M <= GEMV_MAX_M (decode), or cuBLAS cannot take the layout  ->  Triton
-    otherwise                                                     ->  cuBLAS blockwise scaled_mm
+    M <= SMALL_M_MAX (64), or cuBLAS cannot take the layout  ->  Triton (GEMV at M = 1,
+                                                               the split-K small-M kernel)
+    otherwise                                                ->  cuBLAS blockwise scaled_mm
 
-On H200 cuBLAS (with the Triton activation quantization) beat the Triton tensor-core GEMM at
-every M from 16 to 4096 (bench/README.md); Triton serves decode and the layouts cuBLAS cannot
-take (re-blocked 64-blocks, partial edge blocks, sm_89).
+On H200 the Triton kernels beat cuBLAS up to M = 64 and cuBLAS (with the Triton activation
+quantization) beat the Triton tensor-core GEMM from M = 128 to 4096 (bench/README.md); Triton
+also serves the layouts cuBLAS cannot take (re-blocked 64-blocks, partial edge blocks, sm_89).
 
 cuBLAS: `F.scaled_mm` with BlockWise1x128 activations x BlockWise128x128 weights (torch >= 2.10,
 CUDA >= 12.9, sm_90 only; facts.md §3): `a` fp8 [M, K] row-major with scales [M, K/128] of
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .availability import cublas_unavailable_reason
-from .fp8_blockwise_triton import GEMV_MAX_M, act_quant_launch, linear_launch
+from .fp8_blockwise_triton import SMALL_M_MAX, act_quant_launch, linear_launch
 
 __all__ = ["cublas_linear", "fp8_blockwise_linear"]
 
@@ -61,7 +62,7 @@ def fp8_blockwise_linear(
     bias = bias.contiguous() if bias is not None else None
     if backend == "auto":
         cublas_ok = cublas_unavailable_reason(x.device, n, k, block_n, block_k, group) is None
-        backend = "cublas" if cublas_ok and x2d.shape[0] > GEMV_MAX_M else "triton"
+        backend = "cublas" if cublas_ok and x2d.shape[0] > SMALL_M_MAX else "triton"
     if backend == "cublas":
         out = cublas_linear(x2d, qdata, scale, bias, ue8m0)
     else:

@@ -49,9 +49,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Up to this many tokens the GEMV-like kernel runs. Each token re-reads the weights (from L2):
 # on H200 the Llama layer took 73 us at M = 1 but 169 us at M = 4, where cuBLAS takes ~100.
 GEMV_MAX_M = 1
-# Up to this many tokens the small-M (swap-AB, split-K) kernel; the tensor-core GEMM above.
-SMALL_M_MAX = 128
-WAVES = 2
+# Up to this many tokens the small-M (swap-AB, split-K) kernel; the tensor-core GEMM above (and
+# cuBLAS is faster from M = 128 on H200: fp8_blockwise_gpu.py picks it there).
+SMALL_M_MAX = 64
 MIN_GROUPS_PER_SPLIT = 4
 
 
@@ -315,8 +315,8 @@ def gemm_config(m: int, n: int, k: int) -> dict:
 
 def gemv_config(m: int, n: int, k: int, group: int) -> dict:
     """A narrow band of weight rows per program (many programs), 1024 K per step: the best of
-    the H200 sweep (16 rows x 8 groups of 128: 73 us for the Llama layer at M = 1)."""
-    return {"BLOCK_N": 16, "GROUPS_PER_STEP": max(1, 1024 // group), "num_warps": 4,
+    the H200 sweeps (8 rows x 8 groups of 128: 69-74 us for the Llama layer at M = 1)."""
+    return {"BLOCK_N": 8, "GROUPS_PER_STEP": max(1, 1024 // group), "num_warps": 4,
             "num_stages": 3}  # fmt: skip
 
 
@@ -325,13 +325,27 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# The small-M kernel's tiles by M (H200 sweep, docs/kernels/fp8_blockwise.md): (largest M,
+# weight rows per tile, programs per SM, pipeline stages, warps, quantize activations apart).
+SMALL_M_TABLE = (
+    (8, 64, 4, 4, 4, True),
+    (16, 128, 2, 4, 8, False),
+    (32, 64, 4, 4, 4, True),
+    (64, 128, 2, 3, 8, True),
+)
+
+
 def small_m_config(
-    m: int, n: int, k: int, group: int, device: torch.device, block_n: int = 64,
-    waves: float = WAVES, num_stages: int = 4, num_warps: int = 4, prequant: bool = False,
+    m: int, n: int, k: int, group: int, device: torch.device, block_n: int | None = None,
+    waves: float = 2, num_stages: int = 4, num_warps: int = 4, prequant: bool = False,
     max_block_m: int = 64,
 ) -> dict:  # fmt: skip
-    """Tiles of `block_n` weight rows x the tokens (16..max_block_m), and the K groups split so that
-    about `waves` programs per SM run, each streaming >= MIN_GROUPS_PER_SPLIT groups."""
+    """Tiles of `block_n` weight rows x the tokens (16..max_block_m), and the K groups split so
+    that about `waves` programs per SM run, each streaming >= MIN_GROUPS_PER_SPLIT groups.
+    Without `block_n`, the tuned row of SMALL_M_TABLE for M."""
+    if block_n is None:
+        row = next((r for r in SMALL_M_TABLE if m <= r[0]), SMALL_M_TABLE[-1])
+        block_n, waves, num_stages, num_warps, prequant = row[1:]
     block_m = min(max_block_m, max(16, triton.next_power_of_2(m)))
     sms = 4 if device.type == "cpu" else _sm_count(device.index or 0)  # the interpreter: splits
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)

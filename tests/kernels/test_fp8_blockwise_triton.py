@@ -124,20 +124,17 @@ def test_each_triton_kernel_matches_the_reference(kernel, m, n, k, block, group,
 def test_the_small_m_config_splits_k_to_fill_the_gpu():
     from qshard.kernels.fp8_blockwise_triton import small_m_config, triton_kernel_for
 
-    assert [triton_kernel_for(m) for m in (1, 2, 128, 129)] == [
-        "gemv",
-        "small_m",
-        "small_m",
-        "gemm",
-    ]
+    assert [triton_kernel_for(m) for m in (1, 2, 64, 65)] == ["gemv", "small_m", "small_m", "gemm"]
     device = torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
     sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 4
-    few_tiles = small_m_config(16, 4096, 14336, 128, device)  # 64 tiles of 64 rows
+    few_tiles = small_m_config(16, 4096, 14336, 128, device, block_n=64, waves=2)  # 64 tiles
     assert few_tiles["BLOCK_M"] == 16 and few_tiles["SPLIT_K"] == max(1, round(2 * sms / 64))
-    many_tiles = small_m_config(16, 28672, 4096, 128, device)  # 448 tiles: no split needed
+    many_tiles = small_m_config(16, 28672, 4096, 128, device, block_n=64)  # 448 tiles
     assert many_tiles["SPLIT_K"] == 1
     short_k = small_m_config(100, 64, 256, 128, device)  # 2 groups: too few to split
     assert short_k["SPLIT_K"] == 1 and short_k["BLOCK_M"] == 64
+    tuned = small_m_config(16, 4096, 4096, 128, device)  # the tuned row for M <= 16
+    assert (tuned["BLOCK_N"], tuned["num_warps"], tuned["PREQUANT"]) == (128, 8, False)
 
 
 @pytest.mark.parametrize("act_dtype", [torch.float16, torch.float32])
