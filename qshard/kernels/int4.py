@@ -90,7 +90,9 @@ def quantize_int4(
         q = torch.clamp(torch.round(w / full_scale), -8, 7) + SYMMETRIC_ZERO
         zero = torch.zeros(0, 0, dtype=SCALE_DTYPE, device=w.device)
     else:
-        zero = torch.clamp(torch.round(-low / scale.float()), 0, 15).to(SCALE_DTYPE)
+        # 0 - low, not -low: a group with no negative value has low = 0 and -low = -0.0, and
+        # clamp keeps a -0.0 zero point on the CPU but not on CUDA (other bytes, same value).
+        zero = torch.clamp(torch.round((0.0 - low) / scale.float()), 0, 15).to(SCALE_DTYPE)
         q = torch.clamp(torch.round(w / full_scale) + _expand(zero.float(), group, k), 0, 15)
     return pack_nibbles(q.to(torch.uint8)), scale, zero
 

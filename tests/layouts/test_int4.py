@@ -22,6 +22,13 @@ def test_zero_points_are_codes_even_for_groups_that_miss_zero():
         assert (q.dequantize() - weight).abs().max().item() <= step  # within one step
 
 
+def test_zero_points_of_all_positive_groups_are_positive_zeros():
+    # -0.0 and +0.0 are the same value but other bytes: CUDA's clamp made +0.0 of what the CPU
+    # kept as -0.0, and the GPU-quantized checkpoint differed from the CPU one (H200 test).
+    q = qshard.Int4Tensor.from_float(torch.rand(4, 64) + 0.5, Int4WeightOnlyConfig(group_size=32))
+    assert torch.equal(q.zero.view(torch.int16), torch.zeros_like(q.zero.view(torch.int16)))
+
+
 def test_extreme_finite_weights_dequantize_to_finite_values():
     for symmetric in (False, True):
         config = Int4WeightOnlyConfig(group_size=32, symmetric=symmetric)
