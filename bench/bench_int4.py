@@ -1,0 +1,169 @@
+"""Int4 weight-only linears (asymmetric, group 128) vs bf16, tinygemm and gemlite.
+
+    python bench/bench_int4.py [--methods bf16,qshard-triton,tinygemm,gemlite] [--ms 1,16,128,2048]
+
+The four linears of a Llama-3.1-8B layer (summed), timed as bench_fp8.py does (CUDA graphs,
+weight copies rotated past the L2). Each cell: time, speedup over bf16 F.linear, and the
+fraction of the roofline, max(bytes moved / measured copy bandwidth, flops / measured bf16
+matmul peak). Also the output's relative error vs the float linear, per method, on one shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_fp8 import LLAMA, copies_for, time_us
+
+from qshard.kernels import int4 as ref
+from qshard.kernels.availability import load_int4_ops
+
+GROUP = 128
+
+
+def quantized(w):
+    """qshard's asymmetric g128 quantization; every method below starts from these codes."""
+    packed, scale, zero = ref.quantize_int4(w, GROUP, symmetric=False)
+    return packed, scale, zero
+
+
+def bf16_method(w):
+    return lambda x: F.linear(x, w)
+
+
+def qshard_triton_method(w):
+    packed, scale, zero = quantized(w)
+    op = torch.ops.qshard.int4_linear
+    return lambda x: op(x, packed, scale, zero, None, GROUP)
+
+
+def tinygemm_method(w):
+    """aten._weight_int4pack_mm: (u - 8) * s + z' with z' = (8 - zero) * s (facts.md §3), the
+    even element in the high nibble."""
+    packed, scale, zero = quantized(w)
+    u = ref.unpack_nibbles(packed, w.shape[1])
+    tiny_packed = (u[:, 0::2] << 4) | u[:, 1::2]
+    weight = torch.ops.aten._convert_weight_to_int4pack(tiny_packed.contiguous(), 8)
+    shifted_zero = (8 - zero.float()) * scale.float()
+    scale_and_zero = torch.stack([scale.float(), shifted_zero], -1).transpose(0, 1)
+    scale_and_zero = scale_and_zero.contiguous().to(torch.bfloat16)
+    return lambda x: torch.ops.aten._weight_int4pack_mm(x, weight, GROUP, scale_and_zero)
+
+
+def gemlite_method(w):
+    import gemlite
+    from gemlite.helper import A16Wn
+
+    config = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
+    gemlite.core.GemLiteLinear.load_config(config)  # H200 has no shipped config (facts.md §4)
+    packed, scale, zero = quantized(w)
+    u = ref.unpack_nibbles(packed, w.shape[1])
+    layer = A16Wn(device="cuda", dtype=torch.bfloat16).from_weights(
+        u, scale, zero, W_nbits=4, group_size=GROUP
+    )
+    return layer
+
+
+METHODS = {
+    "bf16": bf16_method,
+    "qshard-triton": qshard_triton_method,
+    "tinygemm": tinygemm_method,
+    "gemlite": gemlite_method,
+}
+
+
+def roofline_us(m: int, bandwidth: float, peak: float) -> float:
+    total = 0.0
+    for n, k in LLAMA.values():
+        moved = n * k / 2 + 2 * 2 * n * (k // GROUP) + 2 * m * (k + n)
+        total += max(moved / bandwidth, 2 * m * n * k / peak)
+    return total * 1e6
+
+
+def measure(method: str, m: int) -> float | str:
+    total = 0.0
+    for n, k in LLAMA.values():
+        try:
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            count = copies_for(n * k // 2, m)
+            fns = [METHODS[method](w if i == 0 else w.clone()) for i in range(count)]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            total += time_us(lambda fns=fns, x=x: [f(x) for f in fns], count)
+            del fns
+        except Exception as e:  # reported in the table, e.g. a baseline that cannot run
+            return f"fails: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
+    return total
+
+
+def machine_limits() -> tuple[float, float]:
+    """(copy bandwidth in bytes/s, bf16 matmul peak in flop/s), measured here."""
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    bandwidth = 2 * a.numel() / (triton.testing.do_bench(lambda: b.copy_(a)) * 1e-3)
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    peak = 2 * 8192**3 / (triton.testing.do_bench(lambda: x @ x) * 1e-3)
+    return bandwidth, peak
+
+
+def accuracy(methods) -> None:
+    n, k = LLAMA["o"]
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    expected = F.linear(x.float(), w.float())
+    for method in methods:
+        try:
+            out = METHODS[method](w)(x).float()
+            error = ((out - expected).norm() / expected.norm()).item()
+            print(f"- {method}: output relative error vs float {error:.4f}")
+        except Exception as e:
+            print(f"- {method}: fails: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--ms", default="1,16,128,2048")
+    args = parser.parse_args()
+    load_int4_ops()
+    methods, ms = args.methods.split(","), [int(m) for m in args.ms.split(",")]
+    versions = {"torch": torch.__version__, "triton": triton.__version__}
+    if "gemlite" in methods:
+        try:
+            versions["gemlite"] = __import__("gemlite").__version__
+        except Exception as e:  # reported, not hidden
+            versions["gemlite"] = f"unavailable ({type(e).__name__})"
+    bandwidth, peak = machine_limits()
+    print(
+        f"GPU: {torch.cuda.get_device_name()}; "
+        + ", ".join(f"{k} {v}" for k, v in versions.items())
+    )
+    print(f"measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    print("\n### Int4 asymmetric g128, Llama-3.1-8B layer (summed)\n")
+    print("| method | " + " | ".join(f"M={m}" for m in ms) + " |")
+    print("|---|" + "---|" * len(ms))
+    base = {m: measure("bf16", m) for m in ms}
+    for method in methods:
+        cells = []
+        for m in ms:
+            t = base[m] if method == "bf16" else measure(method, m)
+            if isinstance(t, str):
+                cells.append(t)
+            else:
+                roof = roofline_us(m, bandwidth, peak)
+                cells.append(f"{t:.0f} us ({base[m] / t:.2f}x, {roof / t:.0%} of roofline)")
+        print(f"| {method} | " + " | ".join(cells) + " |", flush=True)
+    print("\n### Accuracy (o_proj 4096x4096, M = 16, N(0, 0.02) weights)\n")
+    accuracy([m for m in methods if m != "bf16"])
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
