@@ -25,7 +25,6 @@ Runs on the GPU (sm_89+: Triton's fp8 dot), and on the CPU under TRITON_INTERPRE
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -33,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .fp8_blockwise import E4M3_MAX
+from .split_k import finish_tile, split_count, workspace
 
 __all__ = [
     "GEMV_MAX_M",
@@ -220,10 +220,8 @@ def _small_m_kernel(
     few tokens its N side, out.T[n-tile, m-tile] = W[n-tile] @ xq.T. The activation tile is
     quantized in registers per group (fused: no act-quant kernel, no scales round trip), or with
     PREQUANT read quantized (x_ptr e4m3, x_scale_ptr group-major scales). The K
-    groups are split over programs so that N/BLOCK_N tiles still fill every SM. When SPLIT
-    (several programs per tile) the fp32 partial sums are atomically added into `acc_ptr`
-    (zeroed), each program then counts itself in `arrived_ptr[tile]`, and the last to arrive
-    adds the bias, casts and writes the tile: one kernel, no reduction pass."""
+    groups are split over programs so that N/BLOCK_N tiles still fill every SM (SPLIT: several
+    programs per tile, summed as `split_k.py` describes)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     first_group = tl.program_id(1) * groups_per_split
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -252,29 +250,8 @@ def _small_m_kernel(
         acc += partial * (w_scale[:, None] * x_scale[None, :])
         x_ptrs += GROUP
         w_ptrs += GROUP
-    mask = n_ok[:, None] & m_ok[None, :]
-    if SPLIT:
-        acc_ptrs = acc_ptr + offs_m[None, :] * N + offs_n[:, None]
-        tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
-        tl.debug_barrier()  # every thread's partial sums are in before the program counts itself
-        tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-        arrived = tl.atomic_add(arrived_ptr + tile, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:  # the last split of this tile finishes it
-            acc = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS)
-    else:
-        _store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS)
-
-
-@triton.jit
-def _store_tile(
-    acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS: tl.constexpr
-):
-    """out[m, n] = acc.T[m, n] + bias[n], the bias added in fp32 as the reference, then cast."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    finish_tile(acc, acc_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, N,
+                stride_om, HAS_BIAS, SPLIT)  # fmt: skip
 
 
 # ---- launchers ---------------------------------------------------------------------------------
@@ -320,11 +297,6 @@ def gemv_config(m: int, n: int, k: int, group: int) -> dict:
             "num_stages": 3}  # fmt: skip
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # The small-M kernel's tiles by M (H200 sweep, docs/kernels/fp8_blockwise.md): (largest M,
 # weight rows per tile, programs per SM, pipeline stages, warps, quantize activations apart).
 SMALL_M_TABLE = (
@@ -347,10 +319,8 @@ def small_m_config(
         row = next((r for r in SMALL_M_TABLE if m <= r[0]), SMALL_M_TABLE[-1])
         block_n, waves, num_stages, num_warps, prequant = row[1:]
     block_m = min(max_block_m, max(16, triton.next_power_of_2(m)))
-    sms = 4 if device.type == "cpu" else _sm_count(device.index or 0)  # the interpreter: splits
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    groups = triton.cdiv(k, group)
-    split = max(1, min(groups // MIN_GROUPS_PER_SPLIT, round(waves * sms / tiles)))
+    split = split_count(tiles, triton.cdiv(k, group), MIN_GROUPS_PER_SPLIT, waves, device)
     return {"BLOCK_N": block_n, "BLOCK_M": block_m, "SPLIT_K": split, "PREQUANT": prequant,
             "num_warps": num_warps, "num_stages": num_stages}  # fmt: skip
 
@@ -413,10 +383,7 @@ def _small_m_launch(x, qdata, scale, bias, out, ue8m0, common, config):
     config.setdefault("PREQUANT", False)
     x, x_scale = act_quant_launch(x, group, ue8m0) if config["PREQUANT"] else (x, x)
     grid = (triton.cdiv(n, config["BLOCK_N"]), split, triton.cdiv(m, config["BLOCK_M"]))
-    acc, arrived = out, out
-    if split > 1:  # one zeroed buffer: the fp32 sums, then a counter per tile
-        workspace = torch.zeros(m * n + grid[0] * grid[2], dtype=torch.int32, device=x.device)
-        acc, arrived = workspace[: m * n].view(torch.float32), workspace[m * n :]
+    acc, arrived = workspace(m, n, grid[0] * grid[2], x.device) if split > 1 else (out, out)
     _small_m_kernel[grid](
         x, x_scale, qdata, scale, bias if bias is not None else out, out, acc, arrived,
         m, n, k, groups_per_split, x.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
