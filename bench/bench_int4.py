@@ -1,6 +1,7 @@
 """Int4 weight-only linears (asymmetric, group 128) vs bf16, tinygemm and gemlite.
 
-    python bench/bench_int4.py [--methods bf16,qshard-triton,tinygemm,gemlite] [--ms 1,16,128,2048]
+    python bench/bench_int4.py [--sweep] [--methods bf16,qshard-triton,tinygemm,gemlite]
+        [--ms 1,16,128,2048]
 
 The four linears of a Llama-3.1-8B layer (summed), timed as bench_fp8.py does (CUDA graphs,
 weight copies rotated past the L2). Each cell: time, speedup over bf16 F.linear, and the
@@ -127,10 +128,67 @@ def accuracy(methods) -> None:
             print(f"- {method}: fails: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
 
 
+FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages)
+    (64, 128, 2, 4, 3),
+    (128, 128, 2, 8, 3),
+    (64, 256, 2, 4, 3),
+    (32, 128, 4, 4, 4),
+    (64, 128, 4, 4, 4),
+    (128, 64, 2, 4, 4),
+]
+
+
+def sweep(ms) -> None:
+    """The fused kernel's configs and the dequantize + cuBLAS path per M (summed us)."""
+    from qshard.kernels.int4_triton import dequantize_launch, linear_launch
+    from qshard.kernels.split_k import split_count
+
+    print("\n### Int4 kernel sweep (Llama-3.1-8B layer, summed us)\n")
+    weights = {name: [quantized(torch.randn(n, k, device="cuda") * 0.02)]
+               for name, (n, k) in LLAMA.items()}  # fmt: skip
+    device = torch.device("cuda", torch.cuda.current_device())
+    for m in ms:
+        results = []
+        candidates = [(f"fused {c}", c) for c in FUSED_SWEEP] + [("dequantize + cuBLAS", None)]
+        for label, c in candidates:
+            total = 0.0
+            try:
+                for name, (n, k) in LLAMA.items():
+                    count = copies_for(n * k // 2, m)
+                    copies = weights[name]
+                    copies += [
+                        tuple(t.clone() for t in copies[0]) for _ in range(count - len(copies))
+                    ]
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    if c is None:
+                        fn = lambda x=x, cs=copies[:count], k=k: [  # noqa: E731
+                            F.linear(x, dequantize_launch(q, s, z, GROUP, k, x.dtype))
+                            for q, s, z in cs
+                        ]
+                    else:
+                        bn, bk, waves, warps, stages = c
+                        block_m = min(128, max(16, triton.next_power_of_2(m)))
+                        tiles = triton.cdiv(n, bn) * triton.cdiv(m, block_m)
+                        split = split_count(tiles, triton.cdiv(k, bk), 4, waves, device)
+                        config = dict(BLOCK_N=bn, BLOCK_M=block_m, BLOCK_K=bk, SPLIT_K=split,
+                                      num_warps=warps, num_stages=stages)  # fmt: skip
+                        fn = lambda x=x, cs=copies[:count], config=config: [  # noqa: E731
+                            linear_launch(x, q, s, z, None, GROUP, config) for q, s, z in cs
+                        ]
+                    total += time_us(fn, count)
+            except Exception as e:  # a config that does not compile: shown, not fatal
+                print(f"  (M={m} {label}: {type(e).__name__}: {str(e).splitlines()[0][:80]})")
+                continue
+            results.append((total, label))
+        results.sort()
+        print(f"- M={m}: " + "; ".join(f"{t:.0f} us {label}" for t, label in results[:4]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--ms", default="1,16,128,2048")
+    parser.add_argument("--sweep", action="store_true", help="the kernel configs first")
     args = parser.parse_args()
     load_int4_ops()
     methods, ms = args.methods.split(","), [int(m) for m in args.ms.split(",")]
@@ -146,6 +204,8 @@ def main() -> None:
         + ", ".join(f"{k} {v}" for k, v in versions.items())
     )
     print(f"measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    if args.sweep:
+        sweep(ms)
     print("\n### Int4 asymmetric g128, Llama-3.1-8B layer (summed)\n")
     print("| method | " + " | ".join(f"M={m}" for m in ms) + " |")
     print("|---|" + "---|" * len(ms))
