@@ -117,14 +117,15 @@ METHODS = {
 }
 
 
-def measure(method, shapes: dict, m: int) -> float | str:
-    """Summed time (us) of `method` over `shapes` at M = m, or the error that stopped it."""
+def measure(build, shapes: dict, m: int, bytes_per_weight: float = 1.0) -> float | str:
+    """Summed time (us) over `shapes` at M = m of the callables `build(weight)` returns (one
+    per weight copy, `bytes_per_weight` sizing the copies), or the error that stopped it."""
     total = 0.0
     for n, k in shapes.values():
         try:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-            count = copies_for(n * k, m)
-            fns = [METHODS[method](w if i == 0 else w.clone()) for i in range(count)]
+            count = copies_for(int(n * k * bytes_per_weight), m)
+            fns = [build(w if i == 0 else w.clone()) for i in range(count)]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             total += time_us(lambda fns=fns, x=x: [f(x) for f in fns], count)
             del fns
@@ -137,11 +138,11 @@ def table(shapes: dict, title: str, methods, ms=MS) -> None:
     print(f"\n### {title}\n")
     print("| method | " + " | ".join(f"M={m}" for m in ms) + " |")
     print("|---|" + "---|" * len(ms))
-    base = {m: measure("bf16", shapes, m) for m in ms}
+    base = {m: measure(bf16_method, shapes, m) for m in ms}
     for method in methods:
         cells = []
         for m in ms:
-            t = base[m] if method == "bf16" else measure(method, shapes, m)
+            t = base[m] if method == "bf16" else measure(METHODS[method], shapes, m)
             if isinstance(t, str):
                 cells.append(t)
             else:

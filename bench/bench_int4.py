@@ -22,7 +22,7 @@ import triton
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_fp8 import LLAMA, copies_for, time_us
+from bench_fp8 import LLAMA, copies_for, measure, time_us
 
 from qshard.kernels import int4 as ref
 from qshard.kernels.availability import load_int4_ops
@@ -87,21 +87,6 @@ def roofline_us(m: int, bandwidth: float, peak: float) -> float:
         moved = n * k / 2 + 2 * 2 * n * (k // GROUP) + 2 * m * (k + n)
         total += max(moved / bandwidth, 2 * m * n * k / peak)
     return total * 1e6
-
-
-def measure(method: str, m: int) -> float | str:
-    total = 0.0
-    for n, k in LLAMA.values():
-        try:
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-            count = copies_for(n * k // 2, m)
-            fns = [METHODS[method](w if i == 0 else w.clone()) for i in range(count)]
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            total += time_us(lambda fns=fns, x=x: [f(x) for f in fns], count)
-            del fns
-        except Exception as e:  # reported in the table, e.g. a baseline that cannot run
-            return f"fails: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
-    return total
 
 
 def machine_limits() -> tuple[float, float]:
@@ -209,11 +194,11 @@ def main() -> None:
     print("\n### Int4 asymmetric g128, Llama-3.1-8B layer (summed)\n")
     print("| method | " + " | ".join(f"M={m}" for m in ms) + " |")
     print("|---|" + "---|" * len(ms))
-    base = {m: measure("bf16", m) for m in ms}
+    base = {m: measure(bf16_method, LLAMA, m, 0.5) for m in ms}
     for method in methods:
         cells = []
         for m in ms:
-            t = base[m] if method == "bf16" else measure(method, m)
+            t = base[m] if method == "bf16" else measure(METHODS[method], LLAMA, m, 0.5)
             if isinstance(t, str):
                 cells.append(t)
             else:
