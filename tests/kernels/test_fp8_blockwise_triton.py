@@ -121,6 +121,34 @@ def test_each_triton_kernel_matches_the_reference(kernel, m, n, k, block, group,
     assert measured <= MAX_RELATIVE_ERROR, f"relative error {measured:.2e} > {MAX_RELATIVE_ERROR}"
 
 
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+def test_fused_activation_quantization_gives_the_reference_codes(ue8m0):
+    """The fused kernels quantize with a corrected reciprocal, not a division: the codes must
+    still be the reference's, so the fused small-M kernel equals the same kernel reading the
+    exact act-quant kernel's output bit for bit. bf16-valued activations land on e4m3 rounding
+    midpoints often (an uncorrected reciprocal got 0.05 % of codes wrong, found in review); a
+    group of values near 1e-38 has a subnormal scale, whose reciprocal overflows fp32."""
+    from qshard.kernels.fp8_blockwise_triton import linear_launch
+
+    m, n, k = 32, 64, 1024
+    weight = torch.randn(n, k, device=DEVICE) * 0.02
+    qdata, scale = ref.quantize_weight_blockwise(weight, (128, 128), scale_format(ue8m0))
+    x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16).float()
+    x[1, :128] = torch.randn(128, device=DEVICE) * 1e-38  # a subnormal group scale
+    x[1, :128:2] = 0
+    config = dict(BLOCK_N=64, BLOCK_M=32, SPLIT_K=1, num_warps=4)
+    fused = linear_launch(x, qdata, scale, None, 128, 128, 128, ue8m0, config)
+    exact = linear_launch(x, qdata, scale, None, 128, 128, 128, ue8m0, config | {"PREQUANT": True})
+    assert torch.equal(fused, exact)
+    gemv = dict(BLOCK_N=16, GROUPS_PER_STEP=4, num_warps=4)  # fused quantization too
+    expected = ref.fp8_blockwise_linear_reference(
+        x[1:2], qdata, scale, block_size=(128, 128), act_group_size=128,
+        scale_format=scale_format(ue8m0), weight_only=False,
+    )  # fmt: skip
+    out = linear_launch(x[1:2], qdata, scale, None, 128, 128, 128, ue8m0, gemv)
+    assert relative_error(out, expected) <= 1e-5
+
+
 def test_the_small_m_config_splits_k_to_fill_the_gpu():
     from qshard.kernels.fp8_blockwise_triton import small_m_config, triton_kernel_for
 
