@@ -216,7 +216,7 @@ def _gemv_kernel(
 
 @triton.jit
 def _small_m_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, acc_ptr, arrived_ptr,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partials_ptr, arrived_ptr,
     M, N, K, groups_per_split, stride_xm, stride_wn, stride_wsn, stride_om,
     W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
@@ -256,7 +256,7 @@ def _small_m_kernel(
         acc += partial * (w_scale[:, None] * x_scale[None, :])
         x_ptrs += GROUP
         w_ptrs += GROUP
-    finish_tile(acc, acc_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, N,
+    finish_tile(acc, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, M, N,
                 stride_om, HAS_BIAS, SPLIT)  # fmt: skip
 
 
@@ -389,9 +389,10 @@ def _small_m_launch(x, qdata, scale, bias, out, ue8m0, common, config):
     config.setdefault("PREQUANT", False)
     x, x_scale = act_quant_launch(x, group, ue8m0) if config["PREQUANT"] else (x, x)
     grid = (triton.cdiv(n, config["BLOCK_N"]), split, triton.cdiv(m, config["BLOCK_M"]))
-    acc, arrived = workspace(m, n, grid[0] * grid[2], x.device) if split > 1 else (out, out)
+    tiles = grid[0] * grid[2]
+    partials, arrived = workspace(m, n, split, tiles, x.device) if split > 1 else (out, out)
     _small_m_kernel[grid](
-        x, x_scale, qdata, scale, bias if bias is not None else out, out, acc, arrived,
+        x, x_scale, qdata, scale, bias if bias is not None else out, out, partials, arrived,
         m, n, k, groups_per_split, x.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
         UE8M0=ue8m0, EXACT_CAST=INTERPRETED, EVEN_K=k % group == 0, SPLIT=split > 1,
         **common, **config,

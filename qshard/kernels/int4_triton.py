@@ -66,7 +66,7 @@ def _dequantized_tile(
 
 @triton.jit
 def _fused_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, acc_ptr, arrived_ptr,
+    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, partials_ptr, arrived_ptr,
     M, N, K, steps_per_split, stride_xm, stride_qn, stride_sn, stride_om,
     GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, X_FP32: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -90,7 +90,7 @@ def _fused_kernel(
             acc += tl.dot(w, tl.trans(x), input_precision="ieee")
         else:
             acc += tl.dot(w, tl.trans(x))
-    finish_tile(acc, acc_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, N,
+    finish_tile(acc, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, M, N,
                 stride_om, HAS_BIAS, SPLIT)  # fmt: skip
 
 
@@ -152,13 +152,14 @@ def linear_launch(x, qdata, scale, zero, bias, group: int, config: dict | None =
     steps_per_split = triton.cdiv(steps, min(config.pop("SPLIT_K"), max(steps, 1)))
     split = triton.cdiv(steps, steps_per_split) if steps else 1
     grid = (triton.cdiv(n, config["BLOCK_N"]), split, triton.cdiv(m, config["BLOCK_M"]))
-    acc, arrived = workspace(m, n, grid[0] * grid[2], x.device) if split > 1 else (out, out)
+    tiles = grid[0] * grid[2]
+    partials, arrived = workspace(m, n, split, tiles, x.device) if split > 1 else (out, out)
     symmetric = zero.numel() == 0
     # The reference adds the bias rounded to the activation dtype; the epilogue adds it in fp32.
     bias = bias.to(x.dtype) if bias is not None else None
     _fused_kernel[grid](
         x, qdata, scale, scale if symmetric else zero, bias if bias is not None else out, out,
-        acc, arrived, m, n, k, steps_per_split,
+        partials, arrived, m, n, k, steps_per_split,
         x.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
         GROUP=group, SYMMETRIC=symmetric, HAS_BIAS=bias is not None,
         X_FP32=x.dtype == torch.float32, SPLIT=split > 1, **config,

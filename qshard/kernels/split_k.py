@@ -3,11 +3,14 @@ int4 kernels: how many programs share a tile's K range, the zeroed workspace, an
 in which the last program of a tile to arrive writes it.
 
 A tile is out.T[n-tile, m-tile] ([BLOCK_N weight rows, BLOCK_M tokens]); programs are laid out
-(n-tile, split, m-tile). Partial sums go into an fp32 workspace with atomic adds; each program
-then counts itself in the tile's counter (an acq_rel atomic after a CTA barrier, so its adds are
-visible first), and the last to arrive adds the bias, casts and writes the tile. One kernel and
-one memset per call, no reduction pass. Summation order across splits is not fixed, so results
-may differ in the last fp32 bits from run to run (as any split-K GEMM).
+(n-tile, split, m-tile). Each program stores its fp32 partial sums in its own slice of a
+workspace [splits, M, N], then counts itself in the tile's counter (an acq_rel atomic after a
+CTA barrier, so that its stores are visible first: the pattern of CUTLASS's serial split-K
+semaphore); the last to arrive sums the slices in split order, adds the bias, casts and writes
+the tile. One kernel and a memset of the counters per call, no reduction pass, and the same
+result on every run (a first version added the partial sums with fp32 atomics, in arrival
+order). The split count depends on the number of tiles, so a column-parallel shard can sum in
+other groupings than the whole weight: equal up to fp32 summation order, not bit for bit.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ def split_count(tiles: int, steps: int, min_steps: int, waves: float, device: to
     return max(1, min(steps // min_steps, round(waves * sms / tiles)))
 
 
-def workspace(m: int, n: int, tiles: int, device: torch.device):
-    """One zeroed buffer: fp32 partial sums [M, N], then an int32 counter per tile."""
-    buffer = torch.zeros(m * n + tiles, dtype=torch.int32, device=device)
-    return buffer[: m * n].view(torch.float32), buffer[m * n :]
+def workspace(m: int, n: int, splits: int, tiles: int, device: torch.device):
+    """(fp32 partial sums [splits, M, N], each slice written whole; zeroed int32 counters)."""
+    partials = torch.empty((splits, m, n), dtype=torch.float32, device=device)
+    return partials, torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -50,19 +53,23 @@ def store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om,
 
 
 @triton.jit
-def finish_tile(acc, acc_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, N,
-                stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
-    """Write this program's [BLOCK_N, BLOCK_M] tile, or with SPLIT add it to the workspace and,
-    if it is the tile's last program to arrive, write the sum. Grid: (n-tile, split, m-tile)."""
+def finish_tile(acc, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok,
+                M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Write this program's [BLOCK_N, BLOCK_M] tile, or with SPLIT store it as its split's
+    partial sums and, if it is the tile's last program to arrive, write their sum in split
+    order. Grid: (n-tile, split, m-tile)."""
     if SPLIT:
         mask = n_ok[:, None] & m_ok[None, :]
-        acc_ptrs = acc_ptr + offs_m[None, :] * N + offs_n[:, None]
-        tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
-        tl.debug_barrier()  # every thread's partial sums are in before the program counts itself
+        tile_ptrs = partials_ptr + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(tile_ptrs + tl.program_id(1) * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial sums are stored before the program counts
         tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
         arrived = tl.atomic_add(arrived_ptr + tile, 1, sem="acq_rel")
         if arrived == tl.num_programs(1) - 1:  # the last split of this tile finishes it
-            acc = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS)
+            total = tl.zeros_like(acc)
+            for split in range(0, tl.num_programs(1)):
+                part_ptrs = tile_ptrs + split * M * N
+                total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            store_tile(total, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS)
     else:
         store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS)

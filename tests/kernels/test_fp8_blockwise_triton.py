@@ -149,6 +149,21 @@ def test_fused_activation_quantization_gives_the_reference_codes(ue8m0):
     assert relative_error(out, expected) <= 1e-5
 
 
+@pytest.mark.cuda
+def test_split_k_gives_the_same_bits_on_every_run():
+    from qshard.kernels.fp8_blockwise_triton import linear_launch
+
+    weight = torch.randn(256, 4096, device="cuda") * 0.02
+    qdata, scale = ref.quantize_weight_blockwise(weight, (128, 128), ScaleFormat.FP32)
+    x = torch.randn(16, 4096, dtype=torch.bfloat16, device="cuda")
+    config = KERNEL_CONFIGS["small-m-split3"]
+    first = linear_launch(x, qdata, scale, None, 128, 128, 128, False, config)
+    for _ in range(20):
+        assert torch.equal(
+            linear_launch(x, qdata, scale, None, 128, 128, 128, False, config), first
+        )
+
+
 def test_the_small_m_config_splits_k_to_fill_the_gpu():
     from qshard.kernels.fp8_blockwise_triton import small_m_config, triton_kernel_for
 
