@@ -18,7 +18,8 @@ These plain-PyTorch functions run on any device and define what the kernels must
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .packing import expand_groups, group_reduce, linear_float64, pack_nibbles, unpack_nibbles
 
 __all__ = [
     "SCALE_DTYPE",
@@ -33,39 +34,6 @@ SCALE_DTYPE = torch.bfloat16
 SYMMETRIC_ZERO = 8.0
 
 
-def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] in 0..15 -> uint8 [N, ceil(K/2)], even index in the low nibble."""
-    if u.shape[1] % 2:
-        u = F.pad(u, (0, 1))
-    return u[:, 0::2] | (u[:, 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """uint8 [N, ceil(K/2)] -> uint8 [N, K].
-
-    By indexing, not `stack([low, high], -1).reshape(...)`: inductor's CPU codegen (torch 2.13)
-    mis-strides that reshape in a dynamic-shape TP graph (a size/stride assertion fails).
-    """
-    channels = torch.arange(k, device=packed.device)
-    shifts = ((channels % 2) * 4).to(torch.uint8)
-    return (packed[:, channels // 2] >> shifts) & 0x0F
-
-
-def _group_stats(weight: torch.Tensor, group: int, reduce) -> torch.Tensor:
-    """reduce(values, dim) over each row's groups of `group` channels; the last may be partial."""
-    n, k = weight.shape
-    full = k - k % group
-    parts = [reduce(weight[:, :full].reshape(n, full // group, group), 2)] if full else []
-    if full < k:
-        parts.append(reduce(weight[:, full:], 1).unsqueeze(1))
-    return torch.cat(parts, dim=1) if parts else weight.new_zeros(n, 0)
-
-
-def _expand(values: torch.Tensor, group: int, k: int) -> torch.Tensor:
-    """[N, ceil(K/group)] -> [N, K], each group's value over its channels."""
-    return values[:, torch.arange(k, device=values.device) // group]
-
-
 def quantize_int4(
     weight: torch.Tensor, group: int, symmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,18 +42,18 @@ def quantize_int4(
     w = weight.float()
     k = w.shape[1]
     if symmetric:
-        amax = _group_stats(w.abs(), group, lambda t, d: t.amax(d))
+        amax = group_reduce(w.abs(), group, lambda t, d: t.amax(d))
         scale = amax / torch.full_like(amax, 7.5)
     else:
         # The range always includes 0, so the zero point is a code (0..15), exact in bf16.
-        high = _group_stats(w, group, lambda t, d: t.amax(d)).clamp(min=0)
-        low = _group_stats(w, group, lambda t, d: t.amin(d)).clamp(max=0)
+        high = group_reduce(w, group, lambda t, d: t.amax(d)).clamp(min=0)
+        low = group_reduce(w, group, lambda t, d: t.amin(d)).clamp(max=0)
         fifteen = torch.full_like(high, 15.0)
         scale = high / fifteen - low / fifteen  # not (high - low) / 15: that overflows near 3e38
     # In bf16 first: a tiny fp32 scale rounds to 0 there. An all-zero group gets scale 1.
     scale = scale.to(SCALE_DTYPE)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    full_scale = _expand(scale.float(), group, k)
+    full_scale = expand_groups(scale.float(), group, k)
     if symmetric:
         q = torch.clamp(torch.round(w / full_scale), -8, 7) + SYMMETRIC_ZERO
         zero = torch.zeros(0, 0, dtype=SCALE_DTYPE, device=w.device)
@@ -93,7 +61,7 @@ def quantize_int4(
         # 0 - low, not -low: a group with no negative value has low = 0 and -low = -0.0, and
         # clamp keeps a -0.0 zero point on the CPU but not on CUDA (other bytes, same value).
         zero = torch.clamp(torch.round((0.0 - low) / scale.float()), 0, 15).to(SCALE_DTYPE)
-        q = torch.clamp(torch.round(w / full_scale) + _expand(zero.float(), group, k), 0, 15)
+        q = torch.clamp(torch.round(w / full_scale) + expand_groups(zero.float(), group, k), 0, 15)
     return pack_nibbles(q.to(torch.uint8)), scale, zero
 
 
@@ -103,8 +71,8 @@ def dequantize_int4(
 ) -> torch.Tensor:  # fmt: skip
     """(u - zero) * scale in fp32, rounded once to `dtype`; zero = 8 when `zero` is empty."""
     u = unpack_nibbles(packed, k).float()
-    z = _expand(zero.float(), group, k) if zero.numel() else SYMMETRIC_ZERO
-    return ((u - z) * _expand(scale.float(), group, k)).to(dtype)
+    z = expand_groups(zero.float(), group, k) if zero.numel() else SYMMETRIC_ZERO
+    return ((u - z) * expand_groups(scale.float(), group, k)).to(dtype)
 
 
 def int4_linear_reference(
@@ -114,9 +82,5 @@ def int4_linear_reference(
     """y = x @ W.T + bias with W dequantized to x's dtype (what a W4A16 kernel multiplies),
     accumulated in float64 and rounded once: exact enough that the result does not depend on
     BLAS blocking, so column-parallel shards equal the single-device output bit for bit."""
-    k = x.shape[-1]
-    weight = dequantize_int4(packed, scale, zero, group, k, x.dtype)
-    out = x.double() @ weight.double().t()
-    if bias is not None:
-        out = out + bias.to(x.dtype).double()
-    return out.to(x.dtype)
+    weight = dequantize_int4(packed, scale, zero, group, x.shape[-1], x.dtype)
+    return linear_float64(x, weight, bias)
