@@ -27,6 +27,8 @@ from .layouts import (
     Fp8BlockwiseTensor,
     Int4Tensor,
     Int4WeightOnlyConfig,
+    Mxfp4Tensor,
+    MXFP4WeightOnlyConfig,
     register_layout,
     registered_layouts,
 )
@@ -50,7 +52,9 @@ __all__ = [
     "Int4Tensor",
     "Int4WeightOnlyConfig",
     "LayoutMismatchError",
+    "MXFP4WeightOnlyConfig",
     "MisalignedSliceError",
+    "Mxfp4Tensor",
     "NonFiniteWeightError",
     "QShardError",
     "QTensor",

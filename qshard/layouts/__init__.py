@@ -2,6 +2,7 @@
 
 from .fp8_blockwise import Fp8BlockwiseConfig, Fp8BlockwiseTensor
 from .int4 import Int4Tensor, Int4WeightOnlyConfig
+from .mxfp4 import Mxfp4Tensor, MXFP4WeightOnlyConfig
 from .registry import config_class_of, register_layout, registered_layouts
 
 __all__ = [
@@ -9,6 +10,8 @@ __all__ = [
     "Fp8BlockwiseTensor",
     "Int4Tensor",
     "Int4WeightOnlyConfig",
+    "MXFP4WeightOnlyConfig",
+    "Mxfp4Tensor",
     "config_class_of",
     "register_layout",
     "registered_layouts",
