@@ -29,6 +29,8 @@ from .layouts import (
     Int4WeightOnlyConfig,
     Mxfp4Tensor,
     MXFP4WeightOnlyConfig,
+    Nvfp4Tensor,
+    NVFP4WeightOnlyConfig,
     register_layout,
     registered_layouts,
 )
@@ -55,7 +57,9 @@ __all__ = [
     "MXFP4WeightOnlyConfig",
     "MisalignedSliceError",
     "Mxfp4Tensor",
+    "NVFP4WeightOnlyConfig",
     "NonFiniteWeightError",
+    "Nvfp4Tensor",
     "QShardError",
     "QTensor",
     "QuantConfig",

@@ -153,7 +153,11 @@ def _quantize_weight(handler: Handler, weight: torch.Tensor, config: QuantConfig
         return handler(weight.detach(), config)
     from torch.distributed.tensor import DTensor
 
-    local = handler(weight.to_local().detach(), config)
+    layout = getattr(handler, "__self__", None)  # a registered layout's from_float
+    if isinstance(layout, type) and issubclass(layout, QTensor):
+        local = layout.from_float_part(weight.to_local().detach(), weight.detach(), config)
+    else:
+        local = handler(weight.to_local().detach(), config)
     return DTensor.from_local(
         local,
         weight.device_mesh,

@@ -125,7 +125,7 @@ def test_slicing_commutes_with_packing(cls, config, data):
     w = gaussian(n, k, seed=data.draw(st.integers(0, 2**31)))
     q = cls.from_float(w, config)
     sliced = q[r0:r1, c0:c1]
-    assert_same_qtensor(sliced, cls.from_float(w[r0:r1, c0:c1], config))
+    assert_same_qtensor(sliced, q.quantize_like(w[r0:r1, c0:c1]))
     assert torch.equal(sliced.dequantize(), q.dequantize()[r0:r1, c0:c1])
     # The same through the transposed view that F.linear's decomposition uses.
     assert torch.equal(q.t()[c0:c1, r0:r1].dequantize(), sliced.t().dequantize())
@@ -147,17 +147,17 @@ def test_split_chunk_and_cat_commute(cls, config, data):
     parts = q.split(step, dim)
     assert len(parts) == len(w.split(step, dim))
     for part, wpart in zip(parts, w.split(step, dim), strict=True):
-        assert_same_qtensor(part, cls.from_float(wpart, config))
+        assert_same_qtensor(part, q.quantize_like(wpart))
     assert_same_qtensor(torch.cat(parts, dim), q)
     sizes = [step] * (pieces - 1) + [step + tail]  # split_with_sizes; chunk on the outer tensor
     for part, wpart in zip(q.split(sizes, dim), w.split(sizes, dim), strict=True):
-        assert_same_qtensor(part, cls.from_float(wpart, config))
+        assert_same_qtensor(part, q.quantize_like(wpart))
     if tail == 0:
         for part, wpart in zip(q.chunk(pieces, dim), w.chunk(pieces, dim), strict=True):
-            assert_same_qtensor(part, cls.from_float(wpart, config))
+            assert_same_qtensor(part, q.quantize_like(wpart))
     for part, wpart in zip(q.t().split(step, 1 - dim), w.split(step, dim), strict=True):
-        assert_same_qtensor(part.t(), cls.from_float(wpart, config))
-    halves = [cls.from_float(p, config) for p in w.chunk(2, dim)]
+        assert_same_qtensor(part.t(), q.quantize_like(wpart))
+    halves = [q.quantize_like(p) for p in w.chunk(2, dim)]
     if halves[0].shape[dim] % step == 0:
         assert_same_qtensor(torch.cat(halves, dim), q)
     else:
@@ -221,14 +221,14 @@ def test_narrow_copy_writes_into_parent(cls, config):
     w = gaussian(3 * gn, 2 * gk)
     q = cls.from_float(w, config)
     update = gaussian(gn, 2 * gk, std=0.05)
-    q.narrow(0, gn, gn).copy_(cls.from_float(update, config))
+    q.narrow(0, gn, gn).copy_(q.quantize_like(update))
     expected = w.clone()
     expected[gn : 2 * gn] = update
-    assert_same_qtensor(q, cls.from_float(expected, config))
+    assert_same_qtensor(q, q.quantize_like(expected))
     column_update = gaussian(3 * gn, gk, std=0.01)
-    q.narrow(1, gk, gk).copy_(cls.from_float(column_update, config))
+    q.narrow(1, gk, gk).copy_(q.quantize_like(column_update))
     expected[:, gk:] = column_update
-    assert_same_qtensor(q, cls.from_float(expected, config))
+    assert_same_qtensor(q, q.quantize_like(expected))
 
 
 @cases

@@ -3,6 +3,7 @@
 from .fp8_blockwise import Fp8BlockwiseConfig, Fp8BlockwiseTensor
 from .int4 import Int4Tensor, Int4WeightOnlyConfig
 from .mxfp4 import Mxfp4Tensor, MXFP4WeightOnlyConfig
+from .nvfp4 import Nvfp4Tensor, NVFP4WeightOnlyConfig
 from .registry import config_class_of, register_layout, registered_layouts
 
 __all__ = [
@@ -12,6 +13,8 @@ __all__ = [
     "Int4WeightOnlyConfig",
     "MXFP4WeightOnlyConfig",
     "Mxfp4Tensor",
+    "NVFP4WeightOnlyConfig",
+    "Nvfp4Tensor",
     "config_class_of",
     "register_layout",
     "registered_layouts",

@@ -113,6 +113,19 @@ class QTensor(torch.Tensor):
         raise NotImplementedError
 
     @classmethod
+    def from_float_part(cls, part: torch.Tensor, whole: torch.Tensor, config: Any) -> QTensor:
+        """Quantize `part` of the float weight `whole` (a rank's shard of a DTensor weight, and
+        the DTensor) as `from_float(whole)` would quantize that part. Per-tensor state (NVFP4's
+        global scale) is computed over `whole`: shard-then-quantize equals quantize-then-shard."""
+        return cls.from_float(part, config)
+
+    def quantize_like(self, weight: torch.Tensor) -> QTensor:
+        """`weight` (a part of the float weight this tensor came from) quantized as this tensor
+        quantized it: its config, and any per-tensor state a part cannot recompute (NVFP4's
+        global scale). Slicing commutes with this (design.md invariant 1)."""
+        return type(self).from_float(weight, self.config())
+
+    @classmethod
     def check_attrs(cls, attrs: Mapping[str, Any]) -> None:
         """Raise ConfigError if `attrs` (decoded from a checkpoint) are not a valid layout."""
         raise NotImplementedError

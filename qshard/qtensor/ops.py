@@ -168,9 +168,30 @@ def _copy_(func, args, kwargs):
         )
     if dst.write_barrier is not None:
         raise UnsupportedOpError(f"copy_ into {type(dst).__name__}: {dst.write_barrier}")
+    _check_whole_tensor_values(dst, src)
     for name in dst.inner_names:
         getattr(dst, name).copy_(getattr(src, name))
     return return_and_correct_aliasing(func, args, kwargs, dst)
+
+
+def _check_whole_tensor_values(dst: QTensor, src: QTensor) -> None:
+    """A value that covers the whole weight (packing None: NVFP4's global scale) is shared by
+    every part of it. Copying another one is right for a whole weight (load_state_dict into a
+    quantized model) but would rescale the rest of the parent when `dst` is a part of a larger
+    weight (a narrow, a TP shard), seen as packed data that does not span its storage."""
+    packing = dst.packing()
+    whole_values = [n for n, p in packing.items() if p is None]
+    if not whole_values:
+        return
+    packed = [getattr(dst, n) for n, p in packing.items() if p is not None]
+    is_part = any(t.untyped_storage().nbytes() > t.numel() * t.element_size() for t in packed)
+    for name in whole_values:
+        if is_part and not torch.equal(getattr(dst, name), getattr(src, name)):
+            raise LayoutMismatchError(
+                f"copy_ into a part of a {type(dst).__name__}: the source's {name!r} differs "
+                f"from the one the whole weight shares; quantize the source with the "
+                f"destination's (dst.quantize_like(float_source))"
+            )
 
 
 @QTensor.implements(aten.empty_like.default)

@@ -1,0 +1,133 @@
+"""NVFP4 weight-only layout: e2m1 weights, an e4m3 scale per 16 values, one fp32 global scale.
+
+Inner tensors (logical weight [N, K], G = ceil(K / 16)):
+    qdata  uint8 [N, ceil(K/2)]          two e2m1 codes per byte along K, the even index in the
+                                         low nibble
+    scale  float8_e4m3fn [N, G]          block scale per row per 16 values (the last may be partial)
+    global_scale  float32 [1, 1]         the per-tensor multiplier amax / (6 * 448) (ModelOpt's
+                                         weight_scale_2): W = e2m1 * scale * global_scale
+Attributes:
+    backend       AUTO or REFERENCE: the reference path on every device (fused Triton kernels
+                  are issue 7's next step)
+
+Quantization: `qshard/kernels/nvfp4.py`. Packing for the shape ops: qdata (1, 2), scale (1, 16):
+rows slice anywhere, columns at multiples of 16 (the finest block: no re-grouping); the global
+scale covers the whole weight, so every part (a slice, a TP shard) shares its parent's, and
+`quantize_like` quantizes a part with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from ..config import Backend, QuantConfig, parse_backend
+from ..kernels.nvfp4 import (
+    GROUP,
+    SCALE_DTYPE,
+    dequantize_nvfp4,
+    global_scale_of,
+    nvfp4_linear_reference,
+    quantize_nvfp4,
+)
+from ..qtensor import QTensor
+from .checks import check_activation, check_float_weight, checked_config
+from .registry import register_layout
+
+__all__ = ["NVFP4_MIN_SQNR_DB", "NVFP4WeightOnlyConfig", "Nvfp4Tensor"]
+
+# F.linear vs float on Gaussian weights: relative error 0.095 (20.4 dB) on [4096, 4096].
+NVFP4_MIN_SQNR_DB = 17.0
+AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4WeightOnlyConfig(QuantConfig):
+    """e2m1 weights, an e4m3 scale per 16 input channels and an fp32 per-tensor scale."""
+
+    backend: Backend = Backend.AUTO
+
+    def __post_init__(self):
+        self._set("backend", parse_backend(self.backend, AVAILABLE_BACKENDS, type(self).__name__))
+
+
+@register_layout(NVFP4WeightOnlyConfig)
+class Nvfp4Tensor(QTensor):
+    """An NVFP4 weight. See the module docstring."""
+
+    inner_names = ("qdata", "scale", "global_scale")
+    attr_names = ("backend",)
+    min_linear_sqnr_db: ClassVar[float] = NVFP4_MIN_SQNR_DB
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    backend: Backend
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, config: NVFP4WeightOnlyConfig | None = None,
+        global_scale: torch.Tensor | None = None,
+    ) -> Nvfp4Tensor:  # fmt: skip
+        """Quantize `weight`, with its own global scale unless one (a parent's) is given."""
+        config = checked_config(cls.__name__, NVFP4WeightOnlyConfig, config)
+        check_float_weight(cls.__name__, weight)
+        weight = weight.detach()
+        if global_scale is None:
+            global_scale = global_scale_of(weight)
+        qdata, scale = quantize_nvfp4(weight, global_scale, GROUP)
+        return cls(
+            {"qdata": qdata, "scale": scale, "global_scale": global_scale.clone()},
+            shape=tuple(weight.shape),
+            dtype=weight.dtype,
+            backend=config.backend,
+        )
+
+    @classmethod
+    def from_float_part(cls, part, whole, config) -> Nvfp4Tensor:
+        return cls.from_float(part, config, global_scale=global_scale_of(whole).to(part.device))
+
+    def quantize_like(self, weight: torch.Tensor) -> Nvfp4Tensor:
+        return type(self).from_float(weight, self.config(), global_scale=self.global_scale)
+
+    @classmethod
+    def contract_configs(cls) -> list[NVFP4WeightOnlyConfig]:
+        return [NVFP4WeightOnlyConfig()]
+
+    def config(self) -> NVFP4WeightOnlyConfig:
+        return NVFP4WeightOnlyConfig(self.backend)
+
+    @classmethod
+    def check_attrs(cls, attrs) -> None:
+        NVFP4WeightOnlyConfig(**attrs)  # every attribute is a config field, checked there
+
+    # ---- hooks for the shared shape ops ---------------------------------------------------
+
+    def packing(self) -> dict[str, tuple[int, int] | None]:
+        return {"qdata": (1, 2), "scale": (1, GROUP), "global_scale": None}
+
+    @classmethod
+    def inner_specs(cls, shape, attrs):
+        (n, k), groups = shape, -(-shape[1] // GROUP)
+        return {
+            "qdata": ((n, -(-k // 2)), torch.uint8),
+            "scale": ((n, groups), SCALE_DTYPE),
+            "global_scale": ((1, 1), torch.float32),
+        }
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        k = self.logical_shape[1]
+        weight = dequantize_nvfp4(
+            self.qdata, self.scale, self.global_scale, GROUP, k, dtype or self.dtype
+        )
+        return weight.t() if self.transposed else weight
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        check_activation(self, x)
+        return nvfp4_linear_reference(x, self.qdata, self.scale, self.global_scale, GROUP, bias)
+
+    def select_backend(self, x: torch.Tensor) -> Backend:
+        """The reference path on every device until the fused kernels exist."""
+        return Backend.REFERENCE
