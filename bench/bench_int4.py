@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_fp8 import LLAMA, copies_for, measure, time_us
 
 from qshard.kernels import int4 as ref
-from qshard.kernels.availability import load_int4_ops
+from qshard.kernels.availability import load_w4a16_ops
 
 GROUP = 128
 
@@ -113,60 +113,99 @@ def accuracy(methods) -> None:
             print(f"- {method}: fails: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
 
 
+GEMV_SWEEP = [  # (weight rows, K per step, warps)
+    (8, 1024, 4),
+    (16, 1024, 4),
+    (8, 2048, 4),
+    (16, 512, 4),
+    (32, 512, 8),
+    (4, 2048, 4),
+]
 FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages)
     (64, 128, 2, 4, 3),
     (128, 128, 2, 8, 3),
     (64, 256, 2, 4, 3),
-    (32, 128, 4, 4, 4),
     (64, 128, 4, 4, 4),
-    (128, 64, 2, 4, 4),
+    (128, 256, 2, 8, 3),
+    (64, 64, 4, 4, 4),
 ]
 
 
-def sweep(ms) -> None:
-    """The fused kernel's configs and the dequantize + cuBLAS path per M (summed us)."""
-    from qshard.kernels.int4_triton import dequantize_launch, linear_launch
+def sweep_candidates(m: int):
+    """(label, config or None for dequantize + cuBLAS, as linear_launch takes it)."""
     from qshard.kernels.split_k import split_count
 
-    print("\n### Int4 kernel sweep (Llama-3.1-8B layer, summed us)\n")
-    weights = {name: [quantized(torch.randn(n, k, device="cuda") * 0.02)]
-               for name, (n, k) in LLAMA.items()}  # fmt: skip
     device = torch.device("cuda", torch.cuda.current_device())
-    for m in ms:
-        results = []
-        candidates = [(f"fused {c}", c) for c in FUSED_SWEEP] + [("dequantize + cuBLAS", None)]
-        for label, c in candidates:
-            total = 0.0
-            try:
-                for name, (n, k) in LLAMA.items():
-                    count = copies_for(n * k // 2, m)
-                    copies = weights[name]
-                    copies += [
-                        tuple(t.clone() for t in copies[0]) for _ in range(count - len(copies))
-                    ]
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    if c is None:
-                        fn = lambda x=x, cs=copies[:count], k=k: [  # noqa: E731
-                            F.linear(x, dequantize_launch(q, s, z, GROUP, k, x.dtype))
-                            for q, s, z in cs
-                        ]
-                    else:
-                        bn, bk, waves, warps, stages = c
-                        block_m = min(128, max(16, triton.next_power_of_2(m)))
-                        tiles = triton.cdiv(n, bn) * triton.cdiv(m, block_m)
-                        split = split_count(tiles, triton.cdiv(k, bk), 4, waves, device)
-                        config = dict(BLOCK_N=bn, BLOCK_M=block_m, BLOCK_K=bk, SPLIT_K=split,
-                                      num_warps=warps, num_stages=stages)  # fmt: skip
+    if m <= 4:
+        for bn, bk, warps in GEMV_SWEEP:
+            yield f"gemv {bn}x{bk} {warps}w", lambda n, k, c=(bn, bk, warps): dict(
+                BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2])  # fmt: skip
+    if m <= 256:
+        for bn, bk, waves, warps, stages in FUSED_SWEEP:
+
+            def config(n, k, bn=bn, bk=bk, waves=waves, warps=warps, stages=stages):
+                block_m = min(128, max(16, triton.next_power_of_2(m)))
+                tiles = triton.cdiv(n, bn) * triton.cdiv(m, block_m)
+                split = split_count(tiles, triton.cdiv(k, bk), 4, waves, device)
+                return dict(BLOCK_N=bn, BLOCK_M=block_m, BLOCK_K=bk, SPLIT_K=split,
+                            num_warps=warps, num_stages=stages)  # fmt: skip
+
+            yield f"small-m {bn}x{bk} {waves}/SM {warps}w {stages}s", config
+    if m >= 16:
+        yield "dequantize + cuBLAS", lambda n, k: None
+
+
+def sweep(ms, formats=None) -> None:
+    """Each kernel and config per M and format (Llama layer summed us), best first."""
+    from qshard.kernels.w4a16_triton import linear_launch
+
+    formats = formats or {"int4 asym g128": int4_weight}
+    for label_fmt, make in formats.items():
+        print(f"\n### W4A16 kernel sweep: {label_fmt} (Llama-3.1-8B layer, summed us)\n")
+        weights = {name: [make(torch.randn(n, k, device="cuda") * 0.02)]
+                   for name, (n, k) in LLAMA.items()}  # fmt: skip
+        for m in ms:
+            results = []
+            for label, config_for in sweep_candidates(m):
+                per_shape = []
+                try:
+                    for name, (n, k) in LLAMA.items():
+                        count = copies_for(n * k // 2, m)
+                        copies = weights[name]
+                        copies += [copies[0].clone() for _ in range(count - len(copies))]
+                        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                        config = config_for(n, k)
                         fn = lambda x=x, cs=copies[:count], config=config: [  # noqa: E731
-                            linear_launch(x, q, s, z, None, GROUP, config) for q, s, z in cs
+                            linear_launch(w.fmt, x, *w.inner, None, w.group, config) for w in cs
                         ]
-                    total += time_us(fn, count)
-            except Exception as e:  # a config that does not compile: shown, not fatal
-                print(f"  (M={m} {label}: {type(e).__name__}: {str(e).splitlines()[0][:80]})")
-                continue
-            results.append((total, label))
-        results.sort()
-        print(f"- M={m}: " + "; ".join(f"{t:.0f} us {label}" for t, label in results[:4]))
+                        per_shape.append(time_us(fn, count))
+                except Exception as e:  # a config that does not compile: shown, not fatal
+                    print(f"  (M={m} {label}: {type(e).__name__}: {str(e).splitlines()[0][:80]})")
+                    continue
+                results.append((sum(per_shape), label, per_shape))
+            results.sort(key=lambda r: r[0])
+            best = "; ".join(
+                f"{t:.0f} us {label} ({'/'.join(f'{p:.0f}' for p in per)})"
+                for t, label, per in results[:4]
+            )
+            print(f"- M={m}: {best}", flush=True)
+
+
+class Weight4:
+    """A weight in one 4-bit format, as `linear_launch` takes it."""
+
+    def __init__(self, fmt, inner, group):
+        self.fmt, self.inner, self.group = fmt, inner, group
+
+    def clone(self):
+        return Weight4(self.fmt, tuple(t.clone() for t in self.inner), self.group)
+
+
+def int4_weight(w):
+    from qshard.kernels.w4a16_triton import Format
+
+    packed, scale, zero = quantized(w)
+    return Weight4(Format.INT4_ASYM, (packed, scale, zero, scale), GROUP)
 
 
 def main() -> None:
@@ -174,8 +213,9 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--ms", default="1,16,128,2048")
     parser.add_argument("--sweep", action="store_true", help="the kernel configs first")
+    parser.add_argument("--no-tables", action="store_true", help="the sweep only")
     args = parser.parse_args()
-    load_int4_ops()
+    load_w4a16_ops()
     methods, ms = args.methods.split(","), [int(m) for m in args.ms.split(",")]
     versions = {"torch": torch.__version__, "triton": triton.__version__}
     if "gemlite" in methods:
@@ -191,6 +231,8 @@ def main() -> None:
     print(f"measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
     if args.sweep:
         sweep(ms)
+    if args.no_tables:
+        return
     print("\n### Int4 asymmetric g128, Llama-3.1-8B layer (summed)\n")
     print("| method | " + " | ".join(f"M={m}" for m in ms) + " |")
     print("|---|" + "---|" * len(ms))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 __all__ = [
     "cublas_unavailable_reason",
     "load_gpu_ops",
-    "load_int4_ops",
+    "load_w4a16_ops",
     "triton_unavailable_reason",
 ]
 
@@ -22,18 +22,23 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def triton_unavailable_reason(device: torch.device) -> str | None:
-    """Why the Triton FP8 kernels cannot run on `device`, or None if they can. On the CPU they
-    run only under the Triton interpreter (TRITON_INTERPRET=1, for tests)."""
+def triton_unavailable_reason(device: torch.device, fp8: bool = True) -> str | None:
+    """Why the Triton kernels cannot run on `device`, or None if they can: the FP8 kernels
+    (`fp8`) need sm_89+, the weight-only ones (bf16/fp16 MMAs) sm_80+. On the CPU they run only
+    under the Triton interpreter (TRITON_INTERPRET=1, for tests)."""
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install triton)"
     if device.type == "cpu" and triton_interpreted():
         return None
     if device.type != "cuda":
         return f"the Triton kernels run on CUDA GPUs, not {device.type}"
-    if torch.cuda.get_device_capability(device) < (8, 9):
+    capability = torch.cuda.get_device_capability(device)
+    if fp8 and capability < (8, 9):
         name = torch.cuda.get_device_name(device)
         return f"Triton's fp8 dot needs sm_89 or newer (Ada, Hopper); {name} is older"
+    if capability < (8, 0):
+        name = torch.cuda.get_device_name(device)
+        return f"the weight-only kernels' bf16 dot needs sm_80 or newer; {name} is older"
     return None
 
 
@@ -64,6 +69,7 @@ def load_gpu_ops() -> None:
 
 
 @functools.cache
-def load_int4_ops() -> None:
-    """Import the int4 Triton kernels once (registers `torch.ops.qshard.int4_linear`)."""
-    from . import int4_triton  # noqa: F401
+def load_w4a16_ops() -> None:
+    """Import the 4-bit weight-only Triton kernels once (registers `torch.ops.qshard.int4_linear`,
+    `.mxfp4_linear` and `.nvfp4_linear`)."""
+    from . import w4a16_triton  # noqa: F401

@@ -6,10 +6,18 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, InputMismatchError, NonFiniteWeightError, UnsupportedWeightError
+from ..config import Backend
+from ..errors import (
+    BackendUnavailableError,
+    ConfigError,
+    InputMismatchError,
+    NonFiniteWeightError,
+    UnsupportedWeightError,
+)
+from ..kernels.availability import triton_unavailable_reason
 from ..qtensor import FLOAT_DTYPES, QTensor
 
-__all__ = ["check_activation", "check_float_weight", "checked_config"]
+__all__ = ["check_activation", "check_float_weight", "checked_config", "weight_only_backend"]
 
 
 def check_float_weight(layout: str, weight: Any) -> None:
@@ -65,3 +73,24 @@ def checked_config(layout: str, config_cls: type, config: Any) -> Any:
             f"pass e.g. {config_cls.__name__}()"
         )
     return config
+
+
+def weight_only_backend(weight: QTensor, x: torch.Tensor) -> Backend:
+    """The backend of a 4-bit weight-only matmul (int4, MXFP4, NVFP4) for input x.
+
+    `auto`: the Triton kernels (`kernels/w4a16_triton.py`) on a CUDA GPU where they can run
+    (sm_80+), the reference path elsewhere (CPU: the reference is the CPU path, never the
+    interpreter). `reference`: always the reference. `triton`: the kernels, or
+    BackendUnavailableError naming why they cannot run here."""
+    backend = weight.backend
+    if backend is Backend.REFERENCE:
+        return Backend.REFERENCE
+    reason = triton_unavailable_reason(x.device, fp8=False)
+    if backend is Backend.TRITON:
+        if reason:
+            raise BackendUnavailableError(
+                f"{type(weight).__name__} {list(weight.logical_shape)}: backend 'triton' cannot "
+                f"run here: {reason}; use backend='auto' or 'reference'"
+            )
+        return Backend.TRITON
+    return Backend.TRITON if x.device.type == "cuda" and reason is None else Backend.REFERENCE

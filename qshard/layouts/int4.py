@@ -9,8 +9,8 @@ Inner tensors (logical weight [N, K], G = ceil(K / group_size)):
 Attributes:
     group_size  channels per group along K: 32, 64, 128 or 256 (finer after re-grouping)
     symmetric   False: W = (u - zero) * scale, u in 0..15; True: scale only
-    backend     AUTO (the reference until the Triton kernels are measured on a GPU),
-                REFERENCE, or TRITON (forced; BackendUnavailableError where it cannot run)
+    backend     AUTO (the Triton kernels on a CUDA GPU, the reference elsewhere), REFERENCE, or
+                TRITON (forced; BackendUnavailableError where it cannot run)
 
 Packing for the shape ops: qdata (1, 2), scale and zero (1, group_size). Rows slice anywhere;
 columns at group boundaries. A cut at a multiple of a finer power-of-two group (>= 16) re-groups
@@ -27,11 +27,11 @@ from typing import ClassVar
 import torch
 
 from ..config import Backend, QuantConfig, parse_backend
-from ..errors import BackendUnavailableError, ConfigError, MisalignedSliceError
-from ..kernels.availability import load_int4_ops, triton_unavailable_reason
+from ..errors import ConfigError, MisalignedSliceError
+from ..kernels.availability import load_w4a16_ops
 from ..kernels.int4 import SCALE_DTYPE, dequantize_int4, int4_linear_reference, quantize_int4
 from ..qtensor import QTensor
-from .checks import check_activation, check_float_weight, checked_config
+from .checks import check_activation, check_float_weight, checked_config, weight_only_backend
 from .registry import register_layout
 
 __all__ = ["INT4_MIN_SQNR_DB", "Int4Tensor", "Int4WeightOnlyConfig"]
@@ -168,22 +168,11 @@ class Int4Tensor(QTensor):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         check_activation(self, x)
         if self.select_backend(x) is Backend.TRITON:
-            load_int4_ops()
+            load_w4a16_ops()
             return torch.ops.qshard.int4_linear(
                 x, self.qdata, self.scale, self.zero, bias, self.group_size
             )
         return int4_linear_reference(x, self.qdata, self.scale, self.zero, self.group_size, bias)
 
     def select_backend(self, x: torch.Tensor) -> Backend:
-        """`auto` and `reference`: the reference path on every device (the Triton kernels are
-        tested against it but not yet measured on a GPU, so auto does not pick them).
-        `triton`: the Triton kernels, or BackendUnavailableError where they cannot run."""
-        if self.backend is not Backend.TRITON:
-            return Backend.REFERENCE
-        reason = triton_unavailable_reason(x.device)
-        if reason:
-            raise BackendUnavailableError(
-                f"Int4Tensor {list(self.logical_shape)}: backend 'triton' cannot run here: "
-                f"{reason}; use backend='auto' or 'reference'"
-            )
-        return Backend.TRITON
+        return weight_only_backend(self, x)

@@ -6,8 +6,8 @@ Inner tensors (logical weight [N, K], G = ceil(K / group_size)):
     scale  float8_e8m0fnu [N, G]         2**e per row per block (the last block may be partial)
 Attributes:
     group_size  32 (the MX block); finer (16) after a TP cut re-groups a block exactly
-    backend     AUTO or REFERENCE: the reference path on every device (the fused Triton kernels
-                are issue 7's next step)
+    backend     AUTO (the fused Triton kernels, `kernels/w4a16_triton.py`, on a CUDA GPU; the
+                reference elsewhere), REFERENCE, or TRITON (forced)
 
 Quantization (scale rule, rounding, saturation): `qshard/kernels/mxfp4.py`. Packing for the
 shape ops: qdata (1, 2), scale (1, group_size). Rows slice anywhere; columns at block boundaries;
@@ -24,6 +24,7 @@ import torch
 
 from ..config import Backend, QuantConfig, parse_backend
 from ..errors import ConfigError, MisalignedSliceError
+from ..kernels.availability import load_w4a16_ops
 from ..kernels.mxfp4 import (
     GROUP,
     SCALE_DTYPE,
@@ -32,7 +33,7 @@ from ..kernels.mxfp4 import (
     quantize_mxfp4,
 )
 from ..qtensor import QTensor
-from .checks import check_activation, check_float_weight, checked_config
+from .checks import check_activation, check_float_weight, checked_config, weight_only_backend
 from .registry import register_layout
 
 __all__ = ["MXFP4_MIN_SQNR_DB", "MXFP4WeightOnlyConfig", "Mxfp4Tensor"]
@@ -41,7 +42,7 @@ MIN_GROUP = 16  # the finest re-grouping of a TP cut
 # F.linear vs float on Gaussian weights: relative error 0.114 (19 dB) on [4096, 4096]; the
 # contract suite's small shapes scatter around that.
 MXFP4_MIN_SQNR_DB = 17.0
-AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE)
+AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE, Backend.TRITON)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +137,10 @@ class Mxfp4Tensor(QTensor):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         check_activation(self, x)
+        if self.select_backend(x) is Backend.TRITON:
+            load_w4a16_ops()
+            return torch.ops.qshard.mxfp4_linear(x, self.qdata, self.scale, bias, self.group_size)
         return mxfp4_linear_reference(x, self.qdata, self.scale, self.group_size, bias)
 
     def select_backend(self, x: torch.Tensor) -> Backend:
-        """The reference path on every device until the fused kernels exist."""
-        return Backend.REFERENCE
+        return weight_only_backend(self, x)

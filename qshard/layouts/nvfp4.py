@@ -7,8 +7,8 @@ Inner tensors (logical weight [N, K], G = ceil(K / 16)):
     global_scale  float32 [1, 1]         the per-tensor multiplier amax / (6 * 448) (ModelOpt's
                                          weight_scale_2): W = e2m1 * scale * global_scale
 Attributes:
-    backend       AUTO or REFERENCE: the reference path on every device (fused Triton kernels
-                  are issue 7's next step)
+    backend       AUTO (the fused Triton kernels, `kernels/w4a16_triton.py`, on a CUDA GPU; the
+                  reference elsewhere), REFERENCE, or TRITON (forced)
 
 Quantization: `qshard/kernels/nvfp4.py`. Packing for the shape ops: qdata (1, 2), scale (1, 16):
 rows slice anywhere, columns at multiples of 16 (the finest block: no re-grouping); the global
@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from ..config import Backend, QuantConfig, parse_backend
+from ..kernels.availability import load_w4a16_ops
 from ..kernels.nvfp4 import (
     GROUP,
     SCALE_DTYPE,
@@ -33,14 +34,14 @@ from ..kernels.nvfp4 import (
     quantize_nvfp4,
 )
 from ..qtensor import QTensor
-from .checks import check_activation, check_float_weight, checked_config
+from .checks import check_activation, check_float_weight, checked_config, weight_only_backend
 from .registry import register_layout
 
 __all__ = ["NVFP4_MIN_SQNR_DB", "NVFP4WeightOnlyConfig", "Nvfp4Tensor"]
 
 # F.linear vs float on Gaussian weights: relative error 0.095 (20.4 dB) on [4096, 4096].
 NVFP4_MIN_SQNR_DB = 17.0
-AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE)
+AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE, Backend.TRITON)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +127,12 @@ class Nvfp4Tensor(QTensor):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         check_activation(self, x)
+        if self.select_backend(x) is Backend.TRITON:
+            load_w4a16_ops()
+            return torch.ops.qshard.nvfp4_linear(
+                x, self.qdata, self.scale, self.global_scale, bias, GROUP
+            )
         return nvfp4_linear_reference(x, self.qdata, self.scale, self.global_scale, GROUP, bias)
 
     def select_backend(self, x: torch.Tensor) -> Backend:
-        """The reference path on every device until the fused kernels exist."""
-        return Backend.REFERENCE
+        return weight_only_backend(self, x)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import qshard
 from qshard import Int4WeightOnlyConfig
 from qshard.kernels import int4 as ref
-from qshard.kernels.availability import load_int4_ops, triton_unavailable_reason
+from qshard.kernels.availability import load_w4a16_ops, triton_unavailable_reason
 
 
 def test_zero_points_are_codes_even_for_groups_that_miss_zero():
@@ -41,10 +41,11 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.skipif(
-    triton_unavailable_reason(DEVICE) is not None, reason=str(triton_unavailable_reason(DEVICE))
+    triton_unavailable_reason(DEVICE, fp8=False) is not None,
+    reason=str(triton_unavailable_reason(DEVICE, fp8=False)),
 )  # on the CPU it runs under the Triton interpreter (tests/conftest.py)
 def test_triton_op_takes_a_strided_bias_and_rounds_it_like_the_reference():
-    load_int4_ops()
+    load_w4a16_ops()
     qdata, scale, zero = ref.quantize_int4(torch.randn(8, 64, device=DEVICE) * 0.02, 32, False)
     x = torch.randn(3, 64, dtype=torch.float16, device=DEVICE)
     strided = torch.randn(8, 2, dtype=torch.float16, device=DEVICE)[:, 1]

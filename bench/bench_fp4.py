@@ -1,0 +1,175 @@
+"""FP4 weight-only linears (MXFP4, NVFP4) vs bf16, gemlite and torchao, on one GPU, one run.
+
+    python bench/bench_fp4.py [--sweep] [--methods ...] [--ms 1,16,128,2048]
+
+The four linears of a Llama-3.1-8B layer (summed), timed as bench_int4.py (CUDA graphs, weight
+copies rotated past the L2): time, speedup over bf16 F.linear, fraction of the roofline
+(max(bytes / measured copy bandwidth, flops / measured bf16 peak); MXFP4 4.25 bits per weight,
+NVFP4 4.5). Then each method's output relative error vs the float linear on one shape. Hopper
+has no FP4 tensor cores: every method here dequantizes to bf16 (in registers or in memory).
+Missing optional packages are reported, not silently skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_fp8 import LLAMA, measure
+from bench_int4 import Weight4, machine_limits, sweep
+
+from qshard.kernels import mxfp4, nvfp4
+from qshard.kernels.availability import load_w4a16_ops
+
+
+def mxfp4_weight(w):
+    from qshard.kernels.w4a16_triton import Format
+
+    packed, scale = mxfp4.quantize_mxfp4(w, 32)
+    return Weight4(Format.MXFP4, (packed, scale, packed, packed), 32)
+
+
+def nvfp4_weight(w):
+    from qshard.kernels.w4a16_triton import Format
+
+    global_scale = nvfp4.global_scale_of(w)
+    packed, scale = nvfp4.quantize_nvfp4(w, global_scale)
+    return Weight4(Format.NVFP4, (packed, scale, packed, global_scale), 16)
+
+
+def qshard_method(make):
+    def build(w):
+        from qshard.kernels.w4a16_triton import linear_launch
+
+        weight = make(w)
+        return lambda x: linear_launch(weight.fmt, x, *weight.inner, None, weight.group)
+
+    return build
+
+
+def bf16_method(w):
+    return lambda x: F.linear(x, w)
+
+
+def _linear(w):
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
+    linear.weight.data.copy_(w)
+    return linear
+
+
+def _gemlite_config():
+    import gemlite
+
+    config = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
+    gemlite.core.GemLiteLinear.load_config(config)  # H200 has no shipped config (facts.md §4)
+
+
+def gemlite_mxfp4_method(w):
+    from gemlite.helper import A16W4_MXFP
+
+    _gemlite_config()
+    return A16W4_MXFP(device="cuda", dtype=w.dtype).from_linear(_linear(w))
+
+
+def gemlite_nvfp4_method(w):
+    from gemlite.helper import A16W4_NVFP
+
+    _gemlite_config()
+    return A16W4_NVFP(device="cuda", dtype=w.dtype).from_linear(_linear(w))
+
+
+def torchao_nvfp4_method(w):
+    from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
+    from torchao.quantization import quantize_
+
+    linear = _linear(w)
+    quantize_(linear, NVFP4WeightOnlyConfig())
+    return linear
+
+
+METHODS = {
+    "bf16": bf16_method,
+    "qshard-mxfp4": qshard_method(mxfp4_weight),
+    "qshard-nvfp4": qshard_method(nvfp4_weight),
+    "gemlite-mxfp4": gemlite_mxfp4_method,
+    "gemlite-nvfp4": gemlite_nvfp4_method,
+    "torchao-nvfp4": torchao_nvfp4_method,
+}
+BITS = {"mxfp4": 4.25, "nvfp4": 4.5}
+
+
+def roofline_us(m: int, bits: float, bandwidth: float, peak: float) -> float:
+    total = 0.0
+    for n, k in LLAMA.values():
+        moved = n * k * bits / 8 + 2 * m * (k + n)
+        total += max(moved / bandwidth, 2 * m * n * k / peak)
+    return total * 1e6
+
+
+def accuracy(methods) -> None:
+    n, k = LLAMA["o"]
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    expected = F.linear(x.float(), w.float())
+    for method in methods:
+        try:
+            out = METHODS[method](w)(x).float()
+            error = ((out - expected).norm() / expected.norm()).item()
+            print(f"- {method}: output relative error vs float {error:.4f}")
+        except Exception as e:
+            print(f"- {method}: fails: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--ms", default="1,16,128,2048")
+    parser.add_argument("--sweep", action="store_true", help="the kernel configs first")
+    parser.add_argument("--no-tables", action="store_true", help="the sweep only")
+    args = parser.parse_args()
+    load_w4a16_ops()
+    methods, ms = args.methods.split(","), [int(m) for m in args.ms.split(",")]
+    versions = {"torch": torch.__version__, "triton": triton.__version__}
+    for name in ("gemlite", "torchao"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception as e:  # reported, not hidden
+            versions[name] = f"unavailable ({type(e).__name__})"
+    bandwidth, peak = machine_limits()
+    listed = ", ".join(f"{k} {v}" for k, v in versions.items())
+    print(f"GPU: {torch.cuda.get_device_name()}; {listed}")
+    print(f"measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    if args.sweep:
+        sweep(ms, {"MXFP4": mxfp4_weight, "NVFP4": nvfp4_weight})
+    if args.no_tables:
+        return
+    print("\n### FP4 weight-only, Llama-3.1-8B layer (summed)\n")
+    print("| method | " + " | ".join(f"M={m}" for m in ms) + " |")
+    print("|---|" + "---|" * len(ms))
+    base = {m: measure(bf16_method, LLAMA, m, 0.5) for m in ms}
+    for method in methods:
+        bits = BITS.get(method.split("-")[-1], 16)
+        cells = []
+        for m in ms:
+            t = base[m] if method == "bf16" else measure(METHODS[method], LLAMA, m, 0.5)
+            if isinstance(t, str):
+                cells.append(t)
+            else:
+                roof = roofline_us(m, bits, bandwidth, peak)
+                cells.append(f"{t:.0f} us ({base[m] / t:.2f}x, {roof / t:.0%} of roofline)")
+        print(f"| {method} | " + " | ".join(cells) + " |", flush=True)
+    print("\n### Accuracy (o_proj 4096x4096, M = 16, N(0, 0.02) weights)\n")
+    accuracy([m for m in methods if m != "bf16"])
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()

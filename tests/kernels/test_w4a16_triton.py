@@ -1,0 +1,204 @@
+"""The 4-bit weight-only Triton kernels (int4, MXFP4, NVFP4) against their references: under
+the Triton interpreter on the CPU (float16 activations, facts.md §3), compiled on a GPU. Fresh
+random inputs each run, odd shapes, partial groups, every kernel (GEMV, split-K small-M,
+dequantize + matmul) and every format."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qshard
+from qshard.kernels import int4, mxfp4, nvfp4
+from qshard.kernels.availability import load_w4a16_ops, triton_unavailable_reason
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(
+    triton_unavailable_reason(DEVICE, fp8=False) is not None,
+    reason=str(triton_unavailable_reason(DEVICE, fp8=False)),
+)
+# ||out - reference|| / ||reference||. The reference multiplies the weight rounded to the
+# activation dtype, sums in float64 and rounds once; the kernels sum in fp32 in another order,
+# the GEMV multiplies the unrounded fp32 weight and cuBLAS may reduce in lower precision. Each
+# stays within a few units of the activation dtype's rounding (2**-11 fp16, 2**-8 bf16).
+MAX_RELATIVE_ERROR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+ACT_DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+
+
+@dataclasses.dataclass
+class Quantized:
+    """One weight in one 4-bit format: what the kernels take and what the references give."""
+
+    fmt: object
+    k: int
+    group: int
+    inner: tuple  # (qdata, scale, zero, global_scale) as linear_launch takes them
+    reference: object  # (x, bias) -> y
+    dequantized: object  # dtype -> W
+
+    def launch(self, x, bias, config=None):
+        from qshard.kernels.w4a16_triton import linear_launch
+
+        return linear_launch(self.fmt, x, *self.inner, bias, self.group, config)
+
+
+def quantized(name: str, weight: torch.Tensor, group: int) -> Quantized:
+    from qshard.kernels.w4a16_triton import Format
+
+    k = weight.shape[1]
+    if name.startswith("int4"):
+        symmetric = name == "int4-sym"
+        q, s, z = int4.quantize_int4(weight, group, symmetric)
+        fmt = Format.INT4_SYM if symmetric else Format.INT4_ASYM
+        return Quantized(fmt, k, group, (q, s, z, s),
+                         lambda x, b: int4.int4_linear_reference(x, q, s, z, group, b),
+                         lambda d: int4.dequantize_int4(q, s, z, group, k, d))  # fmt: skip
+    if name == "mxfp4":
+        q, s = mxfp4.quantize_mxfp4(weight, group)
+        return Quantized(Format.MXFP4, k, group, (q, s, q, q),
+                         lambda x, b: mxfp4.mxfp4_linear_reference(x, q, s, group, b),
+                         lambda d: mxfp4.dequantize_mxfp4(q, s, group, k, d))  # fmt: skip
+    g = nvfp4.global_scale_of(weight)
+    q, s = nvfp4.quantize_nvfp4(weight, g, group)
+    return Quantized(Format.NVFP4, k, group, (q, s, q, g),
+                     lambda x, b: nvfp4.nvfp4_linear_reference(x, q, s, g, group, b),
+                     lambda d: nvfp4.dequantize_nvfp4(q, s, g, group, k, d))  # fmt: skip
+
+
+# (format, group, N, K): K not a multiple of the group (a partial last group), odd K, the
+# re-grouped 16 of a TP cut, and each format's own group.
+CASES = [
+    ("int4-asym", 128, 96, 300),
+    ("int4-sym", 64, 100, 200),
+    ("int4-asym", 32, 72, 301),
+    ("int4-sym", 16, 40, 96),
+    ("mxfp4", 32, 72, 301),
+    ("mxfp4", 16, 48, 80),
+    ("nvfp4", 16, 88, 200),
+]
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def check(out, expected, dtype) -> None:
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    assert bool(torch.isfinite(out).all())
+    error, allowed = relative_error(out, expected), MAX_RELATIVE_ERROR[dtype]
+    assert error <= allowed, f"relative error {error:.2e} > {allowed:.0e}"
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 257])  # GEMV, split-K small-M, dequantize + matmul
+@pytest.mark.parametrize(("name", "group", "n", "k"), CASES)
+def test_linear_matches_the_reference(name, group, n, k, m):
+    load_w4a16_ops()
+    weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
+    x = torch.randn(m, k, dtype=ACT_DTYPE, device=DEVICE)
+    bias = torch.randn(n, dtype=ACT_DTYPE, device=DEVICE) if m % 2 else None
+    check(weight.launch(x, bias), weight.reference(x, bias), ACT_DTYPE)
+
+
+# Each kernel forced by its config: the GEMV with a step inside one group and with several
+# groups per step; the small-M kernel whole-K, split three ways, with several token tiles.
+CONFIGS = {
+    "gemv-narrow": dict(BLOCK_N=16, BLOCK_K=64, num_warps=4),
+    "gemv-wide": dict(BLOCK_N=8, BLOCK_K=512, num_warps=4),
+    "whole-k": dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=1, num_warps=4),
+    "split3": dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=3, num_warps=4),
+    "token-tiles": dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4),
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize(
+    ("name", "group", "m", "n", "k", "dtype"),
+    [
+        ("int4-asym", 256, 5, 96, 768, torch.float16),  # BLOCK_K < group: a step in one group
+        ("int4-sym", 32, 37, 160, 544, torch.float16),  # several groups per step, 3 token tiles
+        ("int4-asym", 64, 3, 72, 960, torch.float32),  # fp32 activations: an IEEE fp32 dot
+        ("mxfp4", 32, 6, 64, 416, torch.float16),
+        ("nvfp4", 16, 2, 80, 336, torch.float16),
+    ],
+)
+def test_each_kernel_config_matches_the_reference(config, name, group, m, n, k, dtype):
+    load_w4a16_ops()
+    if DEVICE.type == "cuda" and dtype == torch.float16:
+        dtype = torch.bfloat16
+    if "SPLIT_K" not in CONFIGS[config]:
+        m = min(m, 2)  # the GEMV runs a program per token (slow in the interpreter)
+    weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
+    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
+    bias = torch.randn(n, dtype=dtype, device=DEVICE)
+    check(weight.launch(x, bias, CONFIGS[config]), weight.reference(x, bias), dtype)
+
+
+@pytest.mark.parametrize(("name", "group", "n", "k"), CASES)
+def test_the_dequantize_kernel_is_bit_exact(name, group, n, k):
+    from qshard.kernels.w4a16_triton import dequantize_launch
+
+    load_w4a16_ops()
+    weight = quantized(name, torch.randn(n, k, device=DEVICE), group)
+    # The interpreter's fp32 -> bf16 cast truncates (triton 3.9: 1 + 2**-8 + 2**-12 -> 1.0, not
+    # 1.0078125); compiled kernels round to nearest even, so bf16 is checked on a GPU only.
+    dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if DEVICE.type == "cuda" else ())
+    for dtype in dtypes:
+        out = dequantize_launch(weight.fmt, *weight.inner, group, k, dtype)
+        assert torch.equal(out, weight.dequantized(dtype)), dtype
+
+
+def test_e2m1_decoding_covers_every_code_and_scale_byte():
+    """Every e2m1 code (both signs, -0 included) against every e8m0 scale byte the quantizer
+    can write, through the dequantize kernel: the bit manipulation in `_values` and
+    `_group_scale` against the reference's table, bit for bit."""
+    from qshard.kernels.w4a16_triton import Format, dequantize_launch
+
+    load_w4a16_ops()
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2)  # one 32-block: all 16 codes twice
+    # Scales 2**-125 .. 2**125: the quantizer writes up to 2**125 (fp32's amax < 2**128). Below
+    # 2**-125 some weights are fp32 subnormals, which compiled Triton kernels flush to zero
+    # (the reference keeps them): weights under 1.2e-38, nothing a matmul can tell apart.
+    exponents = torch.arange(2, 253, dtype=torch.uint8)
+    packed = (codes[0::2] | (codes[1::2] << 4)).repeat(len(exponents), 1).to(DEVICE)
+    scale = exponents[:, None].view(torch.float8_e8m0fnu).to(DEVICE)
+    out = dequantize_launch(Format.MXFP4, packed, scale, packed, packed, 32, 32, torch.float32)
+    expected = mxfp4.dequantize_mxfp4(packed, scale, 32, 32, torch.float32)
+    differ = (out.view(torch.int32) != expected.view(torch.int32)).nonzero().tolist()  # -0.0 too
+    assert not differ, f"{len(differ)} values differ, first (scale byte - 2, column): {differ[:4]}"
+
+
+@pytest.mark.parametrize("layout", ["int4", "mxfp4", "nvfp4"])
+def test_the_layouts_run_the_kernels_when_asked_and_on_gpus(layout):
+    cls, config_cls = {
+        "int4": (qshard.Int4Tensor, qshard.Int4WeightOnlyConfig),
+        "mxfp4": (qshard.Mxfp4Tensor, qshard.MXFP4WeightOnlyConfig),
+        "nvfp4": (qshard.Nvfp4Tensor, qshard.NVFP4WeightOnlyConfig),
+    }[layout]
+    weight = torch.randn(160, 256, device=DEVICE) * 0.02
+    x = torch.randn(2, 5, 256, dtype=ACT_DTYPE, device=DEVICE)
+    forced = cls.from_float(weight, config_cls(backend="triton"))
+    auto = cls.from_float(weight, config_cls())
+    reference = cls.from_float(weight, config_cls(backend="reference"))
+    assert forced.select_backend(x) is qshard.Backend.TRITON
+    on_gpu = qshard.Backend.TRITON if DEVICE.type == "cuda" else qshard.Backend.REFERENCE
+    assert auto.select_backend(x) is on_gpu  # the CPU runs the reference, not the interpreter
+    assert reference.select_backend(x) is qshard.Backend.REFERENCE
+    out = F.linear(x, forced.to(ACT_DTYPE))
+    check(out, F.linear(x, reference.to(ACT_DTYPE)), ACT_DTYPE)
+
+
+@pytest.mark.parametrize("name", ["int4-asym", "int4-sym", "mxfp4", "nvfp4"])
+def test_the_ops_have_consistent_fake_implementations(name):
+    load_w4a16_ops()
+    group = {"mxfp4": 32, "nvfp4": 16}.get(name, 32)
+    weight = quantized(name, torch.randn(64, 128, device=DEVICE), group)
+    q, s, z, g = weight.inner
+    x = torch.randn(3, 128, dtype=torch.float16, device=DEVICE)
+    op, args = {
+        "mxfp4": (torch.ops.qshard.mxfp4_linear, (x, q, s, None, group)),
+        "nvfp4": (torch.ops.qshard.nvfp4_linear, (x, q, s, g, None, group)),
+    }.get(name, (torch.ops.qshard.int4_linear, (x, q, s, z, None, group)))
+    torch.library.opcheck(op.default, args, test_utils="test_faketensor")
