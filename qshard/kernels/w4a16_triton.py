@@ -9,9 +9,10 @@ the even and odd activations. (v2 joined the nibbles into K order in registers, 
 reshape, and ran at 0.5 TB/s on an H200: docs/kernels/int4.md.)
 
 - M = 1 (decode): a GEMV. Each program takes BLOCK_N weight rows and streams BLOCK_K of K per
-  step, dequantizes in fp32 and accumulates products in fp32, no tensor cores. It multiplies
-  the exact fp32 weight, not the weight rounded to the activation dtype as the reference does:
-  the difference is within the activation dtype's rounding (the tests' tolerance).
+  step; codes times activations in fp32, summed per group, then the group's scale (and zero
+  point) applied to the sum; no tensor cores. It multiplies the exact weight, not the weight
+  rounded to the activation dtype as the reference does: the difference is within the
+  activation dtype's rounding (the tests' tolerance).
 - 2 <= M <= FUSED_MAX_M: a tensor-core kernel, "swap AB" (weight rows on the MMA's M side, the
   tokens on its N side), K split over programs so a 4096-wide layer fills the GPU (`split_k.py`).
   The weight tile is dequantized in fp32 and rounded to the activation dtype, as the reference.
@@ -100,32 +101,75 @@ def _group_scale(s_ptr, z_ptr, offs, mask, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _weight_halves(
-    q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qn, stride_sn,
-    FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """The weights W[offs_n, k0 + 2j] (low nibbles) and W[offs_n, k0 + 2j + 1] (high nibbles),
-    j < BLOCK_K / 2, in fp32 as [rows, G, SUB] (G groups of SUB bytes; G = 1 when the step lies
-    in one group). NVFP4's global scale is left out (the caller applies it). Past K: codes 0,
-    scales 0, so these weights are 0 or finite; the caller's activations are 0 there."""
-    SUB: tl.constexpr = (GROUP if GROUP < BLOCK_K else BLOCK_K) // 2
+def _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_sn,
+                FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr):  # fmt: skip
+    """The loads of the K step at k0: codes [rows, BLOCK_K / 2] (bytes; KH per row) and the
+    (mul, add) of each group [rows, G]. Issued a step ahead of their use (Triton pipelines only
+    loads that feed a dot, and these feed the decoding); a step at k0 >= K loads nothing.
+    EVEN_K (K a multiple of BLOCK_K): no mask along K, so the loads stay 16 bytes wide."""
+    SUB: tl.constexpr = (GROUP if GROUP < BLOCK_K else BLOCK_K) // 2  # bytes of one group
     G: tl.constexpr = BLOCK_K // (2 * SUB)
-    offs_g = tl.arange(0, G)
-    byte = k0 // 2 + offs_g[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [G, SUB]
-    n_ok = offs_n < N
-    packed = tl.load(
-        q_ptr + offs_n[:, None, None] * stride_qn + byte[None, :, :],
-        mask=n_ok[:, None, None] & (byte < (K + 1) // 2)[None, :, :], other=0,
-    ).to(tl.int32)  # fmt: skip
-    group = (k0 + offs_g * (2 * SUB)) // GROUP
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    n_ok = offs_n < N * (k0 < K)  # (no rows at all past K)
+    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + byte[None, :]
+    if EVEN_K:
+        packed = tl.load(q_ptrs, mask=n_ok[:, None], other=0)
+    else:
+        packed = tl.load(q_ptrs, mask=n_ok[:, None] & (byte < KH)[None, :], other=0)
+    group = (k0 + tl.arange(0, G) * (2 * SUB)) // GROUP
     g_ok = n_ok[:, None] & (group < tl.cdiv(K, GROUP))[None, :]
     mul, add = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :], g_ok,
                             FORMAT)  # fmt: skip
+    return packed, mul, add
+
+
+@triton.jit
+def _step_activations(x_ptr, offs_m, k0, M, K, stride_xm, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr):  # fmt: skip
+    """x[offs_m, k0 : k0 + BLOCK_K], loaded whole (contiguous along K), split into the
+    even-index and odd-index activations and transposed for the MMA: [BLOCK_K / 2, tokens]
+    each. The weights are never interleaved; the activations are split instead."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M * (k0 < K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    if EVEN_K:
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+    else:
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    even, odd = tl.split(tl.reshape(x, (offs_m.shape[0], BLOCK_K // 2, 2)))
+    return tl.trans(even), tl.trans(odd)
+
+
+@triton.jit
+def _row_activations(x_ptr, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One token's x[k0 : k0 + BLOCK_K] in fp32, split into even and odd indices."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        x = tl.load(x_ptr + offs_k, mask=offs_k < K * (k0 < K), other=0.0)
+    else:
+        x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+    return tl.split(tl.reshape(x.to(tl.float32), (BLOCK_K // 2, 2)))
+
+
+@triton.jit
+def _weight_halves(packed, mul, add, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_K: tl.constexpr):  # fmt: skip
+    """The weights at the even and odd indices of a step, [rows, BLOCK_K / 2] each, fp32:
+    decoded codes times their group's mul, plus add (int4). NVFP4's global scale is left out.
+    Past K: codes 0, scales 0, so these weights are 0 or finite; the activations are 0 there."""
+    SUB: tl.constexpr = (GROUP if GROUP < BLOCK_K else BLOCK_K) // 2
+    G: tl.constexpr = BLOCK_K // (2 * SUB)
+    ROWS: tl.constexpr = packed.shape[0]
+    packed = tl.reshape(packed.to(tl.int32), (ROWS, G, SUB))
     mul, add = mul[:, :, None], add[:, :, None]
     if FORMAT >= _MXFP4:  # e2m1: no "+ 0", which would turn the code -0 into +0
-        return _values(packed & 15, FORMAT) * mul, _values(packed >> 4, FORMAT) * mul
+        low = _values(packed & 15, FORMAT) * mul
+        high = _values(packed >> 4, FORMAT) * mul
     else:
-        return _values(packed & 15, FORMAT) * mul + add, _values(packed >> 4, FORMAT) * mul + add
+        low = _values(packed & 15, FORMAT) * mul + add
+        high = _values(packed >> 4, FORMAT) * mul + add
+    return tl.reshape(low, (ROWS, BLOCK_K // 2)), tl.reshape(high, (ROWS, BLOCK_K // 2))
 
 
 @triton.jit
@@ -142,28 +186,43 @@ def _global_scale(g_ptr, FORMAT: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_xm, stride_qn, stride_sn, stride_om,
-    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    M, N, K, KH, stride_xm, stride_qn, stride_sn, stride_om,
+    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """out[m, n-band] for one token m: stream the band's codes BLOCK_K at a time, products in
-    fp32 kept per position and summed once at the end."""
+    """out[m, n-band] for one token m, streaming the band's codes BLOCK_K values at a time.
+
+    The group scale is applied to each group's sum, not to each weight (as the FP8 GEMV does):
+    sum_k (u_k - z) s x_k = s * sum_k u_k x_k - z s * sum_k x_k (int4), s * sum_k v_k x_k
+    (FP4). Per weight that leaves decoding the code and one FMA."""
     pid = tl.program_id(0)
     m = pid % M  # the programs of one weight band run together and share it through L2
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    SUB: tl.constexpr = (GROUP if GROUP < BLOCK_K else BLOCK_K) // 2
+    SUB: tl.constexpr = (GROUP if GROUP < BLOCK_K else BLOCK_K) // 2  # bytes of one group
     G: tl.constexpr = BLOCK_K // (2 * SUB)
-    even = 2 * (tl.arange(0, G)[:, None] * SUB + tl.arange(0, SUB)[None, :])  # [G, SUB]
-    acc = tl.zeros((BLOCK_N, G, SUB), dtype=tl.float32)
+    x_ptr += m * stride_xm
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    packed, mul, add = _step_codes(q_ptr, s_ptr, z_ptr, offs_n, 0, N, K, KH, stride_qn,
+                                   stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
+    x_even, x_odd = _row_activations(x_ptr, 0, K, BLOCK_K, EVEN_K)
     for k0 in range(0, K, BLOCK_K):
-        low, high = _weight_halves(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qn, stride_sn,
-                                   FORMAT, GROUP, BLOCK_K)  # fmt: skip
-        k = k0 + even
-        x_even = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + m * stride_xm + k + 1, mask=k + 1 < K, other=0.0).to(tl.float32)
-        acc += low * x_even[None, :, :] + high * x_odd[None, :, :]
-    total = tl.sum(tl.sum(acc, axis=2), axis=1) * _global_scale(g_ptr, FORMAT)
+        next_packed, next_mul, next_add = _step_codes(
+            q_ptr, s_ptr, z_ptr, offs_n, k0 + BLOCK_K, N, K, KH, stride_qn, stride_sn,
+            FORMAT, GROUP, BLOCK_K, EVEN_K,
+        )  # fmt: skip
+        next_even, next_odd = _row_activations(x_ptr, k0 + BLOCK_K, K, BLOCK_K, EVEN_K)
+        codes = packed.to(tl.int32)
+        products = (_values(codes & 15, FORMAT) * x_even[None, :]
+                    + _values(codes >> 4, FORMAT) * x_odd[None, :])  # fmt: skip
+        partial = tl.sum(tl.reshape(products, (BLOCK_N, G, SUB)), axis=2)  # [BLOCK_N, G]
+        if FORMAT >= _MXFP4:
+            acc += tl.sum(partial * mul, axis=1)
+        else:
+            x_sum = tl.sum(tl.reshape(x_even + x_odd, (G, SUB)), axis=1)
+            acc += tl.sum(partial * mul + x_sum[None, :] * add, axis=1)
+        packed, mul, add, x_even, x_odd = next_packed, next_mul, next_add, next_even, next_odd
+    total = acc * _global_scale(g_ptr, FORMAT)
+    n_ok = offs_n < N
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -172,51 +231,59 @@ def _gemv_kernel(
 @triton.jit
 def _small_m_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, partials_ptr, arrived_ptr,
-    M, N, K, steps_per_split, stride_xm, stride_qn, stride_sn, stride_om,
-    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, X_FP32: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    M, N, K, KH, steps_per_split, stride_xm, stride_qn, stride_sn, stride_om,
+    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    X_FP32: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out.T[n-tile, m-tile] = W[n-tile] @ x[m-tile].T over this program's K steps, as two
     MMAs per step: the even-index weights with the even activations, the odd with the odd."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     first_step = tl.program_id(1) * steps_per_split
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_ok, m_ok = offs_n < N, offs_m < M
     last_step = tl.minimum(first_step + steps_per_split, tl.cdiv(K, BLOCK_K))
     global_scale = _global_scale(g_ptr, FORMAT)
-    even = 2 * tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k0 = first_step * BLOCK_K
+    packed, mul, add = _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn,
+                                   stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
+    x_even, x_odd = _step_activations(x_ptr, offs_m, k0, M, K, stride_xm, BLOCK_K, EVEN_K)
     for step in range(first_step, last_step):
+        # The next step's loads first (the last program's one past K loads nothing; the
+        # others' is the next split's first step, read and not used).
         k0 = step * BLOCK_K
-        low, high = _weight_halves(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qn, stride_sn,
-                                   FORMAT, GROUP, BLOCK_K)  # fmt: skip
+        next_packed, next_mul, next_add = _step_codes(
+            q_ptr, s_ptr, z_ptr, offs_n, k0 + BLOCK_K, N, K, KH, stride_qn, stride_sn,
+            FORMAT, GROUP, BLOCK_K, EVEN_K,
+        )  # fmt: skip
+        next_even, next_odd = _step_activations(x_ptr, offs_m, k0 + BLOCK_K, M, K, stride_xm,
+                                                BLOCK_K, EVEN_K)  # fmt: skip
+        low, high = _weight_halves(packed, mul, add, FORMAT, GROUP, BLOCK_K)
         # The weight rounded to the activation dtype, as the reference multiplies it.
-        low = tl.reshape(low * global_scale, (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
-        high = tl.reshape(high * global_scale, (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
-        k = k0 + even
-        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + k[:, None]  # [BLOCK_K / 2, BLOCK_M]
-        x_even = tl.load(x_ptrs, mask=m_ok[None, :] & (k < K)[:, None], other=0.0)
-        x_odd = tl.load(x_ptrs + 1, mask=m_ok[None, :] & (k + 1 < K)[:, None], other=0.0)
+        low = (low * global_scale).to(x_ptr.dtype.element_ty)
+        high = (high * global_scale).to(x_ptr.dtype.element_ty)
         if X_FP32:  # fp32 activations: a true fp32 product, not TF32
             acc = tl.dot(low, x_even, acc, input_precision="ieee")
             acc = tl.dot(high, x_odd, acc, input_precision="ieee")
         else:
             acc = tl.dot(low, x_even, acc)
             acc = tl.dot(high, x_odd, acc)
-    finish_tile(acc, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, M, N,
-                stride_om, HAS_BIAS, SPLIT)  # fmt: skip
+        packed, mul, add, x_even, x_odd = next_packed, next_mul, next_add, next_even, next_odd
+    finish_tile(acc, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, offs_n < N,
+                offs_m < M, M, N, stride_om, HAS_BIAS, SPLIT)  # fmt: skip
 
 
 @triton.jit
 def _dequantize_kernel(
-    q_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn,
+    q_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, KH, stride_qn, stride_sn, stride_wn,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """W [N, K] in w's dtype, each value rounded once from fp32 (bit-exact vs the reference)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
-    low, high = _weight_halves(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qn, stride_sn,
-                               FORMAT, GROUP, BLOCK_K)  # fmt: skip
+    packed, mul, add = _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn,
+                                   stride_sn, FORMAT, GROUP, BLOCK_K, False)  # fmt: skip
+    low, high = _weight_halves(packed, mul, add, FORMAT, GROUP, BLOCK_K)
     global_scale = _global_scale(g_ptr, FORMAT)
     w = tl.reshape(tl.join(low * global_scale, high * global_scale), (BLOCK_N, BLOCK_K))
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -267,7 +334,7 @@ def dequantize_launch(fmt: Format, qdata, scale, zero, global_scale, group: int,
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     _dequantize_kernel[grid](
         qdata, _scale_arg(scale), zero if zero.numel() else qdata, global_scale, w, n, k,
-        qdata.stride(0), scale.stride(0), w.stride(0),
+        qdata.shape[1], qdata.stride(0), scale.stride(0), w.stride(0),
         FORMAT=int(fmt), GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return w
@@ -294,8 +361,9 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     if kernel == "gemv":
         config = dict(config or gemv_config(n, k))
         grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
-        _gemv_kernel[grid](*args, m, n, k, x.stride(0), qdata.stride(0), scale.stride(0),
-                           out.stride(0), **common, **config)  # fmt: skip
+        _gemv_kernel[grid](*args, m, n, k, qdata.shape[1], x.stride(0), qdata.stride(0),
+                           scale.stride(0), out.stride(0), EVEN_K=k % config["BLOCK_K"] == 0,
+                           **common, **config)  # fmt: skip
         return out
     config = dict(config or small_m_config(m, n, k, x.device))
     if INTERPRETED:  # the interpreter runs one program at a time, sequentially
@@ -307,9 +375,10 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     partials, arrived = workspace(m, n, split, grid[0] * grid[2], x.device) if split > 1 else (
         out, out)  # fmt: skip
     _small_m_kernel[grid](
-        *args, partials, arrived, m, n, k, steps_per_split,
+        *args, partials, arrived, m, n, k, qdata.shape[1], steps_per_split,
         x.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
-        X_FP32=x.dtype == torch.float32, SPLIT=split > 1, **common, **config,
+        X_FP32=x.dtype == torch.float32, SPLIT=split > 1, EVEN_K=k % config["BLOCK_K"] == 0,
+        **common, **config,
     )  # fmt: skip
     return out
 
