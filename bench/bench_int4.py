@@ -114,12 +114,13 @@ def accuracy(methods) -> None:
 
 
 GEMV_SWEEP = [  # (weight rows, K per step, warps)
-    (8, 1024, 4),
     (16, 1024, 4),
-    (8, 2048, 4),
+    (8, 1024, 4),
     (16, 512, 4),
     (32, 512, 8),
-    (4, 2048, 4),
+    (16, 2048, 8),
+    (32, 256, 4),
+    (8, 512, 2),
 ]
 FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages)
     (64, 128, 2, 4, 3),

@@ -66,50 +66,64 @@ MIN_STEPS_PER_SPLIT = 4
 
 
 @triton.jit
-def _values(c, FORMAT: tl.constexpr):
-    """4-bit codes (int32, 0..15) -> fp32 values before the group scale: the code itself (int4)
-    or its e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign)."""
-    if FORMAT >= _MXFP4:  # MXFP4 or NVFP4: e2m1 codes
-        c7 = c & 7
-        # c7 = 2e + m with e >= 1 is (1 + m/2) * 2**(e - 1): the fp32 with exponent field
-        # e + 126 and mantissa bit 22 = m, i.e. the bits (c7 << 22) + (126 << 23); c7 = 1 is 0.5.
-        normal = ((c7 << 22) + 0x3F000000).to(tl.float32, bitcast=True)
-        magnitude = tl.where(c7 >= 2, normal, c7.to(tl.float32) * 0.5)
-        return tl.where((c & 8) != 0, -magnitude, magnitude)
+def _decode(packed, FORMAT: tl.constexpr):
+    """Code bytes [rows, H] -> fp32 [rows, 2H] in K order (each byte's low nibble first), by
+    bit placement alone (no conversion of an integer, no table), exactly:
+    int4: 1 + u/16, the fp32 with u as the top 4 mantissa bits (so u = 16 * v - 16);
+    e2m1: value * 2**-14, the fp16 with e2m1's exponent and mantissa bits in fp16's low
+    exponent bits and top mantissa bit (e2m1's subnormals are fp16 subnormals), and its sign."""
+    b = packed.to(tl.int32)
+    if FORMAT >= _MXFP4:
+        low = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
+        high = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
+        v = tl.join(low, high).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:
-        # u as a float without a conversion instruction: the bits 0x4B000000 | u are 2**23 + u.
-        return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        low = ((b << 19) & 0x780000) | 0x3F800000
+        high = ((b << 15) & 0x780000) | 0x3F800000
+        v = tl.join(low, high).to(tl.float32, bitcast=True)
+    return tl.reshape(v, (packed.shape[0], 2 * packed.shape[1]))
 
 
 @triton.jit
 def _group_scale(s_ptr, z_ptr, offs, mask, FORMAT: tl.constexpr):
-    """(mul, add) per (row, group) so that a weight is value * mul + add (exact in fp32)."""
+    """(scale, zero) per (row, group) in fp32: the int4 scale and zero point (8 if symmetric),
+    or the FP4 block scale (zero unused)."""
     if FORMAT == _MXFP4:  # e8m0: the byte e is 2**(e - 127); e = 0 is the subnormal 2**-127
         e = tl.load(s_ptr + offs, mask=mask, other=127).to(tl.int32)
-        mul = tl.where(e == 0, 2.0**-127, (e << 23).to(tl.float32, bitcast=True))
-        return mul, mul  # (no additive term: `_weight_halves` ignores it)
+        scale = tl.where(e == 0, 2.0**-127, (e << 23).to(tl.float32, bitcast=True))
+        return scale, scale
     elif FORMAT == _NVFP4:
-        mul = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        return mul, mul
+        scale = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return scale, scale
     else:
-        mul = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if FORMAT == _INT4_ASYM:
             zero = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         else:
-            zero = tl.full(mul.shape, 8.0, tl.float32)
-        return mul, -(zero * mul)  # (u - z) * s = u * s - z * s, both products exact
+            zero = tl.full(scale.shape, 8.0, tl.float32)
+        return scale, zero
+
+
+@triton.jit
+def _dequantize(v, scale, zero, FORMAT: tl.constexpr):
+    """Decoded values (`_decode`) [rows, G, n] and their groups' (scale, zero) [rows, G, 1] ->
+    weights in fp32, exactly the reference's: int4 (16 v - 16 - z) * s = (u - z) * s (the FMA
+    gives the exact integer u - z), e2m1 (v * 2**14) * s. NVFP4's global scale is left out."""
+    if FORMAT >= _MXFP4:
+        return (v * 16384.0) * scale
+    else:
+        return (v * 16.0 - (zero + 16.0)) * scale
 
 
 @triton.jit
 def _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_sn,
                 FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr):  # fmt: skip
-    """The loads of the K step at k0: codes [rows, BLOCK_K / 2] (bytes; KH per row) and the
-    (mul, add) of each group [rows, G]. Issued a step ahead of their use (Triton pipelines only
+    """The loads of the K step at k0: code bytes [rows, BLOCK_K / 2] (KH per row) and each
+    group's (scale, zero) [rows, G]. Issued a step ahead of their use (Triton pipelines only
     loads that feed a dot, and these feed the decoding); a step at k0 >= K loads nothing.
     EVEN_K (K a multiple of BLOCK_K): no mask along K, so the loads stay 16 bytes wide."""
-    SUB: tl.constexpr = (GROUP if GROUP < BLOCK_K else BLOCK_K) // 2  # bytes of one group
-    G: tl.constexpr = BLOCK_K // (2 * SUB)
+    GK: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # values of one group in a step
     byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     n_ok = offs_n < N * (k0 < K)  # (no rows at all past K)
     q_ptrs = q_ptr + offs_n[:, None] * stride_qn + byte[None, :]
@@ -117,59 +131,22 @@ def _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_sn,
         packed = tl.load(q_ptrs, mask=n_ok[:, None], other=0)
     else:
         packed = tl.load(q_ptrs, mask=n_ok[:, None] & (byte < KH)[None, :], other=0)
-    group = (k0 + tl.arange(0, G) * (2 * SUB)) // GROUP
+    group = (k0 + tl.arange(0, BLOCK_K // GK) * GK) // GROUP
     g_ok = n_ok[:, None] & (group < tl.cdiv(K, GROUP))[None, :]
-    mul, add = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :], g_ok,
-                            FORMAT)  # fmt: skip
-    return packed, mul, add
+    scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
+                               g_ok, FORMAT)  # fmt: skip
+    return packed, scale, zero
 
 
 @triton.jit
-def _step_activations(x_ptr, offs_m, k0, M, K, stride_xm, BLOCK_K: tl.constexpr,
-                      EVEN_K: tl.constexpr):  # fmt: skip
-    """x[offs_m, k0 : k0 + BLOCK_K], loaded whole (contiguous along K), split into the
-    even-index and odd-index activations and transposed for the MMA: [BLOCK_K / 2, tokens]
-    each. The weights are never interleaved; the activations are split instead."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M * (k0 < K)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    if EVEN_K:
-        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-    else:
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-    even, odd = tl.split(tl.reshape(x, (offs_m.shape[0], BLOCK_K // 2, 2)))
-    return tl.trans(even), tl.trans(odd)
-
-
-@triton.jit
-def _row_activations(x_ptr, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """One token's x[k0 : k0 + BLOCK_K] in fp32, split into even and odd indices."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        x = tl.load(x_ptr + offs_k, mask=offs_k < K * (k0 < K), other=0.0)
-    else:
-        x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
-    return tl.split(tl.reshape(x.to(tl.float32), (BLOCK_K // 2, 2)))
-
-
-@triton.jit
-def _weight_halves(packed, mul, add, FORMAT: tl.constexpr, GROUP: tl.constexpr,
-                   BLOCK_K: tl.constexpr):  # fmt: skip
-    """The weights at the even and odd indices of a step, [rows, BLOCK_K / 2] each, fp32:
-    decoded codes times their group's mul, plus add (int4). NVFP4's global scale is left out.
-    Past K: codes 0, scales 0, so these weights are 0 or finite; the activations are 0 there."""
-    SUB: tl.constexpr = (GROUP if GROUP < BLOCK_K else BLOCK_K) // 2
-    G: tl.constexpr = BLOCK_K // (2 * SUB)
+def _step_weights(packed, scale, zero, global_scale, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
+    """One step's weights [rows, BLOCK_K] in fp32, each exactly the reference's fp32 value."""
+    GK: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
     ROWS: tl.constexpr = packed.shape[0]
-    packed = tl.reshape(packed.to(tl.int32), (ROWS, G, SUB))
-    mul, add = mul[:, :, None], add[:, :, None]
-    if FORMAT >= _MXFP4:  # e2m1: no "+ 0", which would turn the code -0 into +0
-        low = _values(packed & 15, FORMAT) * mul
-        high = _values(packed >> 4, FORMAT) * mul
-    else:
-        low = _values(packed & 15, FORMAT) * mul + add
-        high = _values(packed >> 4, FORMAT) * mul + add
-    return tl.reshape(low, (ROWS, BLOCK_K // 2)), tl.reshape(high, (ROWS, BLOCK_K // 2))
+    v = tl.reshape(_decode(packed, FORMAT), (ROWS, BLOCK_K // GK, GK))
+    w = _dequantize(v, scale[:, :, None], zero[:, :, None], FORMAT)
+    return tl.reshape(w, (ROWS, BLOCK_K)) * global_scale
 
 
 @triton.jit
@@ -192,36 +169,39 @@ def _gemv_kernel(
 ):  # fmt: skip
     """out[m, n-band] for one token m, streaming the band's codes BLOCK_K values at a time.
 
-    The group scale is applied to each group's sum, not to each weight (as the FP8 GEMV does):
-    sum_k (u_k - z) s x_k = s * sum_k u_k x_k - z s * sum_k x_k (int4), s * sum_k v_k x_k
-    (FP4). Per weight that leaves decoding the code and one FMA."""
+    Each group's scale is applied to the group's sum, not to each weight (as the FP8 GEMV
+    does), so a weight costs its decoding (`_decode`: a shift and a mask or two) and one FMA:
+    int4 sum (u - z) s x = s * (16 * sum v x - (16 + z) * sum x) with v = 1 + u/16;
+    e2m1 sum v' s x * 2**14 with v' = value * 2**-14."""
     pid = tl.program_id(0)
     m = pid % M  # the programs of one weight band run together and share it through L2
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
-    SUB: tl.constexpr = (GROUP if GROUP < BLOCK_K else BLOCK_K) // 2  # bytes of one group
-    G: tl.constexpr = BLOCK_K // (2 * SUB)
+    GK: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # values of one group in a step
+    G: tl.constexpr = BLOCK_K // GK
     x_ptr += m * stride_xm
+    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    packed, mul, add = _step_codes(q_ptr, s_ptr, z_ptr, offs_n, 0, N, K, KH, stride_qn,
-                                   stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
-    x_even, x_odd = _row_activations(x_ptr, 0, K, BLOCK_K, EVEN_K)
+    packed, scale, zero = _step_codes(q_ptr, s_ptr, z_ptr, offs_n, 0, N, K, KH, stride_qn,
+                                      stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
+    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
     for k0 in range(0, K, BLOCK_K):
-        next_packed, next_mul, next_add = _step_codes(
+        next_packed, next_scale, next_zero = _step_codes(
             q_ptr, s_ptr, z_ptr, offs_n, k0 + BLOCK_K, N, K, KH, stride_qn, stride_sn,
             FORMAT, GROUP, BLOCK_K, EVEN_K,
         )  # fmt: skip
-        next_even, next_odd = _row_activations(x_ptr, k0 + BLOCK_K, K, BLOCK_K, EVEN_K)
-        codes = packed.to(tl.int32)
-        products = (_values(codes & 15, FORMAT) * x_even[None, :]
-                    + _values(codes >> 4, FORMAT) * x_odd[None, :])  # fmt: skip
-        partial = tl.sum(tl.reshape(products, (BLOCK_N, G, SUB)), axis=2)  # [BLOCK_N, G]
+        next_x = tl.load(x_ptr + k0 + BLOCK_K + offs_k, mask=k0 + BLOCK_K + offs_k < K, other=0.0)
+        xf = x.to(tl.float32)
+        products = _decode(packed, FORMAT) * xf[None, :]
+        partial = tl.sum(tl.reshape(products, (BLOCK_N, G, GK)), axis=2)  # [BLOCK_N, G]
         if FORMAT >= _MXFP4:
-            acc += tl.sum(partial * mul, axis=1)
+            acc += tl.sum(partial * scale, axis=1)
         else:
-            x_sum = tl.sum(tl.reshape(x_even + x_odd, (G, SUB)), axis=1)
-            acc += tl.sum(partial * mul + x_sum[None, :] * add, axis=1)
-        packed, mul, add, x_even, x_odd = next_packed, next_mul, next_add, next_even, next_odd
+            x_sum = tl.sum(tl.reshape(xf, (G, GK)), axis=1)[None, :]
+            acc += tl.sum((partial * 16.0 - (zero + 16.0) * x_sum) * scale, axis=1)
+        packed, scale, zero, x = next_packed, next_scale, next_zero, next_x
     total = acc * _global_scale(g_ptr, FORMAT)
+    if FORMAT >= _MXFP4:
+        total = total * 16384.0  # the decoded e2m1 values are value * 2**-14
     n_ok = offs_n < N
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -236,39 +216,37 @@ def _small_m_kernel(
     X_FP32: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """out.T[n-tile, m-tile] = W[n-tile] @ x[m-tile].T over this program's K steps, as two
-    MMAs per step: the even-index weights with the even activations, the odd with the odd."""
+    """out.T[n-tile, m-tile] = W[n-tile] @ x[m-tile].T over this program's K steps."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     first_step = tl.program_id(1) * steps_per_split
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     last_step = tl.minimum(first_step + steps_per_split, tl.cdiv(K, BLOCK_K))
     global_scale = _global_scale(g_ptr, FORMAT)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x.T: [BLOCK_K, BLOCK_M]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k0 = first_step * BLOCK_K
-    packed, mul, add = _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn,
-                                   stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
-    x_even, x_odd = _step_activations(x_ptr, offs_m, k0, M, K, stride_xm, BLOCK_K, EVEN_K)
+    packed, scale, zero = _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn,
+                                      stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
+    x = tl.load(x_ptrs + k0, mask=(offs_m < M)[None, :] & (k0 + offs_k < K)[:, None], other=0.0)
     for step in range(first_step, last_step):
-        # The next step's loads first (the last program's one past K loads nothing; the
+        # The next step's loads first (the last program's step past K loads nothing; the
         # others' is the next split's first step, read and not used).
         k0 = step * BLOCK_K
-        next_packed, next_mul, next_add = _step_codes(
+        next_packed, next_scale, next_zero = _step_codes(
             q_ptr, s_ptr, z_ptr, offs_n, k0 + BLOCK_K, N, K, KH, stride_qn, stride_sn,
             FORMAT, GROUP, BLOCK_K, EVEN_K,
         )  # fmt: skip
-        next_even, next_odd = _step_activations(x_ptr, offs_m, k0 + BLOCK_K, M, K, stride_xm,
-                                                BLOCK_K, EVEN_K)  # fmt: skip
-        low, high = _weight_halves(packed, mul, add, FORMAT, GROUP, BLOCK_K)
-        # The weight rounded to the activation dtype, as the reference multiplies it.
-        low = (low * global_scale).to(x_ptr.dtype.element_ty)
-        high = (high * global_scale).to(x_ptr.dtype.element_ty)
+        next_x = tl.load(x_ptrs + k0 + BLOCK_K,
+                         mask=(offs_m < M)[None, :] & (k0 + BLOCK_K + offs_k < K)[:, None],
+                         other=0.0)  # fmt: skip
+        w = _step_weights(packed, scale, zero, global_scale, FORMAT, GROUP, BLOCK_K)
+        w = w.to(x_ptr.dtype.element_ty)  # rounded to the activation dtype, as the reference
         if X_FP32:  # fp32 activations: a true fp32 product, not TF32
-            acc = tl.dot(low, x_even, acc, input_precision="ieee")
-            acc = tl.dot(high, x_odd, acc, input_precision="ieee")
+            acc = tl.dot(w, x, acc, input_precision="ieee")
         else:
-            acc = tl.dot(low, x_even, acc)
-            acc = tl.dot(high, x_odd, acc)
-        packed, mul, add, x_even, x_odd = next_packed, next_mul, next_add, next_even, next_odd
+            acc = tl.dot(w, x, acc)
+        packed, scale, zero, x = next_packed, next_scale, next_zero, next_x
     finish_tile(acc, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, offs_n < N,
                 offs_m < M, M, N, stride_om, HAS_BIAS, SPLIT)  # fmt: skip
 
@@ -281,11 +259,9 @@ def _dequantize_kernel(
     """W [N, K] in w's dtype, each value rounded once from fp32 (bit-exact vs the reference)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
-    packed, mul, add = _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn,
-                                   stride_sn, FORMAT, GROUP, BLOCK_K, False)  # fmt: skip
-    low, high = _weight_halves(packed, mul, add, FORMAT, GROUP, BLOCK_K)
-    global_scale = _global_scale(g_ptr, FORMAT)
-    w = tl.reshape(tl.join(low * global_scale, high * global_scale), (BLOCK_N, BLOCK_K))
+    packed, scale, zero = _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn,
+                                      stride_sn, FORMAT, GROUP, BLOCK_K, False)  # fmt: skip
+    w = _step_weights(packed, scale, zero, _global_scale(g_ptr, FORMAT), FORMAT, GROUP, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
     tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
