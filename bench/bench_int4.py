@@ -153,7 +153,9 @@ def sweep_candidates(m: int):
 
             yield f"small-m {bn}x{bk} {waves}/SM {warps}w {stages}s", config
     if m >= 16:
-        yield "dequantize + cuBLAS", lambda n, k: None
+        from qshard.kernels.w4a16_triton import DEQUANTIZE
+
+        yield "dequantize + cuBLAS", lambda n, k: DEQUANTIZE
 
 
 def sweep(ms, formats=None) -> None:

@@ -40,7 +40,15 @@ import triton.language as tl
 
 from .split_k import finish_tile, split_count, workspace
 
-__all__ = ["Format", "dequantize_launch", "gemv_config", "linear_launch", "small_m_config"]
+__all__ = [
+    "DEQUANTIZE",
+    "Format",
+    "dequantize_launch",
+    "gemv_config",
+    "kernel_for",
+    "linear_launch",
+    "small_m_config",
+]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -271,24 +279,34 @@ def _dequantize_kernel(
 # ---- configs and launchers ---------------------------------------------------------------------
 
 
-def gemv_config(n: int, k: int) -> dict:
-    """8 weight rows x 1024 K (4 KB of codes) per step, the shape of the FP8 GEMV's best."""
-    return {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}
+def gemv_config(fmt: Format) -> dict:
+    """1024 K (a 512-byte strip per row) per step; 16 rows (8 for NVFP4, whose 16-groups load
+    twice the scales). The best of the H200 sweep (docs/kernels/w4a16.md): 77 / 90 / 101 us
+    for the Llama-3.1-8B layer in int4 g128 / MXFP4 / NVFP4 at M = 1."""
+    rows = 8 if fmt == Format.NVFP4 else 16
+    return {"BLOCK_N": rows, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}
 
 
 def small_m_config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """64 weight rows x the tokens (16..128) x 128 K per step, split to ~2 programs per SM."""
+    """64 weight rows x the tokens (16..128) x 128 K per step, K split so that ~4 programs run
+    per SM up to 64 tokens (~2 above): the best of the H200 sweep at M = 16 and 128."""
     block_n, block_m, block_k = 64, min(128, max(16, triton.next_power_of_2(m))), 128
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    split = split_count(tiles, triton.cdiv(k, block_k), MIN_STEPS_PER_SPLIT, 2, device)
+    waves = 4 if m <= 64 else 2
+    split = split_count(tiles, triton.cdiv(k, block_k), MIN_STEPS_PER_SPLIT, waves, device)
     return {"BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split,
             "num_warps": 4, "num_stages": 3}  # fmt: skip
 
 
+DEQUANTIZE = {"KERNEL": "dequantize"}  # a config that forces dequantize + cuBLAS
+
+
 def kernel_for(m: int, config: dict | None) -> str:
     """Which kernel runs M tokens: "gemv", "small_m" or "dequantize" (+ cuBLAS); a config
-    names its kernel by its keys (SPLIT_K: small-M, else a GEMV config)."""
+    names its kernel by its keys (SPLIT_K: small-M, KERNEL: dequantize, else a GEMV config)."""
     if config is not None:
+        if "KERNEL" in config:
+            return config["KERNEL"]
         return "small_m" if "SPLIT_K" in config else "gemv"
     if m <= GEMV_MAX_M:
         return "gemv"
@@ -335,7 +353,7 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     zero = zero if zero.numel() else qdata  # an empty tensor may have no address to pass
     args = (x, qdata, _scale_arg(scale), zero, global_scale, bias if bias is not None else out, out)
     if kernel == "gemv":
-        config = dict(config or gemv_config(n, k))
+        config = dict(config or gemv_config(fmt))
         grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
         _gemv_kernel[grid](*args, m, n, k, qdata.shape[1], x.stride(0), qdata.stride(0),
                            scale.stride(0), out.stride(0), EVEN_K=k % config["BLOCK_K"] == 0,

@@ -110,6 +110,7 @@ CONFIGS = {
     "whole-k": dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=1, num_warps=4),
     "split3": dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=3, num_warps=4),
     "token-tiles": dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4),
+    "dequantize": {"KERNEL": "dequantize"},
 }
 
 
@@ -128,7 +129,7 @@ def test_each_kernel_config_matches_the_reference(config, name, group, m, n, k, 
     load_w4a16_ops()
     if DEVICE.type == "cuda" and dtype == torch.float16:
         dtype = torch.bfloat16
-    if "SPLIT_K" not in CONFIGS[config]:
+    if "BLOCK_K" in CONFIGS[config] and "SPLIT_K" not in CONFIGS[config]:
         m = min(m, 2)  # the GEMV runs a program per token (slow in the interpreter)
     weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
     x = torch.randn(m, k, dtype=dtype, device=DEVICE)
@@ -202,3 +203,14 @@ def test_the_ops_have_consistent_fake_implementations(name):
         "nvfp4": (torch.ops.qshard.nvfp4_linear, (x, q, s, g, None, group)),
     }.get(name, (torch.ops.qshard.int4_linear, (x, q, s, z, None, group)))
     torch.library.opcheck(op.default, args, test_utils="test_faketensor")
+
+
+def test_the_kernel_is_chosen_by_the_number_of_tokens():
+    from qshard.kernels.w4a16_triton import DEQUANTIZE, FUSED_MAX_M, GEMV_MAX_M, kernel_for
+
+    assert [kernel_for(m, None) for m in (1, 2, 16, FUSED_MAX_M, FUSED_MAX_M + 1, 4096)] == [
+        "gemv", "small_m", "small_m", "small_m", "dequantize", "dequantize"
+    ] and GEMV_MAX_M == 1  # fmt: skip
+    assert kernel_for(1, DEQUANTIZE) == "dequantize"
+    assert kernel_for(300, CONFIGS["split3"]) == "small_m"
+    assert kernel_for(300, CONFIGS["gemv-wide"]) == "gemv"
