@@ -250,7 +250,7 @@ def _small_m_kernel(
                          other=0.0)  # fmt: skip
         w = _step_weights(packed, scale, zero, global_scale, FORMAT, GROUP, BLOCK_K)
         w = w.to(x_ptr.dtype.element_ty)  # rounded to the activation dtype, as the reference
-        if X_FP32:  # fp32 activations: a true fp32 product, not TF32
+        if X_FP32:  # noqa: SIM108 (fp32 activations: a true fp32 product, not TF32)
             acc = tl.dot(w, x, acc, input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
