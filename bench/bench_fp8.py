@@ -258,6 +258,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--tables", default="llama,deepseek,deepseek-4096")  # "" for none
+    parser.add_argument("--ms", default=",".join(map(str, MS)))
     args = parser.parse_args()
     load_gpu_ops()
     versions = {"torch": torch.__version__, "triton": triton.__version__}
@@ -269,14 +270,15 @@ def main() -> None:
     listed = ", ".join(f"{k} {v}" for k, v in versions.items())
     print(f"GPU: {torch.cuda.get_device_name()}; {listed}")
     methods = args.methods.split(",")
+    ms = tuple(int(m) for m in args.ms.split(","))
     if args.sweep:
         sweep(LLAMA)
         act_quant_bandwidth()
     tables = args.tables.split(",") if args.tables else []
     if "llama" in tables:
-        table(LLAMA, "Llama-3.1-8B layer (qkv, o, gate_up, down summed)", methods)
+        table(LLAMA, "Llama-3.1-8B layer (qkv, o, gate_up, down summed)", methods, ms)
     if "deepseek" in tables:
-        table(DEEPSEEK, "DeepSeek-V3 shapes (summed)", methods)
+        table(DEEPSEEK, "DeepSeek-V3 shapes (summed)", methods, ms)
     if "deepseek-4096" in tables:
         single = {"24576x7168": DEEPSEEK["24576x7168"]}
         table(single, "DeepSeek-V3 24576x7168", methods, (4096,))
