@@ -97,11 +97,11 @@ def _int4_codes_as(packed, DTYPE: tl.constexpr):
     """Int4 code bytes [rows, H] -> 1 + u/16 [rows, 2H] in DTYPE (exact in bf16, fp16, fp32:
     u as the top 4 mantissa bits of 1.0), in K order, by bit placement alone."""
     b = packed.to(tl.int32)
-    if tl.bfloat16 == DTYPE:  # 1.0 = 0x3F80, 7 mantissa bits
+    if DTYPE == tl.bfloat16:  # 1.0 = 0x3F80, 7 mantissa bits
         low = ((b << 3) & 0x78) | 0x3F80
         high = ((b >> 1) & 0x78) | 0x3F80
         v = tl.join(low, high).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    elif tl.float16 == DTYPE:  # 1.0 = 0x3C00, 10 mantissa bits
+    elif DTYPE == tl.float16:  # 1.0 = 0x3C00, 10 mantissa bits
         low = ((b << 6) & 0x3C0) | 0x3C00
         high = ((b << 2) & 0x3C0) | 0x3C00
         v = tl.join(low, high).to(tl.int16).to(tl.float16, bitcast=True)
