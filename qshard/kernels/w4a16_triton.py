@@ -93,26 +93,6 @@ def _decode(packed, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _int4_codes_as(packed, DTYPE: tl.constexpr):
-    """Int4 code bytes [rows, H] -> 1 + u/16 [rows, 2H] in DTYPE (exact in bf16, fp16, fp32:
-    u as the top 4 mantissa bits of 1.0), in K order, by bit placement alone."""
-    b = packed.to(tl.int32)
-    if DTYPE == tl.bfloat16:  # 1.0 = 0x3F80, 7 mantissa bits
-        low = ((b << 3) & 0x78) | 0x3F80
-        high = ((b >> 1) & 0x78) | 0x3F80
-        v = tl.join(low, high).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    elif DTYPE == tl.float16:  # 1.0 = 0x3C00, 10 mantissa bits
-        low = ((b << 6) & 0x3C0) | 0x3C00
-        high = ((b << 2) & 0x3C0) | 0x3C00
-        v = tl.join(low, high).to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        low = ((b << 19) & 0x780000) | 0x3F800000
-        high = ((b << 15) & 0x780000) | 0x3F800000
-        v = tl.join(low, high).to(tl.float32, bitcast=True)
-    return tl.reshape(v, (packed.shape[0], 2 * packed.shape[1]))
-
-
-@triton.jit
 def _group_scale(s_ptr, z_ptr, offs, mask, FORMAT: tl.constexpr):
     """(scale, zero) per (row, group) in fp32: the int4 scale and zero point (8 if symmetric),
     or the FP4 block scale (zero unused)."""
@@ -268,21 +248,12 @@ def _small_m_kernel(
         next_x = tl.load(x_ptrs + k0 + BLOCK_K,
                          mask=(offs_m < M)[None, :] & (k0 + BLOCK_K + offs_k < K)[:, None],
                          other=0.0)  # fmt: skip
-        if FORMAT <= _INT4_SYM and BLOCK_K <= GROUP:
-            # Int4, a step inside one group: the MMA multiplies the codes (1 + u/16, exact in
-            # the activation dtype) and the group's scale and zero are applied to its result,
-            # s * (16 * part - (16 + z) * sum x): no per-weight arithmetic beyond the decoding.
-            v = _int4_codes_as(packed, x_ptr.dtype.element_ty)
-            part = tl.dot(v, x, input_precision="ieee" if X_FP32 else None)
-            x_sum = tl.sum(x.to(tl.float32), axis=0)[None, :]
-            acc += scale * (part * 16.0 - (zero + 16.0) * x_sum)
+        w = _step_weights(packed, scale, zero, global_scale, FORMAT, GROUP, BLOCK_K)
+        w = w.to(x_ptr.dtype.element_ty)  # rounded to the activation dtype, as the reference
+        if X_FP32:  # noqa: SIM108 (fp32 activations: a true fp32 product, not TF32)
+            acc = tl.dot(w, x, acc, input_precision="ieee")
         else:
-            w = _step_weights(packed, scale, zero, global_scale, FORMAT, GROUP, BLOCK_K)
-            w = w.to(x_ptr.dtype.element_ty)  # rounded to the activation dtype, as the reference
-            if X_FP32:  # noqa: SIM108 (fp32 activations: a true fp32 product, not TF32)
-                acc = tl.dot(w, x, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, x, acc)
+            acc = tl.dot(w, x, acc)
         packed, scale, zero, x = next_packed, next_scale, next_zero, next_x
     finish_tile(acc, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, offs_n < N,
                 offs_m < M, M, N, stride_om, HAS_BIAS, SPLIT)  # fmt: skip
@@ -316,12 +287,10 @@ def gemv_config(fmt: Format) -> dict:
     return {"BLOCK_N": rows, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}
 
 
-def small_m_config(m: int, n: int, k: int, device: torch.device, group: int = 128) -> dict:
-    """64 weight rows x the tokens (16..128) x 128 K per step (int4: at most one group, so
-    that the scale applies to the MMA's result), K split so that ~4 programs run per SM up to
-    64 tokens (~2 above): the best of the H200 sweep at M = 16 and 128."""
-    block_n, block_m = 64, min(128, max(16, triton.next_power_of_2(m)))
-    block_k = min(128, group)
+def small_m_config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """64 weight rows x the tokens (16..128) x 128 K per step, K split so that ~4 programs run
+    per SM up to 64 tokens (~2 above): the best of the H200 sweep at M = 16 and 128."""
+    block_n, block_m, block_k = 64, min(128, max(16, triton.next_power_of_2(m))), 128
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     waves = 4 if m <= 64 else 2
     split = split_count(tiles, triton.cdiv(k, block_k), MIN_STEPS_PER_SPLIT, waves, device)
@@ -390,8 +359,7 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
                            scale.stride(0), out.stride(0), EVEN_K=k % config["BLOCK_K"] == 0,
                            **common, **config)  # fmt: skip
         return out
-    group_k = group if fmt <= Format.INT4_SYM else 128  # FP4: 128 K per step, several groups
-    config = dict(config or small_m_config(m, n, k, x.device, group_k))
+    config = dict(config or small_m_config(m, n, k, x.device))
     if INTERPRETED:  # the interpreter runs one program at a time, sequentially
         config.update(num_stages=1)
     steps = triton.cdiv(k, config["BLOCK_K"])
