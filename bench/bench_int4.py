@@ -1,4 +1,5 @@
-"""Int4 weight-only linears (asymmetric, group 128) vs bf16, tinygemm and gemlite.
+"""Int4 weight-only linears (asymmetric, group 128) vs bf16, tinygemm and gemlite; the W4A16
+kernel sweep (also used by bench_fp4.py).
 
     python bench/bench_int4.py [--sweep] [--methods bf16,qshard-triton,tinygemm,gemlite]
         [--ms 1,16,128,2048]

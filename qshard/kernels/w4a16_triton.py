@@ -1,29 +1,32 @@
 """Weight-only 4-bit (W4A16) kernels in Triton, one family for every 4-bit layout: int4
 (asymmetric and symmetric), MXFP4 and NVFP4. They differ only in how a code and its group's
-scale become a weight (`_values`, `_group_scale`); the loops are shared.
+scale become a weight (`_decode`, `_group_scale`, `_dequantize`); the loops are shared.
 
 Codes are packed two per byte along K, the even index in the low nibble (every layout's
-canonical packing). The kernels never interleave the nibbles: each K step splits into the
-even-index weights (low nibbles) and the odd-index ones (high nibbles), and multiplies them with
-the even and odd activations. (v2 joined the nibbles into K order in registers, `tl.join` +
-reshape, and ran at 0.5 TB/s on an H200: docs/kernels/int4.md.)
+canonical packing). `_decode` turns a tile of bytes into values in K order by bit placement
+alone: int4 as 1 + u/16 (u in fp32's top mantissa bits), e2m1 as fp16 bits (value * 2**-14),
+so no integer-to-float conversion and no table. Every step's loads (codes, scales, activations)
+are issued a step ahead by hand: Triton pipelines only loads that feed a dot.
 
 - M = 1 (decode): a GEMV. Each program takes BLOCK_N weight rows and streams BLOCK_K of K per
-  step; codes times activations in fp32, summed per group, then the group's scale (and zero
-  point) applied to the sum; no tensor cores. It multiplies the exact weight, not the weight
-  rounded to the activation dtype as the reference does: the difference is within the
-  activation dtype's rounding (the tests' tolerance).
+  step; decoded values times activations in fp32, summed per group, then the group's scale (and
+  zero point) applied to the sum. It multiplies the exact weight, not the weight rounded to the
+  activation dtype as the reference does: within the activation dtype's rounding (the tests'
+  tolerance).
 - 2 <= M <= FUSED_MAX_M: a tensor-core kernel, "swap AB" (weight rows on the MMA's M side, the
   tokens on its N side), K split over programs so a 4096-wide layer fills the GPU (`split_k.py`).
   The weight tile is dequantized in fp32 and rounded to the activation dtype, as the reference.
 - Above: the weight is dequantized once into the activation dtype (bit-exact vs the reference)
   and cuBLAS multiplies (`F.linear`): compute-bound there.
 
-Formats (FORMAT, a constexpr):
-    INT4_ASYM  W = (u - zero) * scale, bf16 scale and zero     computed as fma(u, s, -z*s): exact
+Formats (FORMAT, a constexpr), each weight exactly the reference's fp32 value:
+    INT4_ASYM  W = (u - zero) * scale, bf16 scale and zero     (16 v - 16 - z) * s, v = 1 + u/16
     INT4_SYM   W = (u - 8) * scale                              the same with z = 8
-    MXFP4      W = e2m1(c) * 2**(e - 127), e8m0 byte e           exact products
+    MXFP4      W = e2m1(c) * 2**(e - 127), e8m0 byte e           (v * 2**14) * 2**(e - 127)
     NVFP4      W = (e2m1(c) * e4m3 scale) * global_scale         the reference's order
+Compiled kernels flush fp32 subnormal results to zero (weights below 1.2e-38; the reference
+keeps them). Measured on an H200 (docs/kernels/w4a16.md): the Llama-3.1-8B layer at 1.53x /
+0.84x / 0.49x / 0.92x of bf16 (int4 g128) at M = 1 / 16 / 128 / 2048.
 Ops: `torch.ops.qshard.int4_linear`, `.mxfp4_linear`, `.nvfp4_linear` (fake implementations
 beside them); references: `int4.py`, `mxfp4.py`, `nvfp4.py`.
 """
