@@ -196,7 +196,7 @@ def sweep_candidates(m: int):
             yield f"gemm {c['BLOCK_M']}x{c['BLOCK_N']}", lambda n, k, c=c: c
 
 
-def sweep(shapes: dict) -> None:
+def sweep(shapes: dict, sweep_ms=SWEEP_MS) -> None:
     """Every kernel and config per M over the shapes (summed us), best first, with cuBLAS."""
     from qshard.kernels.fp8_blockwise_gpu import cublas_linear
     from qshard.kernels.fp8_blockwise_triton import linear_launch
@@ -206,7 +206,7 @@ def sweep(shapes: dict) -> None:
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda") * 0.02
         weights[name] = [ref.quantize_weight_blockwise(w, (128, 128), qshard.ScaleFormat.FP32)]
-    for m in SWEEP_MS:
+    for m in sweep_ms:
         results = []
         for label, config_for in sweep_candidates(m):
             per_shape = []
@@ -259,6 +259,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--tables", default="llama,deepseek,deepseek-4096")  # "" for none
     parser.add_argument("--ms", default=",".join(map(str, MS)))
+    parser.add_argument("--sweep-ms", default=",".join(map(str, SWEEP_MS)))
     args = parser.parse_args()
     load_gpu_ops()
     versions = {"torch": torch.__version__, "triton": triton.__version__}
@@ -272,7 +273,7 @@ def main() -> None:
     methods = args.methods.split(",")
     ms = tuple(int(m) for m in args.ms.split(","))
     if args.sweep:
-        sweep(LLAMA)
+        sweep(LLAMA, tuple(int(m) for m in args.sweep_ms.split(",")))
         act_quant_bandwidth()
     tables = args.tables.split(",") if args.tables else []
     if "llama" in tables:
