@@ -11,8 +11,10 @@ are issued a step ahead by hand: Triton pipelines only loads that feed a dot.
 - M = 1 (decode): a GEMV. Each program takes BLOCK_N weight rows and streams BLOCK_K of K per
   step; decoded values times activations in fp32, summed per group, then the group's scale (and
   zero point) applied to the sum. It multiplies the exact weight, not the weight rounded to the
-  activation dtype as the reference does: within the activation dtype's rounding (the tests'
-  tolerance).
+  activation dtype as the reference does: within the activation dtype's rounding for bf16/fp16
+  (the tests' tolerance); for fp32 activations the int4 zero-point term, 16 * sum v x -
+  (16 + z) * sum x, cancels and costs a few fp32 ulps of the group sums (up to ~1e-5 relative
+  on activations with a large mean).
 - 2 <= M <= FUSED_MAX_M: a tensor-core kernel, "swap AB" (weight rows on the MMA's M side, the
   tokens on its N side), K split over programs so a 4096-wide layer fills the GPU (`split_k.py`).
   The weight tile is dequantized in fp32 and rounded to the activation dtype, as the reference.
@@ -104,7 +106,15 @@ def _group_scale(s_ptr, z_ptr, offs, mask, FORMAT: tl.constexpr):
         scale = tl.where(e == 0, 2.0**-127, (e << 23).to(tl.float32, bitcast=True))
         return scale, scale
     elif FORMAT == _NVFP4:
-        scale = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        # e4m3 read as its byte and decoded here, not as Triton's fp8e4nv (which needs sm_89):
+        # the kernels run on sm_80 too. s eeee mmm, bias 7; e = 0 is m * 2**-9 (NaN, e = 15 and
+        # m = 7, is never stored: the quantizer clamps to 448 and loading refuses NaN).
+        b = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.int32)
+        e, m = (b >> 3) & 15, b & 7
+        normal = (((b & 0x80) << 24) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        subnormal = m.to(tl.float32) * 0.001953125
+        subnormal = tl.where((b & 0x80) != 0, -subnormal, subnormal)
+        scale = tl.where(e == 0, subnormal, normal)
         return scale, scale
     else:
         scale = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -317,8 +327,9 @@ def kernel_for(m: int, config: dict | None) -> str:
 
 
 def _scale_arg(scale: torch.Tensor) -> torch.Tensor:
-    # e8m0 scales are read as their bytes (the kernel builds 2**(e - 127) from them).
-    return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
+    # FP8 scales (e8m0, e4m3) are read as their bytes and decoded in `_group_scale`.
+    fp8 = (torch.float8_e8m0fnu, torch.float8_e4m3fn)
+    return scale.view(torch.uint8) if scale.dtype in fp8 else scale
 
 
 def dequantize_launch(fmt: Format, qdata, scale, zero, global_scale, group: int, k: int,
@@ -340,9 +351,11 @@ def dequantize_launch(fmt: Format, qdata, scale, zero, global_scale, group: int,
 def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group: int,
                   config: dict | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] -> x @ W.T + bias [M, N] in x's dtype, by the kernel `kernel_for` picks.
-    `zero` and `global_scale` are read only by the formats that have them (pass any tensor)."""
+    `zero` and `global_scale` are read only by the formats that have them (pass any tensor).
+    x, qdata, scale, zero and bias must be contiguous (the ops make them so)."""
     m, k = x.shape
     n = qdata.shape[0]
+    assert all(t is None or t.is_contiguous() for t in (x, qdata, scale, zero, bias)), "strides"
     kernel = kernel_for(m, config)
     # The reference adds the bias rounded to the activation dtype; the kernels add it in fp32.
     bias = bias.to(x.dtype) if bias is not None else None
