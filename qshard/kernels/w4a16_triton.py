@@ -110,11 +110,11 @@ def _group_scale(s_ptr, z_ptr, offs, mask, FORMAT: tl.constexpr):
         # the kernels run on sm_80 too. s eeee mmm, bias 7; e = 0 is m * 2**-9 (NaN, e = 15 and
         # m = 7, is never stored: the quantizer clamps to 448 and loading refuses NaN).
         b = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.int32)
-        e, m = (b >> 3) & 15, b & 7
-        normal = (((b & 0x80) << 24) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-        subnormal = m.to(tl.float32) * 0.001953125
-        subnormal = tl.where((b & 0x80) != 0, -subnormal, subnormal)
-        scale = tl.where(e == 0, subnormal, normal)
+        e, m, sign = (b >> 3) & 15, b & 7, (b & 0x80) << 24
+        normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        # The sign as a bit, not a negation: compiled, -x is 0 - x, which makes -0.0 +0.0.
+        subnormal = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | sign
+        scale = tl.where(e == 0, subnormal.to(tl.float32, bitcast=True), normal)
         return scale, scale
     else:
         scale = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
