@@ -285,7 +285,8 @@ def _dequantize_kernel(
     w = _step_weights(packed, scale, zero, _global_scale(g_ptr, FORMAT), FORMAT, GROUP, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+    rows = offs_n.to(tl.int64)[:, None] * stride_wn  # N * K may pass 2**31 (a large lm_head)
+    tl.store(w_ptr + rows + offs_k[None, :],
              w.to(w_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
