@@ -17,14 +17,12 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_fp8 import LLAMA, measure
-from bench_int4 import Weight4, machine_limits, sweep
+from bench_fp8 import LLAMA, bf16_method, load_gemlite_config, versions_line
+from bench_int4 import Weight4, machine_limits, sweep, weight_only_table
 
 from qshard.kernels import mxfp4, nvfp4
 from qshard.kernels.availability import load_w4a16_ops
@@ -55,34 +53,23 @@ def qshard_method(make):
     return build
 
 
-def bf16_method(w):
-    return lambda x: F.linear(x, w)
-
-
 def _linear(w):
     linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
     linear.weight.data.copy_(w)
     return linear
 
 
-def _gemlite_config():
-    import gemlite
-
-    config = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
-    gemlite.core.GemLiteLinear.load_config(config)  # H200 has no shipped config (facts.md §4)
-
-
 def gemlite_mxfp4_method(w):
     from gemlite.helper import A16W4_MXFP
 
-    _gemlite_config()
+    load_gemlite_config()
     return A16W4_MXFP(device="cuda", dtype=w.dtype).from_linear(_linear(w))
 
 
 def gemlite_nvfp4_method(w):
     from gemlite.helper import A16W4_NVFP
 
-    _gemlite_config()
+    load_gemlite_config()
     return A16W4_NVFP(device="cuda", dtype=w.dtype).from_linear(_linear(w))
 
 
@@ -114,20 +101,6 @@ def roofline_us(m: int, bits: float, bandwidth: float, peak: float) -> float:
     return total * 1e6
 
 
-def accuracy(methods) -> None:
-    n, k = LLAMA["o"]
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
-    expected = F.linear(x.float(), w.float())
-    for method in methods:
-        try:
-            out = METHODS[method](w)(x).float()
-            error = ((out - expected).norm() / expected.norm()).item()
-            print(f"- {method}: output relative error vs float {error:.4f}")
-        except Exception as e:
-            print(f"- {method}: fails: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--methods", default=",".join(METHODS))
@@ -137,37 +110,19 @@ def main() -> None:
     args = parser.parse_args()
     load_w4a16_ops()
     methods, ms = args.methods.split(","), [int(m) for m in args.ms.split(",")]
-    versions = {"torch": torch.__version__, "triton": triton.__version__}
-    for name in ("gemlite", "torchao"):
-        try:
-            versions[name] = __import__(name).__version__
-        except Exception as e:  # reported, not hidden
-            versions[name] = f"unavailable ({type(e).__name__})"
     bandwidth, peak = machine_limits()
-    listed = ", ".join(f"{k} {v}" for k, v in versions.items())
-    print(f"GPU: {torch.cuda.get_device_name()}; {listed}")
+    print(versions_line(("gemlite", "torchao")))
     print(f"measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
     if args.sweep:
         sweep(ms, {"MXFP4": mxfp4_weight, "NVFP4": nvfp4_weight})
     if args.no_tables:
         return
-    print("\n### FP4 weight-only, Llama-3.1-8B layer (summed)\n")
-    print("| method | " + " | ".join(f"M={m}" for m in ms) + " |")
-    print("|---|" + "---|" * len(ms))
-    base = {m: measure(bf16_method, LLAMA, m, 0.5) for m in ms}
-    for method in methods:
-        bits = BITS.get(method.split("-")[-1], 16)
-        cells = []
-        for m in ms:
-            t = base[m] if method == "bf16" else measure(METHODS[method], LLAMA, m, 0.5)
-            if isinstance(t, str):
-                cells.append(t)
-            else:
-                roof = roofline_us(m, bits, bandwidth, peak)
-                cells.append(f"{t:.0f} us ({base[m] / t:.2f}x, {roof / t:.0%} of roofline)")
-        print(f"| {method} | " + " | ".join(cells) + " |", flush=True)
-    print("\n### Accuracy (o_proj 4096x4096, M = 16, N(0, 0.02) weights)\n")
-    accuracy([m for m in methods if m != "bf16"])
+
+    def roofline(name, m):
+        return roofline_us(m, BITS.get(name.split("-")[-1], 16), bandwidth, peak)
+
+    weight_only_table("FP4 weight-only, Llama-3.1-8B layer (summed)", METHODS, methods, ms,
+                      roofline)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -95,12 +95,17 @@ def torchao_method(w):
     return linear
 
 
-def gemlite_method(w):
+def load_gemlite_config() -> None:
     import gemlite
-    from gemlite.helper import A8W8_fp8_dynamic
 
     config = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
     gemlite.core.GemLiteLinear.load_config(config)  # H200 has no shipped config (facts.md §4)
+
+
+def gemlite_method(w):
+    from gemlite.helper import A8W8_fp8_dynamic
+
+    load_gemlite_config()
     linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
     linear.weight.data.copy_(w)
     return A8W8_fp8_dynamic(device="cuda", dtype=w.dtype).from_linear(linear)
@@ -206,39 +211,58 @@ def sweep(shapes: dict, sweep_ms=SWEEP_MS) -> None:
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda") * 0.02
         weights[name] = [ref.quantize_weight_blockwise(w, (128, 128), qshard.ScaleFormat.FP32)]
-    for m in sweep_ms:
+
+    def time_shape(name, n, k, m, config):
+        count = copies_for(n * k, m)
+        copies = weights[name]
+        copies += [(q.clone(), s.clone()) for q, s in copies[:1] * (count - len(copies))]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        if config is None:
+            fn = lambda c=copies[:count]: [cublas_linear(x, q, s, None, False) for q, s in c]  # noqa: E731
+        else:
+            fn = lambda c=copies[:count]: [  # noqa: E731
+                linear_launch(x, q, s, None, 128, 128, 128, False, config) for q, s in c
+            ]
+        return time_us(fn, count)
+
+    for m, results in sweep_results(sweep_ms, shapes, sweep_candidates, time_shape):
+        cublas = next((f"{r[0]:.0f} us" for r in results if r[1] == "cublas"), "fails")
+        print(f"- M={m}: cuBLAS {cublas}; best: {best_four(results)}", flush=True)
+
+
+def sweep_results(ms, shapes: dict, candidates, time_shape):
+    """For each M: (M, [(summed us, label, per-shape us)] best first) over `candidates(m)`,
+    (label, config_for(n, k)) pairs, each shape timed by `time_shape(name, n, k, m, config)`.
+    A candidate that fails (e.g. does not compile) is printed and left out."""
+    for m in ms:
         results = []
-        for label, config_for in sweep_candidates(m):
-            per_shape = []
+        for label, config_for in candidates(m):
             try:
-                for name, (n, k) in shapes.items():
-                    count = copies_for(n * k, m)
-                    copies = weights[name]
-                    copies += [
-                        (q.clone(), s.clone()) for q, s in copies[:1] * (count - len(copies))
-                    ]
-                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                    config = config_for(n, k)
-                    if config is None:
-                        fn = lambda x=x, c=copies[:count]: [  # noqa: E731
-                            cublas_linear(x, q, s, None, False) for q, s in c
-                        ]
-                    else:
-                        fn = lambda x=x, c=copies[:count], config=config: [  # noqa: E731
-                            linear_launch(x, q, s, None, 128, 128, 128, False, config) for q, s in c
-                        ]
-                    per_shape.append(time_us(fn, count))
+                per_shape = [time_shape(name, n, k, m, config_for(n, k))
+                             for name, (n, k) in shapes.items()]  # fmt: skip
             except Exception as e:  # a config that does not compile: shown, not fatal
                 print(f"  (M={m} {label}: {type(e).__name__}: {str(e).splitlines()[0][:80]})")
                 continue
             results.append((sum(per_shape), label, per_shape))
-        results.sort(key=lambda r: r[0])
-        cublas = next((f"{r[0]:.0f} us" for r in results if r[1] == "cublas"), "fails")
-        best = "; ".join(
-            f"{t:.0f} us {label} ({'/'.join(f'{p:.0f}' for p in per)})"
-            for t, label, per in results[:4]
-        )
-        print(f"- M={m}: cuBLAS {cublas}; best: {best}", flush=True)
+        yield m, sorted(results, key=lambda r: r[0])
+
+
+def best_four(results) -> str:
+    return "; ".join(
+        f"{t:.0f} us {label} ({'/'.join(f'{p:.0f}' for p in per)})" for t, label, per in results[:4]
+    )
+
+
+def versions_line(optional) -> str:
+    """The line GPU: <name>; torch <v>, triton <v>, each optional package <v or why not>."""
+    versions = {"torch": torch.__version__, "triton": triton.__version__}
+    for name in optional:
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception as e:  # reported, not hidden
+            versions[name] = f"unavailable ({type(e).__name__})"
+    listed = ", ".join(f"{k} {v}" for k, v in versions.items())
+    return f"GPU: {torch.cuda.get_device_name()}; {listed}"
 
 
 def act_quant_bandwidth() -> None:
@@ -262,14 +286,7 @@ def main() -> None:
     parser.add_argument("--sweep-ms", default=",".join(map(str, SWEEP_MS)))
     args = parser.parse_args()
     load_gpu_ops()
-    versions = {"torch": torch.__version__, "triton": triton.__version__}
-    for name in ("torchao", "gemlite"):
-        try:
-            versions[name] = __import__(name).__version__
-        except Exception as e:  # reported, not hidden
-            versions[name] = f"unavailable ({type(e).__name__})"
-    listed = ", ".join(f"{k} {v}" for k, v in versions.items())
-    print(f"GPU: {torch.cuda.get_device_name()}; {listed}")
+    print(versions_line(("torchao", "gemlite")))
     methods = args.methods.split(",")
     ms = tuple(int(m) for m in args.ms.split(","))
     if args.sweep:

@@ -23,7 +23,17 @@ import triton
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_fp8 import LLAMA, copies_for, measure, time_us
+from bench_fp8 import (
+    LLAMA,
+    best_four,
+    bf16_method,
+    copies_for,
+    load_gemlite_config,
+    measure,
+    sweep_results,
+    time_us,
+    versions_line,
+)
 
 from qshard.kernels import int4 as ref
 from qshard.kernels.availability import load_w4a16_ops
@@ -35,10 +45,6 @@ def quantized(w):
     """qshard's asymmetric g128 quantization; every method below starts from these codes."""
     packed, scale, zero = ref.quantize_int4(w, GROUP, symmetric=False)
     return packed, scale, zero
-
-
-def bf16_method(w):
-    return lambda x: F.linear(x, w)
 
 
 def qshard_triton_method(w):
@@ -61,11 +67,9 @@ def tinygemm_method(w):
 
 
 def gemlite_method(w):
-    import gemlite
     from gemlite.helper import A16Wn
 
-    config = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
-    gemlite.core.GemLiteLinear.load_config(config)  # H200 has no shipped config (facts.md §4)
+    load_gemlite_config()
     packed, scale, zero = quantized(w)
     u = ref.unpack_nibbles(packed, w.shape[1])
     layer = A16Wn(device="cuda", dtype=torch.bfloat16).from_weights(
@@ -100,18 +104,40 @@ def machine_limits() -> tuple[float, float]:
     return bandwidth, peak
 
 
-def accuracy(methods) -> None:
+def accuracy(methods: dict, names) -> None:
+    """Each method's output relative error vs the float linear on o_proj, M = 16."""
     n, k = LLAMA["o"]
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
     expected = F.linear(x.float(), w.float())
-    for method in methods:
+    print("\n### Accuracy (o_proj 4096x4096, M = 16, N(0, 0.02) weights)\n")
+    for name in names:
         try:
-            out = METHODS[method](w)(x).float()
+            out = methods[name](w)(x).float()
             error = ((out - expected).norm() / expected.norm()).item()
-            print(f"- {method}: output relative error vs float {error:.4f}")
+            print(f"- {name}: output relative error vs float {error:.4f}")
         except Exception as e:
-            print(f"- {method}: fails: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+            print(f"- {name}: fails: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+
+
+def weight_only_table(title: str, methods: dict, names, ms, roofline) -> None:
+    """A markdown table: per method and M the Llama layer's summed time, speedup over bf16 and
+    fraction of `roofline(method name, m)` (us); then each method's accuracy."""
+    print(f"\n### {title}\n")
+    print("| method | " + " | ".join(f"M={m}" for m in ms) + " |")
+    print("|---|" + "---|" * len(ms))
+    base = {m: measure(bf16_method, LLAMA, m, 0.5) for m in ms}
+    for name in names:
+        cells = []
+        for m in ms:
+            t = base[m] if name == "bf16" else measure(methods[name], LLAMA, m, 0.5)
+            if isinstance(t, str):
+                cells.append(t)
+            else:
+                roof = roofline(name, m)
+                cells.append(f"{t:.0f} us ({base[m] / t:.2f}x, {roof / t:.0%} of roofline)")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    accuracy(methods, [name for name in names if name != "bf16"])
 
 
 GEMV_SWEEP = [  # (weight rows, K per step, warps)
@@ -168,31 +194,19 @@ def sweep(ms, formats=None) -> None:
         print(f"\n### W4A16 kernel sweep: {label_fmt} (Llama-3.1-8B layer, summed us)\n")
         weights = {name: [make(torch.randn(n, k, device="cuda") * 0.02)]
                    for name, (n, k) in LLAMA.items()}  # fmt: skip
-        for m in ms:
-            results = []
-            for label, config_for in sweep_candidates(m):
-                per_shape = []
-                try:
-                    for name, (n, k) in LLAMA.items():
-                        count = copies_for(n * k // 2, m)
-                        copies = weights[name]
-                        copies += [copies[0].clone() for _ in range(count - len(copies))]
-                        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                        config = config_for(n, k)
-                        fn = lambda x=x, cs=copies[:count], config=config: [  # noqa: E731
-                            linear_launch(w.fmt, x, *w.inner, None, w.group, config) for w in cs
-                        ]
-                        per_shape.append(time_us(fn, count))
-                except Exception as e:  # a config that does not compile: shown, not fatal
-                    print(f"  (M={m} {label}: {type(e).__name__}: {str(e).splitlines()[0][:80]})")
-                    continue
-                results.append((sum(per_shape), label, per_shape))
-            results.sort(key=lambda r: r[0])
-            best = "; ".join(
-                f"{t:.0f} us {label} ({'/'.join(f'{p:.0f}' for p in per)})"
-                for t, label, per in results[:4]
-            )
-            print(f"- M={m}: {best}", flush=True)
+
+        def time_shape(name, n, k, m, config, weights=weights):
+            count = copies_for(n * k // 2, m)
+            copies = weights[name]
+            copies += [copies[0].clone() for _ in range(count - len(copies))]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            fn = lambda cs=copies[:count]: [  # noqa: E731
+                linear_launch(w.fmt, x, *w.inner, None, w.group, config) for w in cs
+            ]
+            return time_us(fn, count)
+
+        for m, results in sweep_results(ms, LLAMA, sweep_candidates, time_shape):
+            print(f"- M={m}: {best_four(results)}", flush=True)
 
 
 class Weight4:
@@ -221,38 +235,15 @@ def main() -> None:
     args = parser.parse_args()
     load_w4a16_ops()
     methods, ms = args.methods.split(","), [int(m) for m in args.ms.split(",")]
-    versions = {"torch": torch.__version__, "triton": triton.__version__}
-    if "gemlite" in methods:
-        try:
-            versions["gemlite"] = __import__("gemlite").__version__
-        except Exception as e:  # reported, not hidden
-            versions["gemlite"] = f"unavailable ({type(e).__name__})"
     bandwidth, peak = machine_limits()
-    print(
-        f"GPU: {torch.cuda.get_device_name()}; "
-        + ", ".join(f"{k} {v}" for k, v in versions.items())
-    )
+    print(versions_line(("gemlite",) if "gemlite" in methods else ()))
     print(f"measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
     if args.sweep:
         sweep(ms)
     if args.no_tables:
         return
-    print("\n### Int4 asymmetric g128, Llama-3.1-8B layer (summed)\n")
-    print("| method | " + " | ".join(f"M={m}" for m in ms) + " |")
-    print("|---|" + "---|" * len(ms))
-    base = {m: measure(bf16_method, LLAMA, m, 0.5) for m in ms}
-    for method in methods:
-        cells = []
-        for m in ms:
-            t = base[m] if method == "bf16" else measure(METHODS[method], LLAMA, m, 0.5)
-            if isinstance(t, str):
-                cells.append(t)
-            else:
-                roof = roofline_us(m, bandwidth, peak)
-                cells.append(f"{t:.0f} us ({base[m] / t:.2f}x, {roof / t:.0%} of roofline)")
-        print(f"| {method} | " + " | ".join(cells) + " |", flush=True)
-    print("\n### Accuracy (o_proj 4096x4096, M = 16, N(0, 0.02) weights)\n")
-    accuracy([m for m in methods if m != "bf16"])
+    title = "Int4 asymmetric g128, Llama-3.1-8B layer (summed)"
+    weight_only_table(title, METHODS, methods, ms, lambda _, m: roofline_us(m, bandwidth, peak))
 
 
 if __name__ == "__main__":

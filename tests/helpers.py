@@ -22,6 +22,11 @@ def gaussian(*shape: int, std: float = 0.02, dtype=torch.float32, seed: int | No
     return (torch.randn(*shape, generator=gen) * std).to(dtype)
 
 
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """||out - expected|| / ||expected||, in fp32."""
+    return ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import relative_error
 
 import qshard
 from qshard import BackendUnavailableError, Fp8BlockwiseConfig, ScaleFormat
@@ -25,10 +26,6 @@ pytestmark = pytest.mark.skipif(
 # another order (and, on Hopper, with ~14-bit accumulation inside a group: DeepSeek-V3 §3.3.2),
 # then the output is rounded to bf16/fp16. The bound.
 MAX_RELATIVE_ERROR = 1e-2
-
-
-def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((out.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def scale_format(ue8m0: bool) -> ScaleFormat:

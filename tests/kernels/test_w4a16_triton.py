@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import relative_error
 
 import qshard
 from qshard.kernels import int4, mxfp4, nvfp4
@@ -79,10 +80,6 @@ CASES = [
     ("mxfp4", 16, 48, 80),
     ("nvfp4", 16, 88, 200),
 ]
-
-
-def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((out.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def check(out, expected, dtype) -> None:
