@@ -66,7 +66,6 @@ class Format(enum.IntEnum):
 
 
 _INT4_ASYM: tl.constexpr = tl.constexpr(int(Format.INT4_ASYM))
-_INT4_SYM: tl.constexpr = tl.constexpr(int(Format.INT4_SYM))
 _MXFP4: tl.constexpr = tl.constexpr(int(Format.MXFP4))
 _NVFP4: tl.constexpr = tl.constexpr(int(Format.NVFP4))
 
