@@ -25,7 +25,10 @@ pytestmark = pytest.mark.skipif(
 # activation dtype, sums in float64 and rounds once; the kernels sum in fp32 in another order,
 # the GEMV multiplies the unrounded fp32 weight and cuBLAS may reduce in lower precision. Each
 # stays within a few units of the activation dtype's rounding (2**-11 fp16, 2**-8 bf16).
-MAX_RELATIVE_ERROR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+# Measured: fp16 <= 2.7e-4 (interpreter), fp32 <= 4e-7. bf16 runs on a GPU only: the old int4
+# test's 1e-3 failed there at 1.97e-3 on the cuBLAS path (bf16 output rounding alone is up to
+# 2**-9 per value), so bf16 gets two bf16 units.
+MAX_RELATIVE_ERROR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 ACT_DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
 
 
