@@ -7,7 +7,7 @@ qshard.save(model, "ckpt/")
 model = qshard.load("ckpt/", model_built_on_meta)
 """
 
-from .api import QuantizationReport, quantize_, register_handler
+from .api import QuantizationReport, quantize_, register_handler, repack_for_device
 from .config import Backend, QuantConfig, ScaleFormat, config_from_dict
 from .errors import (
     BackendUnavailableError,
@@ -73,6 +73,7 @@ __all__ = [
     "quantize_",
     "register_handler",
     "register_layout",
+    "repack_for_device",
     "registered_layouts",
     "save",
     "sqnr_db",

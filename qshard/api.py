@@ -133,6 +133,21 @@ def _skip_reason(
     return None
 
 
+def repack_for_device(model: nn.Module) -> nn.Module:
+    """Re-make the device form of every quantized weight in `model` (in place; returns it).
+
+    Backends with their own arrangement of the weight (int4 `tinygemm`, `gemlite`) keep it
+    beside the canonical packing, for the device the weight is on. `quantize_`, `qshard.load`,
+    `qshard.tp.parallelize` and `.to()` make it; call this after changing weights any other way
+    (`load_state_dict(assign=True)`, `torch.load`, slicing or sharding by hand). A no-op for the
+    other backends."""
+    for param in model.parameters():
+        local = param._local_tensor if _is_dtensor(param) else param
+        if isinstance(local, QTensor):
+            local.repack_for_device()
+    return model
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     if not torch.distributed.is_available():
         return False

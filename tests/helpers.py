@@ -41,3 +41,13 @@ def assert_same_qtensor(a: qshard.QTensor, b: qshard.QTensor) -> None:
         x, y = getattr(a, name), getattr(b, name)
         assert (x.dtype, x.shape) == (y.dtype, y.shape), (name, x.dtype, x.shape, y.dtype, y.shape)
         assert torch.equal(raw_bytes(x), raw_bytes(y)), f"inner tensor {name!r} differs"
+
+
+def assert_same_device_form(a: qshard.QTensor, b: qshard.QTensor) -> None:
+    """Both have no device form, or the same one (names, meta, bytes)."""
+    assert a.device_names == b.device_names, (a.device_names, b.device_names)
+    assert a.device_meta == b.device_meta, (a.device_meta, b.device_meta)
+    for name in a.device_names:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x.dtype, x.shape, x.device) == (y.dtype, y.shape, y.device), name
+        assert torch.equal(raw_bytes(x), raw_bytes(y)), f"device tensor {name!r} differs"

@@ -11,7 +11,13 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LAYOUT_CASES, LAYOUT_IDS, assert_same_qtensor, gaussian
+from helpers import (
+    LAYOUT_CASES,
+    LAYOUT_IDS,
+    assert_same_device_form,
+    assert_same_qtensor,
+    gaussian,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -54,10 +60,35 @@ def test_every_registered_layout_has_contract_configs():
 def test_flatten_unflatten_round_trip(cls, config):
     q = cls.from_float(gaussian(70, 96), config)
     names, ctx = q.__tensor_flatten__()
-    assert names == list(cls.inner_names)
+    assert names == list(cls.inner_names) + list(q.device_names)
     again = cls.__tensor_unflatten__({n: getattr(q, n) for n in names}, ctx, q.shape, q.stride())
     assert_same_qtensor(q, again)
+    assert_same_device_form(q, again)
     q.validate()
+
+
+@cases
+def test_device_form_follows_the_logical_weight(cls, config):
+    """A device form (design.md: one canonical packing, repacked for the device) is kept by ops
+    that keep the weight, re-made by to(), refreshed by copy_, dropped by slicing and pickling;
+    a layout without one has none after any of them."""
+    q = cls.from_float(gaussian(64, 64), config)
+    has_form = q.device_form is not None
+    for same in (q.detach(), q.t().t(), q.clone(), q.to(torch.float16), q.view(64, 64)):
+        assert (same.device_form is not None) == has_form
+    assert_same_device_form(q, q.clone())
+    assert_same_device_form(q, q.to("cpu", copy=True))
+    assert q[:32].device_form is None
+    buffer = io.BytesIO()
+    torch.save(q, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded.device_form is None and loaded.device_names == ()
+    assert_same_qtensor(loaded, q)
+    assert_same_device_form(loaded.repack_for_device(), q)
+    target = cls.from_float(gaussian(64, 64, seed=1), config)
+    target.copy_(q)
+    assert_same_device_form(target, q)
 
 
 @cases
@@ -369,6 +400,7 @@ def test_torch_save_load_weights_only_is_exact(cls, config):
     fresh.load_state_dict(loaded)
     assign = MLP()
     assign.load_state_dict(loaded, assign=True)
+    qshard.repack_for_device(assign)  # what torch.load leaves out (a no-op without a device form)
     x = torch.randn(4, 160)
     assert torch.equal(fresh(x), model(x)) and torch.equal(assign(x), model(x))
 

@@ -226,7 +226,7 @@ class Checkpoint:
             tensor = self._read_stored(header, stored)
             _check_finite(tensor, f"{header.path}: {record.key}.{name}")
             inner[name] = tensor.to(device)
-        return record.build(inner)
+        return record.build(inner).repack_for_device()
 
     def read_shard(
         self, key: str, dim: int, world: int, rank: int, device: torch.device | str = "cpu"
@@ -263,7 +263,7 @@ class Checkpoint:
         # exactly as it packs the whole weight for those cuts.
         part = part.realign(logical, [c - first for c in shard_cuts(size, world)])
         local = part.slice_logical(logical, start - first, end - first)
-        return local.clone().to(device)
+        return local.to(device, copy=True)  # a copy (the part is freed); _to_copy repacks
 
     # ---- raw reads ------------------------------------------------------------------------
 

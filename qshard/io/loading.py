@@ -144,7 +144,7 @@ def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is None or tensor.dtype == dtype:
         return tensor
     if isinstance(tensor, QTensor):
-        return tensor.with_changes(dtype=dtype, fresh=True)
+        return tensor.with_changes(dtype=dtype, fresh=True).repack_for_device()
     return tensor.to(dtype)
 
 

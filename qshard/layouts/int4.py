@@ -9,8 +9,12 @@ Inner tensors (logical weight [N, K], G = ceil(K / group_size)):
 Attributes:
     group_size  channels per group along K: 32, 64, 128 or 256 (finer after re-grouping)
     symmetric   False: W = (u - zero) * scale, u in 0..15; True: scale only
-    backend     AUTO (the Triton kernels on a CUDA GPU, the reference elsewhere), REFERENCE, or
-                TRITON (forced; BackendUnavailableError where it cannot run)
+    backend     AUTO (the Triton kernels on a CUDA GPU, the reference elsewhere), REFERENCE,
+                TRITON (forced; BackendUnavailableError where it cannot run), TINYGEMM (torch's
+                int4 kernels, CPU and CUDA) or GEMLITE (CUDA, gemlite installed)
+Device form (TINYGEMM, GEMLITE; see qtensor/base.py): the kernel's own arrangement, made from the
+canonical tensors by `repack_for_device()` (kernels/int4_tinygemm.py, kernels/int4_gemlite.py).
+The canonical tensors stay: they are what is sliced and saved (the weight takes its memory twice).
 
 Packing for the shape ops: qdata (1, 2), scale and zero (1, group_size). Rows slice anywhere;
 columns at group boundaries. A cut at a multiple of a finer power-of-two group (>= 16) re-groups
@@ -22,15 +26,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import ClassVar
 
 import torch
 
 from ..config import Backend, QuantConfig, parse_backend
-from ..errors import ConfigError, MisalignedSliceError
+from ..errors import BackendUnavailableError, ConfigError, MisalignedSliceError
 from ..kernels.availability import load_w4a16_ops
 from ..kernels.int4 import SCALE_DTYPE, dequantize_int4, int4_linear_reference, quantize_int4
-from ..qtensor import QTensor
+from ..kernels.int4_gemlite import gemlite_form, gemlite_linear, gemlite_problem
+from ..kernels.int4_tinygemm import (
+    TINYGEMM_GROUPS,
+    tinygemm_form,
+    tinygemm_linear,
+    tinygemm_problem,
+)
+from ..qtensor import DeviceForm, QTensor
 from .checks import check_activation, check_float_weight, checked_config, weight_only_backend
 from .registry import register_layout
 
@@ -41,7 +53,10 @@ MIN_GROUP = 16  # the finest re-grouping of a TP cut
 # F.linear vs float on Gaussian weights: asymmetric g128 gives ~20 dB (relative error 0.10,
 # facts.md §1), finer groups more.
 INT4_MIN_SQNR_DB = 17.0
-AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE, Backend.TRITON)
+AVAILABLE_BACKENDS = (
+    Backend.AUTO, Backend.REFERENCE, Backend.TRITON, Backend.TINYGEMM, Backend.GEMLITE,
+)  # fmt: skip
+DEVICE_FORM_BACKENDS = (Backend.TINYGEMM, Backend.GEMLITE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +106,7 @@ class Int4Tensor(QTensor):
             group_size=config.group_size,
             symmetric=config.symmetric,
             backend=config.backend,
-        )
+        ).repack_for_device()
 
     @classmethod
     def contract_configs(cls) -> list[Int4WeightOnlyConfig]:
@@ -99,6 +114,8 @@ class Int4Tensor(QTensor):
             Int4WeightOnlyConfig(),
             Int4WeightOnlyConfig(group_size=32, symmetric=True),
             Int4WeightOnlyConfig(group_size=64),
+            # The device form: every contract op on a tensor that carries one (CPU tinygemm).
+            Int4WeightOnlyConfig(group_size=32, backend="tinygemm"),
         ]
 
     def config(self) -> Int4WeightOnlyConfig:
@@ -132,11 +149,15 @@ class Int4Tensor(QTensor):
     def _realign_misaligned(self, dim: int, offsets: list[int]) -> Int4Tensor:
         """Re-group K to the largest power-of-two group that divides every offset."""
         finer = math.gcd(self.group_size, *offsets) if dim == 1 else 0
-        if finer < MIN_GROUP:
+        # tinygemm takes groups of 32 and more (kernels/int4_tinygemm.py), and so, to our
+        # knowledge, does gemlite: a cut that needs finer groups is refused before any change.
+        finest = MIN_GROUP if self.backend not in DEVICE_FORM_BACKENDS else TINYGEMM_GROUPS[0]
+        if finer < finest:
+            backend = f" for backend '{self.backend.value}'" if finest != MIN_GROUP else ""
             raise MisalignedSliceError(
                 f"Int4Tensor: cutting {self._dim_text(dim)} (groups of {self.group_size}) at "
-                f"offsets {offsets} falls on no group of {MIN_GROUP} or more; cut at multiples "
-                f"of {self.group_size}, or of a power of two >= {MIN_GROUP} dividing it"
+                f"offsets {offsets} falls on no group of {finest} or more{backend}; cut at "
+                f"multiples of {self.group_size}, or of a power of two >= {finest} dividing it"
             )
         return self.regroup(finer)
 
@@ -165,8 +186,48 @@ class Int4Tensor(QTensor):
         )  # fmt: skip
         return weight.t() if self.transposed else weight
 
+    # ---- the device form (tinygemm, gemlite) ------------------------------------------------
+
+    def device_form_problem(self, device: torch.device, x_dtype=None) -> str | None:
+        """Why this weight's backend cannot run on `device` with `x_dtype` inputs, or None."""
+        if self.backend is Backend.TINYGEMM:
+            return tinygemm_problem(device, self.group_size, x_dtype)
+        if self.backend is Backend.GEMLITE:
+            return gemlite_problem(device, self.dtype, x_dtype)
+        return None
+
+    def make_device_form(self) -> DeviceForm | None:
+        if self.backend not in DEVICE_FORM_BACKENDS or self.device_form_problem(self.device):
+            return None
+        args = (self.qdata, self.scale, self.zero, self.group_size, self.logical_shape[1])
+        make = tinygemm_form if self.backend is Backend.TINYGEMM else gemlite_form
+        return DeviceForm(*make(*args, self.dtype))
+
+    def _device_form_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        problem = self.device_form_problem(x.device, x.dtype)
+        if problem:
+            raise BackendUnavailableError(
+                f"Int4Tensor {list(self.logical_shape)}: backend '{self.backend.value}' cannot "
+                f"run here: {problem}; use backend='auto' (qshard's kernels) or 'reference'"
+            )
+        form = self.device_form
+        if form is None:
+            # A slice, a shard made outside qshard.tp, or a torch.load'ed tensor: made per
+            # call, which is correct but repacks the whole weight every time.
+            warnings.warn(
+                f"Int4Tensor {list(self.logical_shape)} (backend '{self.backend.value}') has no "
+                f"device form and repacks it on every call; call qshard.repack_for_device(model)"
+                f" after loading or sharding it",
+                stacklevel=2,
+            )
+            form = self.make_device_form()
+        linear = tinygemm_linear if self.backend is Backend.TINYGEMM else gemlite_linear
+        return linear(x, form.tensors, form.meta, bias)
+
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         check_activation(self, x)
+        if self.backend in DEVICE_FORM_BACKENDS:
+            return self._device_form_linear(x, bias)
         if self.select_backend(x) is Backend.TRITON:
             load_w4a16_ops()
             return torch.ops.qshard.int4_linear(

@@ -12,6 +12,15 @@ K (a tensor that covers the whole weight, such as a per-tensor scale, maps to No
 by every slice). An element (i, j) of an inner tensor with packing (r, c) covers the logical rows
 [i*r, (i+1)*r) and columns [j*c, (j+1)*c), clipped at the edge (partial edge blocks).
 
+A layout may also keep a *device form*: the same weight arranged for one backend's kernels on
+one device (tinygemm's tiles, gemlite's packing), made from the canonical inner tensors by
+`repack_for_device()`. It is a cache, not part of the layout: `inner_tensors()`, checkpoints and
+the shape ops see only the canonical tensors; ops that keep the logical weight (detach, t, view,
+clone, to, copy_) keep or re-make the form, ops that change it (slice, split, cat) drop it, and
+pickling drops it (design.md: one canonical packing, repacked for the device after loading).
+Its tensors are attributes named in `device_names`, flattened after the inner tensors so that
+torch.compile sees them as graph inputs; `device_meta` holds its non-tensor arguments.
+
 The logical shape is the quantized weight's [N, K]; `transposed` flips the outer shape to [K, N]
 without moving data (so `F.linear`'s decomposition `x @ w.t()` routes back to the layout). The
 outer dtype is the float dtype that `dequantize()` returns and that activations are expected in.
@@ -19,6 +28,7 @@ outer dtype is the float dtype that `dequantize()` returns and that activations 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -28,13 +38,25 @@ import torch
 
 from ..errors import InvalidDimError, LayoutMismatchError, MisalignedSliceError, UnsupportedOpError
 
-__all__ = ["QTensor"]
+__all__ = ["DeviceForm", "QTensor"]
 
 Handler = Callable[..., Any]
 Packing = dict[str, tuple[int, int] | None]
 
 # The float dtypes a quantized weight can stand in for (outer dtype) and accept as activations.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceForm:
+    """A weight arranged for one backend's kernels on one device (see the module docstring):
+    its tensors by attribute name, and the non-tensor arguments its kernels take."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: tuple = ()
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> DeviceForm:
+        return DeviceForm({n: fn(t) for n, t in self.tensors.items()}, self.meta)
 
 
 class QTensor(torch.Tensor):
@@ -59,6 +81,7 @@ class QTensor(torch.Tensor):
         shape: tuple[int, int],
         dtype: torch.dtype,
         transposed: bool = False,
+        device_form: DeviceForm | None = None,
         **attrs: Any,
     ):
         n, k = shape
@@ -75,10 +98,14 @@ class QTensor(torch.Tensor):
         shape: tuple[int, int],
         dtype: torch.dtype,
         transposed: bool = False,
+        device_form: DeviceForm | None = None,
         **attrs: Any,
     ):
         for name in self.inner_names:
             setattr(self, name, inner[name])
+        self.device_names: tuple[str, ...] = ()
+        self.device_meta: tuple = ()
+        self.set_device_form(device_form)
         missing = set(self.attr_names) - set(attrs)
         extra = set(attrs) - set(self.attr_names)
         assert not missing and not extra, f"{type(self).__name__}: attrs {missing=} {extra=}"
@@ -137,6 +164,11 @@ class QTensor(torch.Tensor):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T + bias for the untransposed weight W."""
         raise NotImplementedError
+
+    def make_device_form(self) -> DeviceForm | None:
+        """This weight arranged for its backend's kernels on its device, or None where the
+        backend runs on the canonical tensors (or cannot run on this device)."""
+        return None
 
     def _realign_misaligned(self, dim: int, offsets: list[int]) -> QTensor:
         """The same weight re-packed so that `offsets` of logical `dim` (which now cut through a
@@ -201,20 +233,62 @@ class QTensor(torch.Tensor):
 
     def __tensor_flatten__(self):
         ctx = (self.logical_shape, self.dtype, self.transposed, self.attr_values())
-        return list(self.inner_names), ctx
+        ctx += (self.device_names, self.device_meta)
+        return list(self.inner_names) + list(self.device_names), ctx
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
-        shape, dtype, transposed, attr_values = ctx
+        shape, dtype, transposed, attr_values, device_names, device_meta = ctx
         attrs = dict(zip(cls.attr_names, attr_values, strict=True))
-        return cls(inner_tensors, shape=shape, dtype=dtype, transposed=transposed, **attrs)
+        form = None
+        if device_names:
+            form = DeviceForm({n: inner_tensors[n] for n in device_names}, device_meta)
+        inner = {n: inner_tensors[n] for n in cls.inner_names}
+        return cls(
+            inner, shape=shape, dtype=dtype, transposed=transposed, device_form=form, **attrs
+        )
+
+    def __getstate__(self):
+        # What torch.save pickles: the device form is left out (it belongs to one device and
+        # is re-made by repack_for_device() after loading; design.md).
+        state = {k: v for k, v in self.__dict__.items() if k not in self.device_names}
+        state["device_names"], state["device_meta"] = (), ()
+        return state
+
+    # ---- the device form --------------------------------------------------------------------
+
+    @property
+    def device_form(self) -> DeviceForm | None:
+        if not self.device_names:
+            return None
+        return DeviceForm(self.device_form_tensors(), self.device_meta)
+
+    def device_form_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n) for n in self.device_names}
+
+    def set_device_form(self, form: DeviceForm | None) -> None:
+        for name in self.device_names:
+            delattr(self, name)
+        self.device_names, self.device_meta = (), ()
+        if form is not None:
+            for name, tensor in form.tensors.items():
+                assert name not in self.inner_names and not hasattr(self, name), name
+                setattr(self, name, tensor)
+            self.device_names, self.device_meta = tuple(form.tensors), tuple(form.meta)
+
+    def repack_for_device(self) -> QTensor:
+        """Make (or re-make) this weight's device form for its device and backend, in place
+        (returns self). A no-op for a backend that runs on the canonical tensors; qshard calls
+        it after quantizing, loading, sharding and `.to()`."""
+        self.set_device_form(self.make_device_form())
+        return self
 
     def _stable_hash_for_caching(self) -> str:
         """Cache key of compiled graphs (AOT autograd): the class, the flatten metadata and each
         inner tensor's metadata. Values are graph inputs, so they are not part of the key."""
         inner = [
             (name, str(t.dtype), tuple(t.shape), t.stride(), t.device.type)
-            for name, t in self.inner_tensors().items()
+            for name, t in {**self.inner_tensors(), **self.device_form_tensors()}.items()
         ]
         cls = type(self)
         payload = (cls.__module__, cls.__qualname__, tuple(self.shape), self.requires_grad)
@@ -257,13 +331,25 @@ class QTensor(torch.Tensor):
         )
         if not fresh:
             out.write_barrier = self.write_barrier
+        if inner is None and shape is None and (dtype is None or dtype == self.dtype):
+            # The same packed weight (t, view): a device form may depend on the dtype (gemlite).
+            out.set_device_form(self.device_form)
         return out
 
     def map_inner(
-        self, fn: Callable[[torch.Tensor], torch.Tensor], fresh: bool = False, **changes: Any
+        self,
+        fn: Callable[[torch.Tensor], torch.Tensor],
+        fresh: bool = False,
+        keep_device_form: bool = False,
+        **changes: Any,
     ) -> QTensor:
+        """`fn` applied to every inner tensor, and to the device form's when `keep_device_form`
+        (fn keeps the device: detach, clone); otherwise the result has no device form."""
         inner = {n: fn(t) for n, t in self.inner_tensors().items()}
-        return self.with_changes(inner, fresh=fresh, **changes)
+        out = self.with_changes(inner, fresh=fresh, **changes)
+        if keep_device_form and self.device_names:
+            out.set_device_form(self.device_form.map(fn))
+        return out
 
     def logical_dim(self, dim: int) -> int:
         """The logical weight dim (0 = N, 1 = K) that outer `dim` indexes."""

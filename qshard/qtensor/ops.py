@@ -126,7 +126,8 @@ def _view(func, args, kwargs):
 @QTensor.implements([aten.detach.default, aten.alias.default])
 def _detach(func, args, kwargs):
     q = args[0]
-    return return_and_correct_aliasing(func, args, kwargs, q.map_inner(torch.Tensor.detach))
+    out = q.map_inner(torch.Tensor.detach, keep_device_form=True)
+    return return_and_correct_aliasing(func, args, kwargs, out)
 
 
 # ---- copies and allocation ----------------------------------------------------------------
@@ -134,7 +135,7 @@ def _detach(func, args, kwargs):
 
 @QTensor.implements(aten.clone.default)
 def _clone(func, args, kwargs):
-    return args[0].map_inner(torch.Tensor.clone, fresh=True)
+    return args[0].map_inner(torch.Tensor.clone, fresh=True, keep_device_form=True)
 
 
 @QTensor.implements(aten._to_copy.default)
@@ -144,9 +145,11 @@ def _to_copy(func, args, kwargs):
     device = kwargs.get("device") or q.device
     non_blocking = kwargs.get("non_blocking", False)
     # _to_copy is a copy even when nothing changes (torch returns `self` before getting here).
-    return q.map_inner(
+    out = q.map_inner(
         lambda t: t.to(device, non_blocking=non_blocking, copy=True), fresh=True, dtype=dtype
     )
+    # A device form is made for one device: re-made there from the copied canonical tensors.
+    return out.repack_for_device()
 
 
 @QTensor.implements(aten.copy_.default)
@@ -171,6 +174,10 @@ def _copy_(func, args, kwargs):
     _check_whole_tensor_values(dst, src)
     for name in dst.inner_names:
         getattr(dst, name).copy_(getattr(src, name))
+    if dst.device_names:  # in place, so that a compiled graph holding these tensors sees it
+        fresh = dst.make_device_form()
+        for name, tensor in fresh.tensors.items():
+            getattr(dst, name).copy_(tensor)
     return return_and_correct_aliasing(func, args, kwargs, dst)
 
 

@@ -77,7 +77,7 @@ def shard_locally(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement) 
             tensor = tensor.realign(tensor.logical_dim(dim), shard_cuts(tensor.shape[dim], world))
         start, end = chunk_bounds(tensor.shape[dim], world, rank)
         # A copy, so that the full weight can be freed once every module is sharded.
-        local = tensor.narrow(dim, start, end - start).clone()
+        local = tensor.narrow(dim, start, end - start).clone().repack_for_device()
     return DTensor.from_local(
         local, mesh, [placement], run_check=False, shape=tensor.shape, stride=tensor.stride()
     )

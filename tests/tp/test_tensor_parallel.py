@@ -318,6 +318,12 @@ def _uneven_and_bf16_worker(rank, world, mesh):
         mlp = nn.Sequential(nn.Linear(256, hidden), nn.SiLU(), nn.Linear(hidden, 256))
         reference, sharded = _two_quantized_copies(mlp.to(torch.bfloat16), config)
         x = torch.randn(3, 7, 256, dtype=torch.bfloat16)
+        if world == 2 and config.backend is qshard.Backend.TINYGEMM:
+            # The 112-column cut needs groups of 16, which tinygemm lacks: refused up front.
+            with pytest.raises(QShardError, match="tinygemm"):
+                qshard.tp.parallelize(sharded, mesh, {"0": "colwise", "2": "rowwise"})
+            assert not isinstance(sharded[0].weight, DTensor)
+            continue
         with torch.no_grad():
             qshard.tp.parallelize(sharded, mesh, {"0": "colwise", "2": "rowwise"})
             _realigned_like(reference, sharded, world)
