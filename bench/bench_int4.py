@@ -1,7 +1,7 @@
 """Int4 weight-only linears (asymmetric, group 128) vs bf16, tinygemm and gemlite; the W4A16
 kernel sweep (also used by bench_fp4.py).
 
-    python bench/bench_int4.py [--sweep] [--methods bf16,qshard-triton,tinygemm,gemlite]
+    python bench/bench_int4.py [--sweep] [--methods bf16,qshard-triton,qshard-tinygemm,...]
         [--ms 1,16,128,2048]
 
 The four linears of a Llama-3.1-8B layer (summed), timed as bench_fp8.py does (CUDA graphs,
@@ -78,9 +78,25 @@ def gemlite_method(w):
     return layer
 
 
+def layout_method(backend: str):
+    """The Int4Tensor layout with `backend`, through F.linear: what a user of the library runs
+    (qshard-tinygemm and qshard-gemlite against the bare tinygemm and gemlite rows)."""
+
+    def build(w):
+        import qshard
+
+        config = qshard.Int4WeightOnlyConfig(GROUP, backend=backend)
+        weight = qshard.Int4Tensor.from_float(w, config)
+        return lambda x: F.linear(x, weight)
+
+    return build
+
+
 METHODS = {
     "bf16": bf16_method,
     "qshard-triton": qshard_triton_method,
+    "qshard-tinygemm": layout_method("tinygemm"),
+    "qshard-gemlite": layout_method("gemlite"),
     "tinygemm": tinygemm_method,
     "gemlite": gemlite_method,
 }

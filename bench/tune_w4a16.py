@@ -97,10 +97,15 @@ def main() -> None:
                     data["configs"][key] = config
                 else:
                     data["configs"].pop(key, None)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+            write(data, out)  # after every shape: a run cut short keeps what it measured
     print(f"wrote {len(data['configs'])} tuned configs to {out}")
+
+
+def write(data: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ are issued a step ahead by hand: Triton pipelines only loads that feed a dot.
   The weight tile is dequantized in fp32 and rounded to the activation dtype, as the reference.
 - Above: the weight is dequantized once into the activation dtype (bit-exact vs the reference)
   and cuBLAS multiplies (`F.linear`): compute-bound there.
+Configs: a tuned one for this GPU, shape and M bucket where a shipped (or loaded) tuned file has
+one (`tuning.py`, written by bench/tune_w4a16.py), else the built-in `default_config`.
 
 Formats (FORMAT, a constexpr), each weight exactly the reference's fp32 value:
     INT4_ASYM  W = (u - zero) * scale, bf16 scale and zero     (16 v - 16 - z) * s, v = 1 + u/16
@@ -44,15 +46,18 @@ import triton
 import triton.language as tl
 
 from .split_k import finish_tile, split_count, workspace
+from .tuning import tuned_config
 
 __all__ = [
     "DEQUANTIZE",
     "Format",
+    "default_config",
     "dequantize_launch",
     "gemv_config",
     "kernel_for",
     "linear_launch",
     "small_m_config",
+    "tuned_format",
 ]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -314,6 +319,20 @@ def small_m_config(m: int, n: int, k: int, device: torch.device) -> dict:
 DEQUANTIZE = {"KERNEL": "dequantize"}  # a config that forces dequantize + cuBLAS
 
 
+def default_config(fmt: Format, m: int, n: int, k: int, device: torch.device) -> dict:
+    """The built-in config for M tokens (no tuning needed): the kernel `kernel_for` picks by M
+    and its config."""
+    kernel = kernel_for(m, None)
+    if kernel == "gemv":
+        return gemv_config(fmt)
+    return small_m_config(m, n, k, device) if kernel == "small_m" else DEQUANTIZE
+
+
+def tuned_format(fmt: Format, group: int) -> str:
+    """The format part of a tuned config's key: "int4_asym_g128", "mxfp4_g32", ..."""
+    return f"{fmt.name.lower()}_g{group}"
+
+
 def kernel_for(m: int, config: dict | None) -> str:
     """Which kernel runs M tokens: "gemv", "small_m" or "dequantize" (+ cuBLAS); a config
     names its kernel by its keys (SPLIT_K: small-M, KERNEL: dequantize, else a GEMV config)."""
@@ -356,6 +375,8 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     m, k = x.shape
     n = qdata.shape[0]
     assert all(t is None or t.is_contiguous() for t in (x, qdata, scale, zero, bias)), "strides"
+    if config is None:
+        config = tuned_config("w4a16", tuned_format(fmt, group), n, k, m, x.device)
     kernel = kernel_for(m, config)
     # The reference adds the bias rounded to the activation dtype; the kernels add it in fp32.
     bias = bias.to(x.dtype) if bias is not None else None

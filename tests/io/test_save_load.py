@@ -100,6 +100,7 @@ def test_torch_save_and_weights_only_load_into_a_meta_model(cls, config, tmp_pat
     assert_same_state(state, model.state_dict())
     loaded = meta_model()
     loaded.load_state_dict(state, assign=True)
+    qshard.repack_for_device(loaded)  # device forms (int4 tinygemm) are never pickled
     assert isinstance(loaded.up.weight, cls) and torch.equal(loaded(TOKENS), model(TOKENS))
 
 
