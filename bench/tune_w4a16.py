@@ -24,8 +24,8 @@ import triton
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_fp8 import LLAMA, copies_for, time_us, versions_line
 from bench_fp4 import mxfp4_weight, nvfp4_weight
+from bench_fp8 import LLAMA, copies_for, time_us, versions_line
 from bench_int4 import int4_weight, sweep_candidates
 
 from qshard.kernels import tuning
@@ -78,7 +78,8 @@ def main() -> None:
     out = args.out or str(tuning.TUNED_DIR / f"{tag}.json")
     data = {"version": tuning.TUNED_FORMAT_VERSION, "configs": {}}
     if os.path.exists(out):
-        data = json.loads(open(out).read())
+        with open(out) as f:
+            data = json.load(f)
     data.update(gpu=name, triton=triton.__version__)
     print(versions_line(()))
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]

@@ -21,6 +21,7 @@ from .errors import (
     UnsupportedOpError,
     UnsupportedWeightError,
 )
+from .formats import export, load_pretrained
 from .io import load, save
 from .layouts import (
     Fp8BlockwiseConfig,
@@ -69,12 +70,14 @@ __all__ = [
     "UnsupportedWeightError",
     "__version__",
     "config_from_dict",
+    "export",
     "load",
+    "load_pretrained",
     "quantize_",
     "register_handler",
     "register_layout",
-    "repack_for_device",
     "registered_layouts",
+    "repack_for_device",
     "save",
     "sqnr_db",
 ]

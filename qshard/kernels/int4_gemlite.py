@@ -28,7 +28,9 @@ __all__ = ["gemlite_form", "gemlite_linear", "gemlite_problem"]
 NEAREST_CONFIG = {"h200": "h100"}
 
 
-def gemlite_problem(device: torch.device, dtype: torch.dtype, x_dtype: torch.dtype | None) -> str | None:
+def gemlite_problem(
+    device: torch.device, dtype: torch.dtype, x_dtype: torch.dtype | None
+) -> str | None:
     """Why gemlite cannot run a weight of outer `dtype` on `device` with `x_dtype` activations
     (None: not known yet), or None."""
     if device.type != "cuda":

@@ -96,9 +96,10 @@ def tinygemm_linear(
     else:
         if scale_zero.dtype != x.dtype:
             scale_zero = scale_zero.to(x.dtype)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.contiguous(), weight, group, scale_zero)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2d.contiguous(), weight, group, scale_zero
+        )
     out = out[:, :n]
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], n)
-

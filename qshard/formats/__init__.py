@@ -1,0 +1,110 @@
+"""Other producers' quantized checkpoints: load them into qshard layouts with no float round
+trip, and export qshard-quantized models to them (facts.md §5).
+
+    state = qshard.load_pretrained("DeepSeek-V3-dir")              # state_dict of QTensors
+    model = qshard.load_pretrained("dir", model=meta_model)        # into a model
+    qshard.export(model, "out-dir", format="compressed-tensors")   # vLLM / SGLang can serve it
+
+Formats, one file each (detect from config.json / hf_quant_config.json, load, export):
+`deepseek-fp8` (DeepSeek-V3/R1, Qwen3-FP8 block FP8), `modelopt-nvfp4` (NVIDIA ModelOpt),
+`compressed-tensors` (pack-quantized int4, nvfp4-pack-quantized), `gpt-oss-mxfp4` (load only).
+Each maps the stored codes and scales into the layout as they are (the tests check every
+format's dequantization formula, written out from its spec, against the loaded layout).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, QShardError
+from . import compressed_tensors, deepseek_fp8, gpt_oss_mxfp4, modelopt_nvfp4
+from .source import MemorySource, SafetensorsDir, read_json, write_directory
+
+__all__ = ["EXPORT_FORMATS", "FORMATS", "detect_format", "export", "load_pretrained"]
+
+FORMATS = {m.NAME: m for m in (deepseek_fp8, modelopt_nvfp4, compressed_tensors, gpt_oss_mxfp4)}
+EXPORT_FORMATS = ("deepseek-fp8", "modelopt-nvfp4", "compressed-tensors")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def detect_format(model_dir: str | os.PathLike) -> str:
+    """The name of the quantized format of a Hugging Face model directory."""
+    directory = pathlib.Path(model_dir)
+    config, hf_quant = _configs(directory)
+    found = [name for name, fmt in FORMATS.items() if fmt.detect(config, hf_quant)]
+    if not found:
+        method = (config.get("quantization_config") or {}).get("quant_method")
+        raise CheckpointError(
+            f"{directory}: no quantized format qshard reads (config.json quant_method "
+            f"{method!r}, hf_quant_config.json {'present' if hf_quant else 'absent'}); known: "
+            f"{list(FORMATS)}. A float model is quantized with qshard.quantize_"
+        )
+    return found[0]
+
+
+def _configs(directory: pathlib.Path) -> tuple[dict, dict | None]:
+    config = read_json(directory / "config.json")
+    if config is None:
+        raise CheckpointError(f"{directory}: no config.json (a Hugging Face model directory)")
+    return config, read_json(directory / modelopt_nvfp4.HF_QUANT_CONFIG)
+
+
+def load_pretrained(
+    model_dir: str | os.PathLike,
+    model: nn.Module | None = None,
+    device: torch.device | str | None = None,
+    mesh=None,
+    plan=None,
+):
+    """Load a quantized checkpoint another tool wrote (see `FORMATS`), its codes and scales
+    mapped into qshard layouts bit for bit.
+
+    Without `model`: a state_dict (QTensors for the quantized linears, the stored tensors for
+    the rest) on `device` (default CPU). With `model` (built on the meta device, say): loaded
+    into it, keys and shapes checked before anything changes, and returned; with `mesh` and
+    `plan` as well, each rank keeps its slices (as qshard.load(mesh=, plan=) does).
+    """
+    directory = pathlib.Path(model_dir)
+    name = detect_format(directory)
+    config, hf_quant = _configs(directory)
+    dtype = DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.bfloat16)
+    state = FORMATS[name].load(SafetensorsDir(directory), config, hf_quant, dtype)
+    if model is None:
+        if mesh is not None or plan is not None:
+            raise QShardError("qshard.load_pretrained: mesh and plan shard a model; pass model=")
+        device = torch.device("cpu") if device is None else torch.device(device)
+        return {k: v.to(device) if v.device != device else v for k, v in state.items()}
+    if (mesh is None) != (plan is None):
+        raise QShardError("qshard.load_pretrained: pass both mesh and plan, or neither")
+    from ..io.loading import _load_into
+
+    return _load_into(MemorySource(state), model, device, mesh, plan, strict=True)
+
+
+def export(
+    model: nn.Module | dict,
+    out_dir: str | os.PathLike,
+    format: str,
+    config: dict | None = None,
+) -> pathlib.Path:
+    """Write a qshard-quantized model (or state_dict) as a `format` checkpoint in `out_dir` (a
+    new or empty directory): model.safetensors, config.json (`config`, or the model's own
+    `config.to_dict()`, with the format's quantization_config) and the format's other files.
+    Everything is checked before anything is written, and the directory appears whole."""
+    if format not in EXPORT_FORMATS:
+        raise QShardError(f"qshard.export: format {format!r} is not one of {list(EXPORT_FORMATS)}")
+    from ..io.saving import _full, _state_dict
+
+    state = {k: _full(v) for k, v in _state_dict(model).items()}
+    linear_names = []
+    if isinstance(model, nn.Module):
+        linear_names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    tensors, config_update, files = FORMATS[format].export(state, linear_names)
+    if config is None:
+        own = getattr(model, "config", None)
+        config = own.to_dict() if hasattr(own, "to_dict") else dict(own or {})
+    return write_directory(out_dir, tensors, {"config.json": {**config, **config_update}, **files})

@@ -1,0 +1,113 @@
+"""DeepSeek-V3/R1 and Qwen3-FP8 block FP8 checkpoints (facts.md §5) <-> Fp8BlockwiseTensor.
+
+config.json `quantization_config`: quant_method "fp8", fmt "e4m3", activation_scheme "dynamic",
+weight_block_size [bn, bk], optionally scale_fmt "ue8m0" (power-of-two scales). A quantized
+linear is `<p>.weight` float8_e4m3fn [N, K] with `<p>.weight_scale_inv` [ceil(N/bn),
+ceil(K/bk)] (float32, or bfloat16 in some Qwen3 files), a *multiplier* despite its name:
+W = weight * weight_scale_inv per block, partial edge blocks included. That is the layout's own
+definition, so both tensors map as they are (a bf16 scale widens to fp32 exactly).
+Every other tensor (embeddings, norms, lm_head, the MoE router) stays as stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Backend, ScaleFormat
+from ..errors import CheckpointError, QShardError
+from ..layouts import Fp8BlockwiseTensor
+from ..qtensor import QTensor
+
+NAME = "deepseek-fp8"
+SCALE_SUFFIX = ".weight_scale_inv"
+
+
+def detect(config: dict, hf_quant: dict | None) -> bool:
+    qc = config.get("quantization_config") or {}
+    return qc.get("quant_method") == "fp8" and "weight_block_size" in qc
+
+
+def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dict:
+    qc = config["quantization_config"]
+    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(
+            f"{reader.directory}: quantization_config fmt {qc.get('fmt')!r} / activation_scheme "
+            f"{qc.get('activation_scheme')!r}; qshard reads e4m3 weights with dynamic activations"
+        )
+    block = tuple(qc["weight_block_size"])
+    ue8m0 = qc.get("scale_fmt") == "ue8m0"
+    state = {}
+    scaled = {k[: -len(SCALE_SUFFIX)] for k in reader.names() if k.endswith(SCALE_SUFFIX)}
+    for key in reader.names():
+        prefix = key.removesuffix(".weight")
+        if key.endswith(SCALE_SUFFIX):
+            continue
+        if key.endswith(".weight") and prefix in scaled:
+            state[key] = _tensor(reader, prefix, block, ue8m0, dtype)
+        else:
+            state[key] = reader.get(key)
+    return state
+
+
+def _tensor(reader, prefix: str, block: tuple[int, int], ue8m0: bool, dtype) -> QTensor:
+    where = f"{reader.directory}: {prefix}"
+    weight, scale = reader.get(prefix + ".weight"), reader.get(prefix + SCALE_SUFFIX)
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise CheckpointError(f"{where}.weight is {weight.dtype}{list(weight.shape)}; "
+                              f"expected a 2-D float8_e4m3fn weight")  # fmt: skip
+    n, k = weight.shape
+    blocks = (-(-n // block[0]), -(-k // block[1]))
+    if tuple(scale.shape) != blocks or not scale.dtype.is_floating_point:
+        raise CheckpointError(
+            f"{where}{SCALE_SUFFIX} is {scale.dtype}{list(scale.shape)}; a [{n}, {k}] weight in "
+            f"{block[0]}x{block[1]} blocks needs a float [{blocks[0]}, {blocks[1]}]"
+        )
+    scale = scale.float()
+    if ue8m0 and not bool((torch.frexp(scale).mantissa.abs() == 0.5).all()):
+        raise CheckpointError(f"{where}{SCALE_SUFFIX}: scale_fmt 'ue8m0' but not every scale "
+                              f"is a power of two")  # fmt: skip
+    tensor = Fp8BlockwiseTensor(
+        {"qdata": weight, "scale": scale},
+        shape=(n, k),
+        dtype=dtype,
+        block_size=block,
+        act_group_size=block[1],
+        weight_only=False,
+        scale_format=ScaleFormat.UE8M0 if ue8m0 else ScaleFormat.FP32,
+        backend=Backend.AUTO,
+    )
+    tensor.validate()
+    return tensor
+
+
+def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
+    """(tensors, config.json entries, other JSON files) of a state_dict whose quantized
+    weights are FP8 blockwise, all with one block size (the format has one
+    `weight_block_size`)."""
+    tensors = {}
+    for key, value in state.items():
+        if isinstance(value, Fp8BlockwiseTensor):
+            untransposed = value.t() if value.transposed else value
+            prefix = key.removesuffix(".weight")
+            tensors[prefix + ".weight"] = untransposed.qdata
+            tensors[prefix + SCALE_SUFFIX] = untransposed.scale
+        elif isinstance(value, QTensor):
+            raise QShardError(
+                f"qshard.export(format='{NAME}'): {key!r} is a {type(value).__name__}; the "
+                f"format holds FP8 blockwise weights"
+            )
+        else:
+            tensors[key] = value
+    blocks = {v.block_size for v in state.values() if isinstance(v, Fp8BlockwiseTensor)}
+    formats = {v.scale_format for v in state.values() if isinstance(v, Fp8BlockwiseTensor)}
+    if len(blocks) != 1 or len(formats) != 1:
+        raise QShardError(
+            f"qshard.export(format='{NAME}'): the format has one block size and scale format "
+            f"per model; this model's FP8 weights have {sorted(blocks)} / "
+            f"{sorted(f.value for f in formats)} (none means no FP8 blockwise weight)"
+        )
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+          "weight_block_size": list(blocks.pop())}  # fmt: skip
+    if formats.pop() is ScaleFormat.UE8M0:
+        qc["scale_fmt"] = "ue8m0"
+    return tensors, {"quantization_config": qc}, {}

@@ -1,0 +1,103 @@
+"""NVIDIA ModelOpt NVFP4 checkpoints (facts.md §5) <-> Nvfp4Tensor.
+
+`hf_quant_config.json`: quantization.quant_algo "NVFP4", group_size 16, exclude_modules
+(fnmatch patterns of modules left unquantized); newer exports put the same under config.json's
+quantization_config with quant_method "modelopt". A quantized linear is `<p>.weight` uint8
+[N, K/2] (two e2m1 codes per byte, the even index in the low nibble), `<p>.weight_scale`
+float8_e4m3fn [N, K/16] and `<p>.weight_scale_2` float32 (a scalar), a multiplier:
+W = e2m1 * weight_scale * weight_scale_2: the layout's own definition, so every tensor maps as
+it is. `<p>.input_scale` (the static activation scale of ModelOpt's W4A4 serving) is not used:
+qshard runs NVFP4 weight-only, and drops it. Export writes the weight-only subset.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Backend
+from ..errors import CheckpointError, QShardError
+from ..layouts import Nvfp4Tensor
+from ..qtensor import QTensor
+
+NAME = "modelopt-nvfp4"
+GROUP = 16
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+def _quantization(config: dict, hf_quant: dict | None) -> dict | None:
+    if hf_quant is not None and isinstance(hf_quant.get("quantization"), dict):
+        return hf_quant["quantization"]
+    qc = config.get("quantization_config") or {}
+    return qc if qc.get("quant_method") == "modelopt" else None
+
+
+def detect(config: dict, hf_quant: dict | None) -> bool:
+    quantization = _quantization(config, hf_quant)
+    return quantization is not None and quantization.get("quant_algo") == "NVFP4"
+
+
+def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dict:
+    quantization = _quantization(config, hf_quant)
+    if quantization.get("group_size", GROUP) != GROUP:
+        raise CheckpointError(f"{reader.directory}: NVFP4 group_size "
+                              f"{quantization.get('group_size')}; NVFP4 blocks are 16")  # fmt: skip
+    quantized = {k.removesuffix(".weight_scale_2") for k in reader.names()
+                 if k.endswith(".weight_scale_2")}  # fmt: skip
+    state = {}
+    for key in reader.names():
+        prefix, _, name = key.rpartition(".")
+        if prefix in quantized and name in ("weight_scale", "weight_scale_2", "input_scale"):
+            continue  # the scales, read with their weight; input_scale dropped (docstring)
+        if prefix in quantized and name == "weight":
+            state[key] = _tensor(reader, prefix, dtype)
+        else:
+            state[key] = reader.get(key)
+    return state
+
+
+def _tensor(reader, prefix: str, dtype: torch.dtype) -> QTensor:
+    where = f"{reader.directory}: {prefix}"
+    packed = reader.get(prefix + ".weight")
+    scale = reader.get(prefix + ".weight_scale")
+    global_scale = reader.get(prefix + ".weight_scale_2")
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise CheckpointError(f"{where}.weight is {packed.dtype}{list(packed.shape)}; NVFP4 "
+                              f"weights are uint8 [N, K/2]")  # fmt: skip
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, -(-k // GROUP)):
+        raise CheckpointError(f"{where}.weight_scale is {scale.dtype}{list(scale.shape)}; "
+                              f"expected float8_e4m3fn [{n}, {-(-k // GROUP)}]")  # fmt: skip
+    if global_scale.numel() != 1 or not global_scale.dtype.is_floating_point:
+        raise CheckpointError(f"{where}.weight_scale_2 is {global_scale.dtype}"
+                              f"{list(global_scale.shape)}; expected one float")  # fmt: skip
+    inner = {"qdata": packed, "scale": scale, "global_scale": global_scale.float().reshape(1, 1)}
+    tensor = Nvfp4Tensor(inner, shape=(n, k), dtype=dtype, backend=Backend.AUTO)
+    tensor.validate()
+    return tensor
+
+
+def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
+    tensors, quantized = {}, set()
+    for key, value in state.items():
+        if isinstance(value, Nvfp4Tensor):
+            w = value.t() if value.transposed else value
+            if w.logical_shape[1] % GROUP:
+                raise QShardError(f"qshard.export(format='{NAME}'): {key!r} has K = "
+                                  f"{w.logical_shape[1]}, not a multiple of 16")  # fmt: skip
+            prefix = key.removesuffix(".weight")
+            tensors[prefix + ".weight"] = w.qdata
+            tensors[prefix + ".weight_scale"] = w.scale
+            tensors[prefix + ".weight_scale_2"] = w.global_scale.reshape(())
+            quantized.add(prefix)
+        elif isinstance(value, QTensor):
+            raise QShardError(
+                f"qshard.export(format='{NAME}'): {key!r} is a {type(value).__name__}; the "
+                f"format holds NVFP4 weights"
+            )
+        else:
+            tensors[key] = value
+    excluded = [name for name in linear_names if name not in quantized]
+    quantization = {"quant_algo": "NVFP4", "group_size": GROUP, "exclude_modules": excluded,
+                    "kv_cache_quant_algo": None}  # fmt: skip
+    hf_quant = {"producer": {"name": "qshard"}, "quantization": quantization}
+    return tensors, {}, {HF_QUANT_CONFIG: hf_quant}

