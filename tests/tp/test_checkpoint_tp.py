@@ -207,3 +207,28 @@ def test_sharded_load_errors_come_before_any_change(tmp_path):
     dims = {"dim": 256, "heads": 2, "head_dim": 48, "hidden": 768}
     qshard.save(quantized_model(dims, qshard.Fp8BlockwiseConfig(), 0), tmp_path / "0")
     spawn(_errors_worker, 4, tmp_path)
+
+
+# ---- other producers' formats, loaded TP-sharded ----------------------------------------------
+
+FORMAT_CASES = [
+    ("deepseek-fp8", qshard.Fp8BlockwiseConfig()),
+    ("modelopt-nvfp4", qshard.NVFP4WeightOnlyConfig()),
+    ("compressed-tensors", qshard.Int4WeightOnlyConfig(group_size=64)),
+]
+
+
+def _load_pretrained_sharded_worker(rank, world, mesh, directory):
+    for i, (fmt, config) in enumerate(FORMAT_CASES):
+        loaded = qshard.load_pretrained(directory / fmt, model=meta_model({}), mesh=mesh, plan=PLAN)
+        expected = quantized_model({}, config, seed=i)
+        qshard.tp.parallelize(expected, mesh, PLAN)
+        assert_same_parameters(loaded, expected)
+        with torch.no_grad():
+            assert torch.equal(loaded(TOKENS), expected(TOKENS))
+
+
+def test_an_exported_checkpoint_loads_tp_sharded_like_parallelize(tmp_path):
+    for i, (fmt, config) in enumerate(FORMAT_CASES):
+        qshard.export(quantized_model({}, config, seed=i), tmp_path / fmt, format=fmt)
+    spawn(_load_pretrained_sharded_worker, 2, tmp_path)
