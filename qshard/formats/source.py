@@ -67,6 +67,14 @@ class SafetensorsDir:
     def names(self) -> list[str]:
         return list(self.file_of)
 
+    def metadata(self) -> dict[str, str]:
+        """The safetensors header metadata of every file, merged."""
+        merged: dict[str, str] = {}
+        for path in sorted(set(self.file_of.values())):
+            with safe_open(path, "pt") as f:
+                merged.update(f.metadata() or {})
+        return merged
+
     def __contains__(self, key: str) -> bool:
         return key in self.file_of
 

@@ -400,3 +400,69 @@ def test_minilm_quantized_exported_and_loaded_back_gives_the_same_outputs(tmp_pa
             assert torch.equal(hidden, model(ids, mask))
         cosine = (mean_pooled_embeddings(hidden, mask) * expected).sum(-1)
     assert float(cosine.min()) >= floor, f"cosine vs float {cosine.tolist()} < {floor}"
+
+
+# ---- torchao safetensors -----------------------------------------------------------------------
+
+
+def torchao_checkpoint(directory, entries: dict, tensors: dict):
+    """torchao's convention: header metadata `tensor_names` and one JSON object per name; a
+    subclass's tensors stored as `<module>._<param>_<name>`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    metadata = {"tensor_names": json.dumps(list(entries))}
+    metadata.update({name: json.dumps(entry) for name, entry in entries.items()})
+    save_file(tensors, str(directory / "model.safetensors"), metadata=metadata)
+    config = {"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "torchao"}}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def float8_entry(block):
+    preference = {"_type": "KernelPreference", "_data": "AUTO"}
+    return {
+        "_type": "Float8Tensor",
+        "_data": {"block_size": block, "kernel_preference": preference},
+        "_tensor_data_names": ["qdata", "scale"],
+    }
+
+
+def test_torchao_float8_blockwise_loads_as_its_formula_says(tmp_path):
+    n, k = 256, 384
+    codes = random_bytes(n, k, seed=10)
+    codes[(codes & 0x7F) == 0x7F] = 0x20
+    qdata = codes.view(torch.float8_e4m3fn)
+    scale = torch.rand(2, 3, generator=torch.Generator().manual_seed(11)) + 0.5
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    entries = {"0.weight": float8_entry([128, 128]), "0.bias": {"_type": "Tensor"}}
+    tensors = {"0._weight_qdata": qdata, "0._weight_scale": scale, "0.bias": bias}
+    state = qshard.load_pretrained(torchao_checkpoint(tmp_path, entries, tensors))
+    w = state["0.weight"]
+    assert isinstance(w, qshard.Fp8BlockwiseTensor) and w.block_size == (128, 128)
+    # torchao's _dequantize_affine_float8: qdata * scale, the scale expanded over its block.
+    expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert torch.equal(w.dequantize(torch.float32), qdata.float() * expanded)
+    assert not torch.allclose(w.dequantize(torch.float32), qdata.float() / expanded)
+    assert torch.equal(state["0.bias"], bias)
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        (float8_entry([1, 384]), "per-row"),
+        (
+            {
+                "_type": "Int4Tensor",
+                "_data": {"block_size": [1, 128]},
+                "_tensor_data_names": ["qdata", "scale", "zero_point"],
+            },
+            "float added after scaling",
+        ),
+    ],
+    ids=["float8-per-row", "int4"],
+)
+def test_torchao_tensors_qshard_cannot_hold_are_refused_with_the_reason(tmp_path, entry, match):
+    tensors = {"0._weight_qdata": torch.zeros(256, 384).to(torch.float8_e4m3fn),
+               "0._weight_scale": torch.ones(256, 1)}  # fmt: skip
+    torchao_checkpoint(tmp_path, {"0.weight": entry}, tensors)
+    with pytest.raises(CheckpointError, match=match):
+        qshard.load_pretrained(tmp_path)
