@@ -165,6 +165,14 @@ GEMV_SWEEP = [  # (weight rows, K per step, warps)
     (32, 256, 4),
     (8, 512, 2),
 ]
+WORDS_SWEEP = [  # (weight rows, 32-bit words (8 codes) per step, warps)
+    (16, 128, 4),
+    (8, 128, 4),
+    (16, 64, 4),
+    (32, 64, 4),
+    (16, 256, 8),
+    (32, 128, 8),
+]
 FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages)
     (64, 128, 2, 4, 3),
     (128, 128, 2, 8, 3),
@@ -181,6 +189,9 @@ def sweep_candidates(m: int):
 
     device = torch.device("cuda", torch.cuda.current_device())
     if m <= 4:
+        for bn, bw, warps in WORDS_SWEEP:  # int4 only: other formats print a failure
+            yield f"gemv-words {bn}x{bw}w {warps}w", lambda n, k, c=(bn, bw, warps): dict(
+                KERNEL="gemv_words", BLOCK_N=c[0], BLOCK_W=c[1], num_warps=c[2])  # fmt: skip
         for bn, bk, warps in GEMV_SWEEP:
             yield f"gemv {bn}x{bk} {warps}w", lambda n, k, c=(bn, bk, warps): dict(
                 BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2])  # fmt: skip

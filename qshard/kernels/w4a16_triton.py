@@ -54,6 +54,7 @@ __all__ = [
     "default_config",
     "dequantize_launch",
     "gemv_config",
+    "gemv_words_config",
     "kernel_for",
     "linear_launch",
     "small_m_config",
@@ -234,6 +235,56 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _gemv_words_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    M, N, KW, stride_xm, stride_qw, stride_sn, stride_om,
+    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """The int4 GEMV on 32-bit words (8 codes each; K a multiple of 8 * BLOCK_W): the codes are
+    never split into bytes or put back in K order. Nibble j of every word in the tile becomes
+    1 + u/16 with one shift and one and-or (`_decode`'s value), and multiplies the activations
+    x[8w + j], loaded as 8 strided vectors per step and shared by the tile's rows; the group
+    sums then take the scale and zero point as in `_gemv_kernel`. About 3 instructions per
+    weight, against `_decode`'s byte unpacking and K-order interleave (docs/kernels/w4a16.md)."""
+    pid = tl.program_id(0)
+    m = pid % M
+    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    WG: tl.constexpr = GROUP // 8 if GROUP // 8 < BLOCK_W else BLOCK_W  # words per group
+    G: tl.constexpr = BLOCK_W // WG  # groups per step
+    word = tl.arange(0, BLOCK_W)
+    x_ptr += m * stride_xm
+    q_ptrs = q_ptr + offs_n[:, None] * stride_qw + word[None, :]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    words = tl.load(q_ptrs, mask=n_ok[:, None], other=0)
+    for w0 in range(0, KW, BLOCK_W):
+        next_ok = offs_n < N * (w0 + BLOCK_W < KW)  # (no rows at all past K)
+        next_words = tl.load(q_ptrs + w0 + BLOCK_W, mask=next_ok[:, None], other=0)
+        group = (w0 + tl.arange(0, G) * WG) // (GROUP // 8)
+        scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
+                                   n_ok[:, None], FORMAT)  # fmt: skip
+        partial = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_ptr + (w0 + word) * 8 + j).to(tl.float32)
+            if 4 * j <= 19:  # noqa: SIM108 (a constexpr branch: one shift direction each)
+                bits = (words << (19 - 4 * j)) & 0x780000
+            else:
+                bits = (words >> (4 * j - 19)) & 0x780000
+            v = (bits | 0x3F800000).to(tl.float32, bitcast=True)
+            partial += v * xj[None, :]
+            x_sum += xj
+        group_sum = tl.sum(tl.reshape(partial, (BLOCK_N, G, WG)), axis=2)
+        group_x = tl.sum(tl.reshape(x_sum, (G, WG)), axis=1)[None, :]
+        acc += tl.sum((group_sum * 16.0 - (zero + 16.0) * group_x) * scale, axis=1)
+        words = next_words
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _small_m_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, partials_ptr, arrived_ptr,
     M, N, K, KH, steps_per_split, stride_xm, stride_qn, stride_sn, stride_om,
@@ -297,6 +348,14 @@ def _dequantize_kernel(
 # ---- configs and launchers ---------------------------------------------------------------------
 
 
+def gemv_words_config(fmt: Format) -> dict | None:
+    """The word GEMV's config (int4 only), or None for the formats it does not decode: 16 rows
+    x 128 words (1024 K) per step, the best of the H100 sweep (docs/kernels/w4a16.md)."""
+    if fmt not in (Format.INT4_ASYM, Format.INT4_SYM):
+        return None
+    return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": 128, "num_warps": 4}
+
+
 def gemv_config(fmt: Format) -> dict:
     """1024 K (a 512-byte strip per row) per step; 16 rows (8 for NVFP4, whose 16-groups load
     twice the scales). The best of the H200 sweep (docs/kernels/w4a16.md): 77 / 90 / 101 us
@@ -324,7 +383,8 @@ def default_config(fmt: Format, m: int, n: int, k: int, device: torch.device) ->
     and its config."""
     kernel = kernel_for(m, None)
     if kernel == "gemv":
-        return gemv_config(fmt)
+        words = gemv_words_config(fmt)  # int4 with K a multiple of a step: whole words
+        return words if words and k % (8 * words["BLOCK_W"]) == 0 else gemv_config(fmt)
     return small_m_config(m, n, k, device) if kernel == "small_m" else DEQUANTIZE
 
 
@@ -377,6 +437,7 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     assert all(t is None or t.is_contiguous() for t in (x, qdata, scale, zero, bias)), "strides"
     if config is None:
         config = tuned_config("w4a16", tuned_format(fmt, group), n, k, m, x.device)
+        config = config or default_config(fmt, m, n, k, x.device)
     kernel = kernel_for(m, config)
     # The reference adds the bias rounded to the activation dtype; the kernels add it in fp32.
     bias = bias.to(x.dtype) if bias is not None else None
@@ -389,6 +450,16 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     common = dict(FORMAT=int(fmt), GROUP=group, HAS_BIAS=bias is not None)
     zero = zero if zero.numel() else qdata  # an empty tensor may have no address to pass
     args = (x, qdata, _scale_arg(scale), zero, global_scale, bias if bias is not None else out, out)
+    if kernel == "gemv_words":
+        config = {k: v for k, v in config.items() if k != "KERNEL"}
+        assert k % (8 * config["BLOCK_W"]) == 0 and fmt in (Format.INT4_ASYM, Format.INT4_SYM)
+        words = qdata.view(torch.int32)  # 8 codes per word, element 8w + j at bits 4j
+        grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
+        _gemv_words_kernel[grid](
+            x, words, scale, zero, args[5], out, m, n, words.shape[1], x.stride(0),
+            words.stride(0), scale.stride(0), out.stride(0), **common, **config,
+        )  # fmt: skip
+        return out
     if kernel == "gemv":
         config = dict(config or gemv_config(fmt))
         grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)

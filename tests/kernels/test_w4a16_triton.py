@@ -140,6 +140,37 @@ def test_each_kernel_config_matches_the_reference(config, name, group, m, n, k, 
     check(weight.launch(x, bias, CONFIGS[config]), weight.reference(x, bias), dtype)
 
 
+# The int4 GEMV on whole 32-bit words (the default at M = 1 when K is a multiple of its step):
+# a step inside one group, several groups per step, the re-grouped 16, two tokens.
+@pytest.mark.parametrize(
+    ("name", "group", "n", "k", "block_w", "m"),
+    [
+        ("int4-asym", 256, 40, 1024, 16, 1),
+        ("int4-sym", 32, 33, 512, 32, 2),
+        ("int4-asym", 16, 24, 768, 32, 1),
+        ("int4-asym", 128, 16, 2048, 128, 1),
+    ],
+)
+def test_the_word_gemv_matches_the_reference(name, group, n, k, block_w, m):
+    load_w4a16_ops()
+    weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
+    x = torch.randn(m, k, dtype=ACT_DTYPE, device=DEVICE)
+    bias = torch.randn(n, dtype=ACT_DTYPE, device=DEVICE)
+    config = {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": block_w, "num_warps": 4}
+    check(weight.launch(x, bias, config), weight.reference(x, bias), ACT_DTYPE)
+
+
+def test_the_default_gemv_is_the_word_gemv_for_int4_with_k_a_multiple_of_its_step():
+    from qshard.kernels.w4a16_triton import Format, default_config
+
+    cpu = torch.device("cpu")
+    assert default_config(Format.INT4_ASYM, 1, 4096, 4096, cpu)["KERNEL"] == "gemv_words"
+    assert default_config(Format.INT4_SYM, 1, 4096, 14336, cpu)["KERNEL"] == "gemv_words"
+    assert "KERNEL" not in default_config(Format.INT4_ASYM, 1, 4096, 4000, cpu)  # byte GEMV
+    assert "KERNEL" not in default_config(Format.MXFP4, 1, 4096, 4096, cpu)
+    assert "SPLIT_K" in default_config(Format.INT4_ASYM, 2, 4096, 4096, cpu)
+
+
 @pytest.mark.parametrize(("name", "group", "n", "k"), CASES)
 def test_the_dequantize_kernel_is_bit_exact(name, group, n, k):
     from qshard.kernels.w4a16_triton import dequantize_launch
@@ -249,6 +280,18 @@ for fmt in (0, 1, 2, 3):
     triton.compile(
         ASTSource(fn=_dequantize_kernel, signature=dict(zip(names, types)),
                   constexprs={"FORMAT": fmt, "GROUP": 16, "BLOCK_N": 32, "BLOCK_K": 128}),
+        target=GPUTarget("cuda", 80, 32),
+    )
+from qshard.kernels.w4a16_triton import _gemv_words_kernel
+names = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "M", "N", "KW", "stride_xm",
+         "stride_qw", "stride_sn", "stride_om", "FORMAT", "GROUP", "HAS_BIAS", "BLOCK_N",
+         "BLOCK_W"]
+types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16"] + ["i32"] * 7 + ["constexpr"] * 5
+for fmt in (0, 1):
+    triton.compile(
+        ASTSource(fn=_gemv_words_kernel, signature=dict(zip(names, types)),
+                  constexprs={"FORMAT": fmt, "GROUP": 128, "HAS_BIAS": True, "BLOCK_N": 16,
+                              "BLOCK_W": 128}),
         target=GPUTarget("cuda", 80, 32),
     )
 """
