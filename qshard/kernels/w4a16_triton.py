@@ -8,7 +8,9 @@ alone: int4 as 1 + u/16 (u in fp32's top mantissa bits), e2m1 as fp16 bits (valu
 so no integer-to-float conversion and no table. Every step's loads (codes, scales, activations)
 are issued a step ahead by hand: Triton pipelines only loads that feed a dot.
 
-- M = 1 (decode): a GEMV. Each program takes BLOCK_N weight rows and streams BLOCK_K of K per
+- M = 1 (decode): a GEMV. For int4 with K a multiple of its step, `_gemv_words_kernel`, which
+  decodes whole 32-bit words and never rebuilds the K order (fewer instructions per weight);
+  otherwise `_gemv_kernel`. Each program takes BLOCK_N weight rows and streams BLOCK_K of K per
   step; decoded values times activations in fp32, summed per group, then the group's scale (and
   zero point) applied to the sum. It multiplies the exact weight, not the weight rounded to the
   activation dtype as the reference does: within the activation dtype's rounding for bf16/fp16
@@ -30,7 +32,8 @@ Formats (FORMAT, a constexpr), each weight exactly the reference's fp32 value:
     NVFP4      W = (e2m1(c) * e4m3 scale) * global_scale         the reference's order
 Compiled kernels flush fp32 subnormal results to zero (weights below 1.2e-38; the reference
 keeps them). Measured on an H200 (docs/kernels/w4a16.md): the Llama-3.1-8B layer at 1.53x /
-0.84x / 0.49x / 0.92x of bf16 (int4 g128) at M = 1 / 16 / 128 / 2048.
+0.84x / 0.49x / 0.92x of bf16 (int4 g128) at M = 1 / 16 / 128 / 2048; on an H100 with the word
+GEMV and tuned configs 2.29x / 1.19x / 0.67x / 0.88x.
 Ops: `torch.ops.qshard.int4_linear`, `.mxfp4_linear`, `.nvfp4_linear` (fake implementations
 beside them); references: `int4.py`, `mxfp4.py`, `nvfp4.py`.
 """
