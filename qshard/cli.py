@@ -6,17 +6,48 @@ import argparse
 
 __all__ = ["main"]
 
+# `qshard quantize --config` names (qshard/convert.py CONFIGS; listed here so that --help needs
+# no torch import).
+CONFIG_NAMES = ["fp8-block", "int4-g128", "int4-g64", "mxfp4", "nvfp4"]
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qshard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="quantize a small model and print the report")
     demo.add_argument("--seed", type=int, default=0)
+    quantize = commands.add_parser(
+        "quantize", help="quantize a Hugging Face safetensors directory, tensor by tensor"
+    )
+    quantize.add_argument("model_dir")
+    quantize.add_argument("--config", required=True, choices=CONFIG_NAMES)
+    quantize.add_argument("--out", required=True, help="the qshard checkpoint directory")
+    quantize.add_argument(
+        "--exclude",
+        action="append",
+        help="fnmatch pattern of module names left in float (repeatable; default: "
+        "embeddings, output heads, norms, pooler)",
+    )
+    inspect = commands.add_parser(
+        "inspect", help="print a checkpoint's layouts, shapes, bits per weight and bytes"
+    )
+    inspect.add_argument("path", help="a qshard checkpoint, or a directory load_pretrained reads")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
 
         run_demo(seed=args.seed)
+    elif args.command == "quantize":
+        from .convert import DEFAULT_EXCLUDE, quantize_directory
+
+        exclude = args.exclude or DEFAULT_EXCLUDE
+        done = quantize_directory(args.model_dir, args.out, args.config, exclude)
+        print(f"{len(done['quantized'])} weights quantized ({args.config}), "
+              f"{len(done['kept'])} tensors kept; wrote {args.out}")  # fmt: skip
+    elif args.command == "inspect":
+        from .convert import inspect_checkpoint
+
+        inspect_checkpoint(args.path)
     return 0
 
 
