@@ -1,5 +1,16 @@
 """Small reference models that qshard quantizes, saves, loads and shards in its tests and demo."""
 
 from .bert import BertConfig, BertModel, mean_pooled_embeddings
+from .llama import TP_PLAN, Llama, LlamaConfig, decode_one_token, generate, prefill
 
-__all__ = ["BertConfig", "BertModel", "mean_pooled_embeddings"]
+__all__ = [
+    "TP_PLAN",
+    "BertConfig",
+    "BertModel",
+    "Llama",
+    "LlamaConfig",
+    "decode_one_token",
+    "generate",
+    "mean_pooled_embeddings",
+    "prefill",
+]

@@ -1,0 +1,197 @@
+"""A compact Llama-style decoder (gpt-fast is the model of simplicity): RMSNorm, RoPE,
+grouped-query attention over a static KV cache, a SwiGLU MLP; random initialisation from a
+config (Llama-3.1-8B's shapes or small ones); a TP plan table; a greedy decode loop whose
+one-token step works under `torch.compile(mode="reduce-overhead")`.
+
+Every projection is an nn.Linear (q, k, v, o; gate, up, down), so `qshard.quantize_` and
+`qshard.tp.parallelize(model, mesh, TP_PLAN)` apply unchanged. Under TP each rank holds
+n_heads / world query heads and n_kv_heads / world KV heads: the attention infers its local
+head counts from its projections' output sizes, and `setup_caches` sizes the cache for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TP_PLAN", "Llama", "LlamaConfig", "decode_one_token", "generate", "prefill"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 128256
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    hidden: int = 14336
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def llama_3_1_8b(cls) -> LlamaConfig:
+        return cls()
+
+    @classmethod
+    def tiny(cls) -> LlamaConfig:
+        """A small model with Llama's proportions, for tests and CPU demos."""
+        return cls(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden=768)
+
+
+# Column-parallel q/k/v and gate/up (whole heads and units per rank), row-parallel o and down.
+TP_PLAN = {
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+}
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, max_seq: int, kv_heads: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, kv_heads, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.head_dim = c.head_dim
+        self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x, rope, mask, input_pos):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # local heads under TP
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(c.dim, c.hidden, bias=False)  # gate
+        self.w3 = nn.Linear(c.dim, c.hidden, bias=False)  # up
+        self.w2 = nn.Linear(c.hidden, c.dim, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
+        self.attention = Attention(c)
+        self.ffn_norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
+        self.feed_forward = FeedForward(c)
+
+    def forward(self, x, rope, mask, input_pos):
+        x = x + self.attention(self.attention_norm(x), rope, mask, input_pos)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def rope_table(c: LlamaConfig, max_seq: int, device=None) -> torch.Tensor:
+    """[max_seq, head_dim / 2, 2]: cos and sin of each position's rotation per frequency."""
+    freqs = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=device) / c.head_dim))
+    angles = torch.outer(torch.arange(max_seq, device=device, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x [b, s, heads, head_dim] rotated by rope [s, head_dim / 2, 2] (pairs of channels)."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    real = pairs[..., 0] * cos - pairs[..., 1] * sin
+    imag = pairs[..., 1] * cos + pairs[..., 0] * sin
+    return torch.stack([real, imag], dim=-1).flatten(3).to(x.dtype)
+
+
+class Llama(nn.Module):
+    """tokens [b, s] and their positions [s] -> logits [b, s, vocab]."""
+
+    def __init__(self, config: LlamaConfig, init_std: float = 0.02):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.max_seq = 0
+        for p in self.parameters():
+            if p.dim() == 2 and p.device.type != "meta":
+                nn.init.normal_(p, std=init_std)
+
+    def setup_caches(self, batch: int, max_seq: int, tp_world: int = 1) -> None:
+        """Static KV caches for `batch` sequences of up to `max_seq` tokens (on the weights'
+        device and in the norm's dtype), sized for this rank's KV heads under TP."""
+        c = self.config
+        device, dtype = self.norm.weight.device, self.norm.weight.dtype
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(
+                batch, max_seq, c.n_kv_heads // tp_world, c.head_dim, dtype, device
+            )
+        self.register_buffer("rope", rope_table(c, max_seq, device), persistent=False)
+        causal = torch.ones(max_seq, max_seq, dtype=torch.bool, device=device).tril()
+        self.register_buffer("causal_mask", causal, persistent=False)
+        self.max_seq = max_seq
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        assert self.max_seq, "call setup_caches(batch, max_seq) first"
+        mask = self.causal_mask[None, None, input_pos]
+        rope = self.rope[input_pos]
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, rope, mask, input_pos)
+        return self.output(self.norm(x))
+
+
+def prefill(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
+    """Run the prompt [b, s] through the model; the greedy next token [b, 1]."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    return model(tokens, positions)[:, -1:].argmax(-1)
+
+
+def decode_one_token(model: Llama, token: torch.Tensor, input_pos: torch.Tensor):
+    """One greedy step: token [b, 1] at position input_pos [1] -> the next token [b, 1]. The
+    function to compile (`mode="reduce-overhead"`: shapes never change between steps)."""
+    return model(token, input_pos)[:, -1:].argmax(-1)
+
+
+def generate(model: Llama, prompt: torch.Tensor, new_tokens: int, step=decode_one_token):
+    """Greedy decoding: prompt [b, s] -> [b, s + new_tokens]. `step` may be a compiled
+    `decode_one_token`."""
+    token = prefill(model, prompt)
+    out = [prompt, token]
+    position = torch.tensor([prompt.shape[1]], device=prompt.device)
+    for _ in range(new_tokens - 1):
+        token = step(model, token.clone(), position)
+        out.append(token)
+        position = position + 1
+    return torch.cat(out, dim=1)

@@ -1,0 +1,73 @@
+"""qshard.models.Llama: the KV-cached decode equals a full forward, every layout runs it, the
+one-token step compiles, and the TP plan shards it with the single-device result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import LAYOUT_CASES
+from test_tensor_parallel import spawn
+
+import qshard
+import qshard.tp
+from qshard.models import TP_PLAN, Llama, LlamaConfig, decode_one_token, generate
+
+
+def tiny(seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    model = Llama(LlamaConfig.tiny()).eval()
+    model.setup_caches(batch=2, max_seq=32)
+    return model
+
+
+@torch.no_grad()
+def test_cached_decode_equals_a_full_forward():
+    model = tiny()
+    prompt = torch.randint(0, 512, (2, 7))
+    tokens = generate(model, prompt, new_tokens=5)
+    assert tokens.shape == (2, 12) and torch.equal(tokens[:, :7], prompt)
+    # Each generated token is the argmax of a full (prefill-only) forward over what precedes it.
+    for end in range(7, 12):
+        fresh = tiny()
+        logits = fresh(tokens[:, :end], torch.arange(end))
+        assert torch.equal(logits[:, -1].argmax(-1), tokens[:, end])
+
+
+@pytest.mark.parametrize(
+    "config", [c for _, c in LAYOUT_CASES][::2], ids=lambda c: type(c).__name__
+)
+@torch.no_grad()
+def test_every_layout_decodes_and_the_step_compiles(config):
+    model = tiny()
+    prompt = torch.randint(0, 512, (2, 6))
+    float_logits = model(prompt, torch.arange(6))
+    model = tiny()
+    qshard.quantize_(model, config, exclude=["output"])
+    logits = model(prompt, torch.arange(6))
+    assert qshard.sqnr_db(float_logits, logits) > 10
+    eager = generate(model, prompt, new_tokens=4)
+    model.setup_caches(batch=2, max_seq=32)
+    step = torch.compile(decode_one_token, fullgraph=True)
+    compiled = generate(model, prompt, new_tokens=4, step=step)
+    assert torch.equal(compiled, eager)
+
+
+def _tp_worker(rank, world, mesh):
+    with torch.no_grad():
+        expected_model = tiny()
+        qshard.quantize_(expected_model, qshard.Int4WeightOnlyConfig(group_size=64),
+                         exclude=["output"])  # fmt: skip
+        prompt = torch.randint(0, 512, (2, 6))
+        expected = expected_model(prompt, torch.arange(6))
+        model = tiny()
+        qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=64), exclude=["output"])
+        qshard.tp.parallelize(model, mesh, TP_PLAN)
+        model.setup_caches(batch=2, max_seq=32, tp_world=world)
+        local = model.layers[0].attention.wq.weight.to_local()
+        assert local.shape == (256 // world, 256)
+        logits = model(prompt, torch.arange(6))
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_tp_plan_shards_the_model_with_the_single_device_logits():
+    spawn(_tp_worker, 2)
