@@ -191,7 +191,8 @@ def generate(model: Llama, prompt: torch.Tensor, new_tokens: int, step=decode_on
     out = [prompt, token]
     position = torch.tensor([prompt.shape[1]], device=prompt.device)
     for _ in range(new_tokens - 1):
-        token = step(model, token.clone(), position)
+        # A copy: a CUDA-graph step (mode="reduce-overhead") overwrites its output next call.
+        token = step(model, token, position).clone()
         out.append(token)
         position = position + 1
     return torch.cat(out, dim=1)
