@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import qshard
 from qshard.convert import CONFIGS
-from qshard.models import Llama, LlamaConfig, decode_one_token, generate
+from qshard.models import Llama, LlamaConfig, decode_one_token, generate, prefill
 
 
 def build(config: LlamaConfig, layout: str, device: torch.device) -> Llama:
@@ -49,20 +49,17 @@ def tokens_per_second(model: Llama, batch: int, prompt_len: int, new: int, devic
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device)
     mode = "reduce-overhead" if device.type == "cuda" else None
     step = torch.compile(decode_one_token, mode=mode, fullgraph=True)
-    generate(model, prompt, new_tokens=4, step=step)  # compiles (and records the graph)
-    generate(model, prompt, new_tokens=4, step=step)
-    # Prefill alone, then prefill + decode: the difference is the decode time.
+    for _ in range(2):  # compiles, then records the CUDA graph
+        generate(model, prompt, new_tokens=4, step=step)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    token = prefill(model, prompt)
+    positions = [torch.tensor([prompt_len + i], device=device) for i in range(new)]
     sync()
     start = time.perf_counter()
-    generate(model, prompt, new_tokens=1, step=step)
+    for position in positions:  # the decode loop alone, as `generate` runs it
+        token = step(model, token, position).clone()
     sync()
-    prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    generate(model, prompt, new_tokens=new + 1, step=step)
-    sync()
-    decode_s = time.perf_counter() - start - prefill_s
-    return batch * new / decode_s
+    return batch * new / (time.perf_counter() - start)
 
 
 def main() -> None:
