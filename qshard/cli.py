@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     quantize.add_argument(
         "--exclude",
         action="append",
-        help="fnmatch pattern of module names left in float (repeatable; default: "
-        "embeddings, output heads, norms, pooler)",
+        help="fnmatch pattern of module names also left in float (repeatable; embeddings, "
+        "output heads, norms and poolers always are)",
     )
     inspect = commands.add_parser(
         "inspect", help="print a checkpoint's layouts, shapes, bits per weight and bytes"
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "quantize":
         from .convert import DEFAULT_EXCLUDE, quantize_directory
 
-        exclude = args.exclude or DEFAULT_EXCLUDE
+        exclude = (*DEFAULT_EXCLUDE, *(args.exclude or ()))
         done = quantize_directory(args.model_dir, args.out, args.config, exclude)
         print(f"{len(done['quantized'])} weights quantized ({args.config}), "
               f"{len(done['kept'])} tensors kept; wrote {args.out}")  # fmt: skip

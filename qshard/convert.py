@@ -17,7 +17,7 @@ import sys
 import torch
 
 from .errors import QShardError
-from .formats.source import SafetensorsDir
+from .formats.source import SafetensorsDir, read_json
 from .io import save
 from .layouts import (
     Fp8BlockwiseConfig,
@@ -25,7 +25,7 @@ from .layouts import (
     MXFP4WeightOnlyConfig,
     NVFP4WeightOnlyConfig,
 )
-from .qtensor import QTensor
+from .qtensor import FLOAT_DTYPES, QTensor
 
 __all__ = ["CONFIGS", "DEFAULT_EXCLUDE", "inspect_checkpoint", "quantize_directory"]
 
@@ -59,13 +59,20 @@ def quantize_directory(
     if config not in CONFIGS:
         raise QShardError(f"qshard quantize: --config {config!r} is not one of {list(CONFIGS)}")
     quant_config = CONFIGS[config]()
+    config_json = read_json(pathlib.Path(model_dir) / "config.json") or {}
+    if config_json.get("quantization_config"):
+        method = config_json["quantization_config"].get("quant_method")
+        raise QShardError(
+            f"qshard quantize: {model_dir} is quantized already (quant_method {method!r}); "
+            f"load it with qshard.load_pretrained, or quantize its float checkpoint"
+        )
     reader = SafetensorsDir(model_dir)
     names = reader.names()
     state, done = {}, {"quantized": [], "kept": []}
     for i, name in enumerate(names, 1):
         tensor = reader.get(name)
         module = name.removesuffix(".weight")
-        linear = name.endswith(".weight") and tensor.dim() == 2 and tensor.is_floating_point()
+        linear = name.endswith(".weight") and tensor.dim() == 2 and tensor.dtype in FLOAT_DTYPES
         if linear and not _is_excluded(module, exclude):
             state[name] = _layout_for(quant_config).from_float(tensor, quant_config)
             done["quantized"].append(name)

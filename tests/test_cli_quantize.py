@@ -65,3 +65,21 @@ def test_an_unknown_config_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["quantize", "x", "--config", "int3", "--out", "y"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_quantize_refuses_a_checkpoint_that_is_quantized_already(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128))
+    qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
+    qshard.export(model, tmp_path / "ds", format="deepseek-fp8")
+    with pytest.raises(qshard.QShardError, match="load_pretrained"):
+        main(
+            [
+                "quantize",
+                str(tmp_path / "ds"),
+                "--config",
+                "int4-g128",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+    assert not (tmp_path / "o").exists()

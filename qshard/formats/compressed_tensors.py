@@ -50,6 +50,12 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
     if sys.byteorder != "little":
         raise QShardError("compressed-tensors: reading packed int32 words needs a little-endian "
                           "machine")  # fmt: skip
+    act_order = [k for k in reader.names() if k.endswith(".weight_g_idx")]
+    if act_order:
+        raise CheckpointError(
+            f"{reader.directory}: {act_order[0]!r}: an act-order (g_idx) checkpoint, whose "
+            f"groups are permuted columns; the int4 layout's groups are contiguous"
+        )
     state, consumed = {}, set()
     for key in reader.names():
         if key.endswith(".weight_packed"):

@@ -187,6 +187,8 @@ def decode_one_token(model: Llama, token: torch.Tensor, input_pos: torch.Tensor)
 def generate(model: Llama, prompt: torch.Tensor, new_tokens: int, step=decode_one_token):
     """Greedy decoding: prompt [b, s] -> [b, s + new_tokens]. `step` may be a compiled
     `decode_one_token`."""
+    if new_tokens < 1:
+        return prompt
     token = prefill(model, prompt)
     out = [prompt, token]
     position = torch.tensor([prompt.shape[1]], device=prompt.device)

@@ -106,6 +106,9 @@ class QTensor(torch.Tensor):
         self.device_names: tuple[str, ...] = ()
         self.device_meta: tuple = ()
         self.set_device_form(device_form)
+        # On a view of a part of a tensor with a device form (a slice, narrow, split): that
+        # tensor, whose form a copy_ into this part must refresh (the part has none).
+        self.form_owner: QTensor | None = None
         missing = set(self.attr_names) - set(attrs)
         extra = set(attrs) - set(self.attr_names)
         assert not missing and not extra, f"{type(self).__name__}: attrs {missing=} {extra=}"
@@ -252,7 +255,7 @@ class QTensor(torch.Tensor):
         # What torch.save pickles: the device form is left out (it belongs to one device and
         # is re-made by repack_for_device() after loading; design.md).
         state = {k: v for k, v in self.__dict__.items() if k not in self.device_names}
-        state["device_names"], state["device_meta"] = (), ()
+        state["device_names"], state["device_meta"], state["form_owner"] = (), (), None
         return state
 
     # ---- the device form --------------------------------------------------------------------
@@ -275,6 +278,14 @@ class QTensor(torch.Tensor):
                 assert name not in self.inner_names and not hasattr(self, name), name
                 setattr(self, name, tensor)
             self.device_names, self.device_meta = tuple(form.tensors), tuple(form.meta)
+
+    def refresh_device_form(self) -> None:
+        """Re-make the device form in place from the canonical tensors (after they changed in
+        place: a copy_ into this tensor or into a part of it), so that tensors holding it, a
+        compiled graph's inputs among them, see the new weights."""
+        if self.device_names:
+            for name, tensor in self.make_device_form().tensors.items():
+                getattr(self, name).copy_(tensor)
 
     def repack_for_device(self) -> QTensor:
         """Make (or re-make) this weight's device form for its device and backend, in place
@@ -331,7 +342,9 @@ class QTensor(torch.Tensor):
         )
         if not fresh:
             out.write_barrier = self.write_barrier
-        if inner is None and shape is None and (dtype is None or dtype == self.dtype):
+            out.form_owner = self.form_owner
+        same_weight = inner is None and shape is None and not attrs
+        if same_weight and (dtype is None or dtype == self.dtype):
             # The same packed weight (t, view): a device form may depend on the dtype (gemlite).
             out.set_device_form(self.device_form)
         return out
@@ -417,7 +430,10 @@ class QTensor(torch.Tensor):
             inner[name] = tensor.narrow(dim, first, stop - first)
         shape = list(self.logical_shape)
         shape[dim] = end - start
-        return self.with_changes(inner, shape=tuple(shape))
+        out = self.with_changes(inner, shape=tuple(shape))
+        if self.device_names:
+            out.form_owner = self
+        return out
 
     def _dim_text(self, dim: int) -> str:
         kind = "rows (N)" if dim == 0 else "columns (K)"

@@ -174,10 +174,11 @@ def _copy_(func, args, kwargs):
     _check_whole_tensor_values(dst, src)
     for name in dst.inner_names:
         getattr(dst, name).copy_(getattr(src, name))
-    if dst.device_names:  # in place, so that a compiled graph holding these tensors sees it
-        fresh = dst.make_device_form()
-        for name, tensor in fresh.tensors.items():
-            getattr(dst, name).copy_(tensor)
+    # The device form of the tensor these canonical tensors belong to (dst, or the weight dst
+    # is a part of), re-made in place so that a compiled graph holding it sees the copy.
+    owner = dst if dst.device_names else dst.form_owner
+    if owner is not None:
+        owner.refresh_device_form()
     return return_and_correct_aliasing(func, args, kwargs, dst)
 
 

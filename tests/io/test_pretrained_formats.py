@@ -192,6 +192,17 @@ def test_compressed_tensors_int4_loads_as_its_formula_says(tmp_path, symmetric):
     assert state["lm_head.weight"].dtype == torch.bfloat16
 
 
+def test_compressed_tensors_act_order_checkpoints_are_refused(tmp_path):
+    q, _, scale = compressed_int4_checkpoint(tmp_path / "a", True)
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    tensors = {"fc.weight_packed": pack_to_int32_lsb_first(q), "fc.weight_scale": scale,
+               "fc.weight_shape": torch.tensor([40, 320]),
+               "fc.weight_g_idx": torch.randperm(320).div(128, rounding_mode="floor")}  # fmt: skip
+    write_checkpoint(tmp_path / "b", tensors, config)
+    with pytest.raises(CheckpointError, match="act-order"):
+        qshard.load_pretrained(tmp_path / "b")
+
+
 def test_compressed_tensors_fp16_scales_load_only_when_exact(tmp_path):
     compressed_int4_checkpoint(tmp_path / "exact", True, scale_dtype=torch.float16)  # bf16 values
     state = qshard.load_pretrained(tmp_path / "exact")

@@ -174,3 +174,27 @@ def test_gemlite_multiplies_the_canonical_weight(m, dtype):
     assert relative_error(out, expected) <= GEMLITE_TOLERANCE[dtype]
     compiled = torch.compile(layer, fullgraph=True)(x)
     assert relative_error(compiled, out) <= GEMLITE_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("part", ["rows", "columns", "split"])
+def test_a_copy_into_a_part_refreshes_the_whole_weights_device_form(part):
+    """The loading pattern of fused projections (copy_ into a narrow of the weight): the part
+    has no device form of its own, so the copy must refresh its parent's (found in review: the
+    parent kept multiplying the old weights)."""
+    config = Int4WeightOnlyConfig(32, backend="tinygemm")
+    q = qshard.Int4Tensor.from_float(gaussian(64, 256, seed=1).to(DEVICE), config)
+    new = qshard.Int4Tensor.from_float(gaussian(64, 256, seed=2).to(DEVICE), config)
+    q, new = q.to(torch.bfloat16), new.to(torch.bfloat16)
+    if part == "rows":
+        q.narrow(0, 0, 32).copy_(new.narrow(0, 0, 32))
+    elif part == "columns":
+        q[:, :64].copy_(new[:, :64])
+    else:
+        q.split(32, 0)[1].detach().copy_(new.split(32, 0)[1])
+    x = torch.randn(3, 256, device=DEVICE, dtype=torch.bfloat16)
+    fresh = q.clone()
+    fresh.set_device_form(None)
+    fresh.repack_for_device()  # the form made from the updated canonical tensors
+    assert torch.equal(F.linear(x, q), F.linear(x, fresh))
+    assert not torch.equal(q.dequantize(), qshard.Int4Tensor.from_float(
+        gaussian(64, 256, seed=1).to(DEVICE), config).to(torch.bfloat16).dequantize())  # fmt: skip
