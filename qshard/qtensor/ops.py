@@ -179,6 +179,8 @@ def _copy_(func, args, kwargs):
     owner = dst if dst.device_names else dst.form_owner
     if owner is not None:
         owner.refresh_device_form()
+    else:  # none yet (a model built on meta, then to_empty): made now if its backend wants one
+        dst.repack_for_device()
     return return_and_correct_aliasing(func, args, kwargs, dst)
 
 

@@ -198,3 +198,20 @@ def test_a_copy_into_a_part_refreshes_the_whole_weights_device_form(part):
     assert torch.equal(F.linear(x, q), F.linear(x, fresh))
     assert not torch.equal(q.dequantize(), qshard.Int4Tensor.from_float(
         gaussian(64, 256, seed=1).to(DEVICE), config).to(torch.bfloat16).dequantize())  # fmt: skip
+
+
+def test_a_model_built_empty_gets_its_device_form_from_load_state_dict():
+    config = Int4WeightOnlyConfig(64, backend="tinygemm")
+    model = nn.Sequential(nn.Linear(256, 128)).to(DEVICE, torch.bfloat16)
+    qshard.quantize_(model, config)
+    with torch.device("meta"):
+        empty = nn.Sequential(nn.Linear(256, 128)).to(torch.bfloat16)
+    qshard.quantize_(empty, config)
+    empty = empty.to_empty(device=DEVICE)
+    assert empty[0].weight.device_form is None  # empty_like: nothing to arrange yet
+    empty.load_state_dict(model.state_dict())
+    assert_same_device_form(empty[0].weight, model[0].weight)
+    x = torch.randn(2, 256, device=DEVICE, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*repack_for_device")
+        assert torch.equal(empty(x), model(x))
