@@ -12,7 +12,6 @@ Missing optional packages are reported, not silently skipped.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -21,11 +20,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_fp8 import LLAMA, bf16_method, load_gemlite_config, versions_line
-from bench_int4 import Weight4, machine_limits, sweep, weight_only_table
+from bench_fp8 import LLAMA, bf16_method, load_gemlite_config
+from bench_int4 import Weight4, machine_header, sweep, weight_only_args, weight_only_table
 
 from qshard.kernels import mxfp4, nvfp4
-from qshard.kernels.availability import load_w4a16_ops
 
 
 def mxfp4_weight(w):
@@ -102,17 +100,8 @@ def roofline_us(m: int, bits: float, bandwidth: float, peak: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--ms", default="1,16,128,2048")
-    parser.add_argument("--sweep", action="store_true", help="the kernel configs first")
-    parser.add_argument("--no-tables", action="store_true", help="the sweep only")
-    args = parser.parse_args()
-    load_w4a16_ops()
-    methods, ms = args.methods.split(","), [int(m) for m in args.ms.split(",")]
-    bandwidth, peak = machine_limits()
-    print(versions_line(("gemlite", "torchao")))
-    print(f"measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    args, methods, ms = weight_only_args(METHODS)
+    bandwidth, peak = machine_header(("gemlite", "torchao"))
     if args.sweep:
         sweep(ms, {"MXFP4": mxfp4_weight, "NVFP4": nvfp4_weight})
     if args.no_tables:

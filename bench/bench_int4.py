@@ -212,10 +212,18 @@ def sweep_candidates(m: int):
         yield "dequantize + cuBLAS", lambda n, k: DEQUANTIZE
 
 
-def sweep(ms, formats=None) -> None:
-    """Each kernel and config per M and format (Llama layer summed us), best first."""
+def time_launch(copies: list, k: int, m: int, config) -> float:
+    """us per call of `linear_launch` with `config` on M tokens, over the weight `copies`
+    (`Weight4`s of one shape, enough of them to pass the L2: `copies_for`)."""
     from qshard.kernels.w4a16_triton import linear_launch
 
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    fn = lambda: [linear_launch(w.fmt, x, *w.inner, None, w.group, config) for w in copies]  # noqa: E731
+    return time_us(fn, len(copies))
+
+
+def sweep(ms, formats=None) -> None:
+    """Each kernel and config per M and format (Llama layer summed us), best first."""
     formats = formats or {"int4 asym g128": int4_weight}
     for label_fmt, make in formats.items():
         print(f"\n### W4A16 kernel sweep: {label_fmt} (Llama-3.1-8B layer, summed us)\n")
@@ -226,11 +234,7 @@ def sweep(ms, formats=None) -> None:
             count = copies_for(n * k // 2, m)
             copies = weights[name]
             copies += [copies[0].clone() for _ in range(count - len(copies))]
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            fn = lambda cs=copies[:count]: [  # noqa: E731
-                linear_launch(w.fmt, x, *w.inner, None, w.group, config) for w in cs
-            ]
-            return time_us(fn, count)
+            return time_launch(copies[:count], k, m, config)
 
         for m, results in sweep_results(ms, LLAMA, sweep_candidates, time_shape):
             print(f"- M={m}: {best_four(results)}", flush=True)
@@ -253,18 +257,31 @@ def int4_weight(w):
     return Weight4(Format.INT4_ASYM, (packed, scale, zero, scale), GROUP)
 
 
-def main() -> None:
+def weight_only_args(methods: dict) -> tuple[argparse.Namespace, list[str], list[int]]:
+    """The options of the weight-only benchmarks (this one and bench_fp4.py): (args, method
+    names, token counts)."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(methods))
     parser.add_argument("--ms", default="1,16,128,2048")
     parser.add_argument("--sweep", action="store_true", help="the kernel configs first")
     parser.add_argument("--no-tables", action="store_true", help="the sweep only")
     args = parser.parse_args()
+    return args, args.methods.split(","), [int(m) for m in args.ms.split(",")]
+
+
+def machine_header(optional_packages) -> tuple[float, float]:
+    """Load the kernels, measure the machine and print the versions line and the limits;
+    (copy bandwidth in bytes/s, bf16 matmul peak in flop/s)."""
     load_w4a16_ops()
-    methods, ms = args.methods.split(","), [int(m) for m in args.ms.split(",")]
     bandwidth, peak = machine_limits()
-    print(versions_line(("gemlite",) if "gemlite" in methods else ()))
+    print(versions_line(optional_packages))
     print(f"measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    return bandwidth, peak
+
+
+def main() -> None:
+    args, methods, ms = weight_only_args(METHODS)
+    bandwidth, peak = machine_header(("gemlite",) if "gemlite" in methods else ())
     if args.sweep:
         sweep(ms)
     if args.no_tables:

@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_fp4 import mxfp4_weight, nvfp4_weight
-from bench_fp8 import LLAMA, copies_for, time_us, versions_line
-from bench_int4 import int4_weight, sweep_candidates
+from bench_fp8 import LLAMA, copies_for, versions_line
+from bench_int4 import int4_weight, sweep_candidates, time_launch
 
 from qshard.kernels import tuning
 from qshard.kernels.availability import load_w4a16_ops
@@ -35,26 +35,19 @@ MIN_GAIN = 0.03
 FORMATS = {"int4": int4_weight, "mxfp4": mxfp4_weight, "nvfp4": nvfp4_weight}
 
 
-def time_config(weight, n: int, k: int, m: int, config) -> float:
-    from qshard.kernels.w4a16_triton import linear_launch
-
-    copies = [weight] + [weight.clone() for _ in range(copies_for(n * k // 2, m) - 1)]
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    fn = lambda: [linear_launch(w.fmt, x, *w.inner, None, w.group, config) for w in copies]  # noqa: E731
-    return time_us(fn, len(copies))
-
-
 def tune_shape(weight, n: int, k: int, m: int) -> tuple[dict | None, float, float, str]:
     """(best config or None when the default is as good, its us, the default's us, label)."""
     from qshard.kernels.w4a16_triton import default_config
 
+    # One set of weight copies per shape and M, shared by every candidate.
+    copies = [weight] + [weight.clone() for _ in range(copies_for(n * k // 2, m) - 1)]
     default = default_config(weight.fmt, m, n, k, torch.device("cuda"))
-    default_us = time_config(weight, n, k, m, default)
+    default_us = time_launch(copies, k, m, default)
     best, best_us, best_label = None, default_us, "default"
     for label, config_for in sweep_candidates(m):
         config = config_for(n, k)
         try:
-            us = time_config(weight, n, k, m, config)
+            us = time_launch(copies, k, m, config)
         except Exception as e:  # a config that does not compile here: shown, not fatal
             print(f"  ({n}x{k} M={m} {label}: {type(e).__name__})")
             continue

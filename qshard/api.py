@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import QuantConfig
 from .errors import ConfigError, QShardError, UnsupportedWeightError
-from .qtensor import QTensor
+from .qtensor import QTensor, stored_nbytes
 
 __all__ = [
     "QuantizationReport",
@@ -103,12 +103,6 @@ class QuantizationReport:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    if isinstance(t, QTensor):
-        return sum(_nbytes(inner) for inner in t.inner_tensors().values())
-    return t.numel() * t.element_size()
 
 
 def _skip_reason(
@@ -287,8 +281,8 @@ def _quantize_all(model, handler, config, include, exclude, filter_fn):
                 name,
                 type(_local(qweight)).__name__,
                 tuple(module.weight.shape),
-                _nbytes(_local(module.weight)),
-                _nbytes(_local(qweight)),
+                stored_nbytes(_local(module.weight)),
+                stored_nbytes(_local(qweight)),
             )
         )
     return report, pending

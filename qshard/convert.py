@@ -14,8 +14,6 @@ import os
 import pathlib
 import sys
 
-import torch
-
 from .errors import QShardError
 from .formats.source import SafetensorsDir, read_json
 from .io import save
@@ -25,7 +23,7 @@ from .layouts import (
     MXFP4WeightOnlyConfig,
     NVFP4WeightOnlyConfig,
 )
-from .qtensor import FLOAT_DTYPES, QTensor
+from .qtensor import FLOAT_DTYPES, QTensor, stored_nbytes
 
 __all__ = ["CONFIGS", "DEFAULT_EXCLUDE", "inspect_checkpoint", "quantize_directory"]
 
@@ -95,11 +93,6 @@ def _layout_for(config) -> type[QTensor]:
     return next(c for c in registered_layouts() if config_class_of(c) is type(config))
 
 
-def _nbytes(value: torch.Tensor) -> int:
-    tensors = value.inner_tensors().values() if isinstance(value, QTensor) else [value]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def inspect_checkpoint(path: str | os.PathLike, out=None) -> dict:
     """Print each tensor of a checkpoint (qshard's, or a format `load_pretrained` reads): its
     layout, shape, bits per weight and bytes, then the totals and what was left unquantized."""
@@ -113,7 +106,7 @@ def inspect_checkpoint(path: str | os.PathLike, out=None) -> dict:
     state = load(directory) if is_qshard else load_pretrained(directory)
     rows, totals = [], {"quantized": 0, "float": 0}
     for name, value in state.items():
-        nbytes = _nbytes(value)
+        nbytes = stored_nbytes(value)
         if isinstance(value, QTensor):
             bits = 8 * nbytes / value.numel()
             attrs = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in value.attrs().items())

@@ -23,6 +23,7 @@ from .layouts import (
     NVFP4WeightOnlyConfig,
 )
 from .metrics import cosine_similarity, sqnr_db
+from .qtensor import stored_nbytes
 
 __all__ = ["MINILM_SENTENCES", "minilm_available", "run_demo", "run_minilm_demo"]
 
@@ -130,7 +131,7 @@ def run_minilm_demo() -> dict[str, dict[str, float]]:
 
     def linear_bytes(model) -> int:
         weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
-        return sum(_stored_bytes(w) for w in weights)
+        return sum(stored_nbytes(w) for w in weights)
 
     results = {"float": {"cosine_min": 1.0, "cosine_mean": 1.0,
                          "linear_bytes": linear_bytes(base),
@@ -157,10 +158,3 @@ def run_minilm_demo() -> dict[str, dict[str, float]]:
               f"{r['linear_bytes'] / 2**20:.1f} MiB | {r['ms']:.1f} ms |")  # fmt: skip
     print("\n(CPU: the reference paths; the speedups are the GPU kernels', bench/README.md)")
     return results
-
-
-def _stored_bytes(t: torch.Tensor) -> int:
-    from .qtensor import QTensor
-
-    inner = t.inner_tensors().values() if isinstance(t, QTensor) else [t]
-    return sum(x.numel() * x.element_size() for x in inner)

@@ -464,13 +464,13 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
         )  # fmt: skip
         return out
     if kernel == "gemv":
-        config = dict(config or gemv_config(fmt))
+        config = dict(config)
         grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
         _gemv_kernel[grid](*args, m, n, k, qdata.shape[1], x.stride(0), qdata.stride(0),
                            scale.stride(0), out.stride(0), EVEN_K=k % config["BLOCK_K"] == 0,
                            **common, **config)  # fmt: skip
         return out
-    config = dict(config or small_m_config(m, n, k, x.device))
+    config = dict(config)
     if INTERPRETED:  # the interpreter runs one program at a time, sequentially
         config.update(num_stages=1)
     steps = triton.cdiv(k, config["BLOCK_K"])

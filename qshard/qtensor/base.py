@@ -38,7 +38,7 @@ import torch
 
 from ..errors import InvalidDimError, LayoutMismatchError, MisalignedSliceError, UnsupportedOpError
 
-__all__ = ["DeviceForm", "QTensor"]
+__all__ = ["DeviceForm", "QTensor", "stored_nbytes"]
 
 Handler = Callable[..., Any]
 Packing = dict[str, tuple[int, int] | None]
@@ -470,6 +470,14 @@ class QTensor(torch.Tensor):
         )
 
     __str__ = __repr__
+
+
+def stored_nbytes(t: torch.Tensor) -> int:
+    """Bytes `t` stores: a QTensor's canonical inner tensors (not its device form), or the
+    tensor's own."""
+    if isinstance(t, QTensor):
+        return sum(stored_nbytes(inner) for inner in t.inner_tensors().values())
+    return t.numel() * t.element_size()
 
 
 def _register(table: dict[Any, Handler], ops: Any) -> Callable[[Handler], Handler]:
