@@ -26,6 +26,8 @@ from .io import load, save
 from .layouts import (
     Fp8BlockwiseConfig,
     Fp8BlockwiseTensor,
+    Fp8RowwiseConfig,
+    Fp8RowwiseTensor,
     Int4Tensor,
     Int4WeightOnlyConfig,
     Mxfp4Tensor,
@@ -51,6 +53,8 @@ __all__ = [
     "ConfigError",
     "Fp8BlockwiseConfig",
     "Fp8BlockwiseTensor",
+    "Fp8RowwiseConfig",
+    "Fp8RowwiseTensor",
     "InputMismatchError",
     "Int4Tensor",
     "Int4WeightOnlyConfig",

@@ -7,6 +7,7 @@ to exercise in `contract_configs()`.
 from __future__ import annotations
 
 import io
+import itertools
 
 import pytest
 import torch
@@ -156,7 +157,7 @@ def test_slicing_commutes_with_packing(cls, config, data):
     w = gaussian(n, k, seed=data.draw(st.integers(0, 2**31)))
     q = cls.from_float(w, config)
     sliced = q[r0:r1, c0:c1]
-    assert_same_qtensor(sliced, q.quantize_like(w[r0:r1, c0:c1]))
+    assert_same_qtensor(sliced, q.quantize_like(w[r0:r1, c0:c1], at=(r0, c0)))
     assert torch.equal(sliced.dequantize(), q.dequantize()[r0:r1, c0:c1])
     # The same through the transposed view that F.linear's decomposition uses.
     assert torch.equal(q.t()[c0:c1, r0:r1].dequantize(), sliced.t().dequantize())
@@ -175,20 +176,28 @@ def test_split_chunk_and_cat_commute(cls, config, data):
     shape[dim] = pieces * step + tail
     w = gaussian(*shape, seed=data.draw(st.integers(0, 2**31)))
     q = cls.from_float(w, config)
+
+    def like(pieces_of_w):  # each float piece quantized as q, at its offset along dim
+        offsets = [0, *itertools.accumulate(p.shape[dim] for p in pieces_of_w)]
+        return [
+            q.quantize_like(p, at=(o, 0) if dim == 0 else (0, o))
+            for p, o in zip(pieces_of_w, offsets, strict=False)
+        ]
+
     parts = q.split(step, dim)
     assert len(parts) == len(w.split(step, dim))
-    for part, wpart in zip(parts, w.split(step, dim), strict=True):
-        assert_same_qtensor(part, q.quantize_like(wpart))
+    for part, expected in zip(parts, like(w.split(step, dim)), strict=True):
+        assert_same_qtensor(part, expected)
     assert_same_qtensor(torch.cat(parts, dim), q)
     sizes = [step] * (pieces - 1) + [step + tail]  # split_with_sizes; chunk on the outer tensor
-    for part, wpart in zip(q.split(sizes, dim), w.split(sizes, dim), strict=True):
-        assert_same_qtensor(part, q.quantize_like(wpart))
+    for part, expected in zip(q.split(sizes, dim), like(w.split(sizes, dim)), strict=True):
+        assert_same_qtensor(part, expected)
     if tail == 0:
-        for part, wpart in zip(q.chunk(pieces, dim), w.chunk(pieces, dim), strict=True):
-            assert_same_qtensor(part, q.quantize_like(wpart))
-    for part, wpart in zip(q.t().split(step, 1 - dim), w.split(step, dim), strict=True):
-        assert_same_qtensor(part.t(), q.quantize_like(wpart))
-    halves = [q.quantize_like(p) for p in w.chunk(2, dim)]
+        for part, expected in zip(q.chunk(pieces, dim), like(w.chunk(pieces, dim)), strict=True):
+            assert_same_qtensor(part, expected)
+    for part, expected in zip(q.t().split(step, 1 - dim), like(w.split(step, dim)), strict=True):
+        assert_same_qtensor(part.t(), expected)
+    halves = like(w.chunk(2, dim))
     if halves[0].shape[dim] % step == 0:
         assert_same_qtensor(torch.cat(halves, dim), q)
     else:
@@ -252,12 +261,12 @@ def test_narrow_copy_writes_into_parent(cls, config):
     w = gaussian(3 * gn, 2 * gk)
     q = cls.from_float(w, config)
     update = gaussian(gn, 2 * gk, std=0.05)
-    q.narrow(0, gn, gn).copy_(q.quantize_like(update))
+    q.narrow(0, gn, gn).copy_(q.quantize_like(update, at=(gn, 0)))
     expected = w.clone()
     expected[gn : 2 * gn] = update
     assert_same_qtensor(q, q.quantize_like(expected))
     column_update = gaussian(3 * gn, gk, std=0.01)
-    q.narrow(1, gk, gk).copy_(q.quantize_like(column_update))
+    q.narrow(1, gk, gk).copy_(q.quantize_like(column_update, at=(0, gk)))
     expected[:, gk:] = column_update
     assert_same_qtensor(q, q.quantize_like(expected))
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..qtensor import spans_dim
 from ..tp.styles import chunk_bounds, shard_cuts
 from .format import SAFETENSORS_DTYPES, Record, StoredTensor, crc32, decode_metadata, dtype_name
 
@@ -249,7 +250,7 @@ class Checkpoint:
         inner = {}
         for name, stored in record.inner.items():
             packing = meta.packing()[name]
-            if packing is None:
+            if spans_dim(packing, logical):
                 tensor = self._read_stored(header, stored)
             else:
                 p = packing[logical]

@@ -90,7 +90,7 @@ class Nvfp4Tensor(QTensor):
     def from_float_part(cls, part, whole, config) -> Nvfp4Tensor:
         return cls.from_float(part, config, global_scale=global_scale_of(whole).to(part.device))
 
-    def quantize_like(self, weight: torch.Tensor) -> Nvfp4Tensor:
+    def quantize_like(self, weight: torch.Tensor, at: tuple[int, int] = (0, 0)) -> Nvfp4Tensor:
         return type(self).from_float(weight, self.config(), global_scale=self.global_scale)
 
     @classmethod

@@ -1,6 +1,6 @@
 """The QTensor base class and the shape ops every layout shares."""
 
 from . import ops as _ops  # noqa: F401  (registers the shared ops on QTensor)
-from .base import FLOAT_DTYPES, DeviceForm, QTensor, stored_nbytes
+from .base import FLOAT_DTYPES, WHOLE, DeviceForm, QTensor, spans_dim, stored_nbytes
 
-__all__ = ["FLOAT_DTYPES", "DeviceForm", "QTensor", "stored_nbytes"]
+__all__ = ["FLOAT_DTYPES", "WHOLE", "DeviceForm", "QTensor", "spans_dim", "stored_nbytes"]

@@ -10,7 +10,9 @@ to, copy_, ...), which are written once here and driven by one hook per layout:
 Every inner tensor is 2-D with dim 0 along the weight's output dim N and dim 1 along its input dim
 K (a tensor that covers the whole weight, such as a per-tensor scale, maps to None and is shared
 by every slice). An element (i, j) of an inner tensor with packing (r, c) covers the logical rows
-[i*r, (i+1)*r) and columns [j*c, (j+1)*c), clipped at the edge (partial edge blocks).
+[i*r, (i+1)*r) and columns [j*c, (j+1)*c), clipped at the edge (partial edge blocks). A side
+`WHOLE` spans the whole dim: a per-row scale [N, 1] is (1, WHOLE), shared by every part of its
+row, as a None value is shared by every part of the weight.
 
 A layout may also keep a *device form*: the same weight arranged for one backend's kernels on
 one device (tinygemm's tiles, gemlite's packing), made from the canonical inner tensors by
@@ -38,10 +40,19 @@ import torch
 
 from ..errors import InvalidDimError, LayoutMismatchError, MisalignedSliceError, UnsupportedOpError
 
-__all__ = ["DeviceForm", "QTensor", "stored_nbytes"]
+__all__ = ["WHOLE", "DeviceForm", "QTensor", "spans_dim", "stored_nbytes"]
 
 Handler = Callable[..., Any]
 Packing = dict[str, tuple[int, int] | None]
+
+# A packing side that spans the whole dim (see the module docstring).
+WHOLE = -1
+
+
+def spans_dim(packing: tuple[int, int] | None, dim: int) -> bool:
+    """Whether an inner tensor with this packing is shared by every part cut along `dim`."""
+    return packing is None or packing[dim] == WHOLE
+
 
 # The float dtypes a quantized weight can stand in for (outer dtype) and accept as activations.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -149,10 +160,11 @@ class QTensor(torch.Tensor):
         global scale) is computed over `whole`: shard-then-quantize equals quantize-then-shard."""
         return cls.from_float(part, config)
 
-    def quantize_like(self, weight: torch.Tensor) -> QTensor:
-        """`weight` (a part of the float weight this tensor came from) quantized as this tensor
-        quantized it: its config, and any per-tensor state a part cannot recompute (NVFP4's
-        global scale). Slicing commutes with this (design.md invariant 1)."""
+    def quantize_like(self, weight: torch.Tensor, at: tuple[int, int] = (0, 0)) -> QTensor:
+        """`weight` (a part of the float weight this tensor came from, whose top-left element
+        is logical element `at` of this one) quantized as this tensor quantized it: its config,
+        and any state a part cannot recompute (NVFP4's global scale, the per-row FP8 scales of
+        rows at[0]...). Slicing commutes with this (design.md invariant 1)."""
         return type(self).from_float(weight, self.config())
 
     @classmethod
@@ -167,6 +179,13 @@ class QTensor(torch.Tensor):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T + bias for the untransposed weight W."""
         raise NotImplementedError
+
+    def activation_scale_spans_k(self) -> bool:
+        """Whether the matmul quantizes activations with scales taken over the whole of K (per-row
+        FP8 W8A8: one scale per token). A row-parallel shard then quantizes its own slice of K,
+        so the TP output is the sum of the parts' products (as in vLLM's and torchao's TP), not
+        the single-device product up to summation order; design.md invariant 6 holds per part."""
+        return False
 
     def make_device_form(self) -> DeviceForm | None:
         """This weight arranged for its backend's kernels on its device, or None where the
@@ -389,7 +408,7 @@ class QTensor(torch.Tensor):
 
     def slice_granularity(self, dim: int) -> int:
         """The smallest step of logical `dim` at which every inner tensor can be cut."""
-        steps = [p[dim] for p in self.packing().values() if p is not None]
+        steps = [p[dim] for p in self.packing().values() if not spans_dim(p, dim)]
         return math.lcm(*steps) if steps else 1
 
     def misaligned_offsets(self, dim: int, offsets: Iterable[int]) -> list[int]:
@@ -421,7 +440,7 @@ class QTensor(torch.Tensor):
         inner = {}
         for name, tensor in self.inner_tensors().items():
             packing = self.packing()[name]
-            if packing is None:
+            if spans_dim(packing, dim):
                 inner[name] = tensor
                 continue
             step = packing[dim]
@@ -442,7 +461,8 @@ class QTensor(torch.Tensor):
     def _packing_text(self) -> str:
         parts = []
         for name, p in self.packing().items():
-            parts.append(f"{name}: whole tensor" if p is None else f"{name}: {p[0]}x{p[1]}")
+            sides = ["all" if side == WHOLE else str(side) for side in p or ()]
+            parts.append(f"{name}: whole tensor" if p is None else f"{name}: {'x'.join(sides)}")
         return "(" + ", ".join(parts) + ")"
 
     def validate(self) -> None:

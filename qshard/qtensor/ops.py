@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..errors import InvalidDimError, LayoutMismatchError, UnsupportedOpError
-from .base import FLOAT_DTYPES, QTensor
+from .base import FLOAT_DTYPES, WHOLE, QTensor, spans_dim
 
 aten = torch.ops.aten
 
@@ -188,15 +188,19 @@ def _check_whole_tensor_values(dst: QTensor, src: QTensor) -> None:
     """A value that covers the whole weight (packing None: NVFP4's global scale) is shared by
     every part of it. Copying another one is right for a whole weight (load_state_dict into a
     quantized model) but would rescale the rest of the parent when `dst` is a part of a larger
-    weight (a narrow, a TP shard), seen as packed data that does not span its storage."""
+    weight (a narrow, a TP shard), seen as packed data that does not span its storage. The same
+    holds for a value that spans whole rows (packing (r, WHOLE): per-row scales) when `dst` is
+    a part of the columns, seen as packed data narrower than its row stride."""
     packing = dst.packing()
-    whole_values = [n for n, p in packing.items() if p is None]
-    if not whole_values:
+    shared = [n for n, p in packing.items() if spans_dim(p, 1)]
+    if not shared:
         return
-    packed = [getattr(dst, n) for n, p in packing.items() if p is not None]
+    packed = [getattr(dst, n) for n, p in packing.items() if p is not None and WHOLE not in p]
     is_part = any(t.untyped_storage().nbytes() > t.numel() * t.element_size() for t in packed)
-    for name in whole_values:
-        if is_part and not torch.equal(getattr(dst, name), getattr(src, name)):
+    is_column_part = any(t.size(1) < t.stride(0) for t in packed)
+    for name in shared:
+        part = is_part if packing[name] is None else is_column_part
+        if part and not torch.equal(getattr(dst, name), getattr(src, name)):
             raise LayoutMismatchError(
                 f"copy_ into a part of a {type(dst).__name__}: the source's {name!r} differs "
                 f"from the one the whole weight shares; quantize the source with the "
@@ -263,11 +267,11 @@ def _cat(func, args, kwargs):
     inner = {}
     for name, packing in first.packing().items():
         parts = [getattr(t, name) for t in tensors]
-        if packing is None:
+        if spans_dim(packing, dim):
             if not all(torch.equal(parts[0], p) for p in parts[1:]):
                 raise LayoutMismatchError(
-                    f"cat: the whole-tensor value {name!r} differs between pieces; quantize the "
-                    f"pieces with a shared {name!r}"
+                    f"cat: {name!r}, shared by every part along this dim, differs between "
+                    f"pieces; quantize the pieces with a shared {name!r}"
                 )
             inner[name] = parts[0].clone()
         else:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import QShardError
-from ..qtensor import QTensor
+from ..qtensor import QTensor, spans_dim
 
 __all__ = ["full_tensor"]
 
@@ -54,7 +54,7 @@ def _gather_shards(local: QTensor, outer_dim: int, group) -> QTensor:
     specs = [local.inner_specs(shape, attrs) for shape in shapes]
     pieces: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
     for name, tensor in local.inner_tensors().items():
-        if packing[name] is None:  # a whole-tensor value: the same on every rank
+        if spans_dim(packing[name], logical):  # a value every rank's part shares
             for piece in pieces:
                 piece[name] = tensor
             continue

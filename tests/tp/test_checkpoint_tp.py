@@ -21,6 +21,7 @@ import qshard
 import qshard.tp
 from qshard import QShardError
 from qshard.io import Checkpoint
+from qshard.qtensor import spans_dim
 
 # The DeepSeek-like case of test_tensor_parallel: 4 x 576 MLP rows, cut at TP 4 into 576-wide
 # shards (4.5 x 128): the loaded shards must be re-blocked to 64 exactly as parallelize does.
@@ -108,11 +109,15 @@ def _load_sharded_worker(rank, world, mesh, directory, dims):
         reads["whole"].clear(), reads["slice"].clear()
         loaded = qshard.load(directory / str(i), meta_model(dims), mesh=mesh, plan=PLAN)
         # Every sharded tensor is read by slices: the weights (their packed inner tensors; a
-        # whole-tensor value is read whole), the column-parallel biases, the row-parallel
-        # embedding.
+        # value every part shares along the cut dim, such as a whole-tensor or per-row scale,
+        # is read whole), the column-parallel biases, the row-parallel embedding.
         packing = loaded.block.qkv.weight.to_local().packing()
-        packed = [name for name in cls.inner_names if packing[name] is not None]
-        sharded = {f"block.{n}.weight.{inner}" for n in BLOCK_PLAN for inner in packed}
+        sharded = {
+            f"block.{n}.weight.{inner}"
+            for n, style in BLOCK_PLAN.items()
+            for inner in cls.inner_names
+            if not spans_dim(packing[inner], 0 if style == "colwise" else 1)
+        }
         sharded |= {"block.qkv.bias", "block.gate_up.bias", "embed.weight"}
         assert set(reads["slice"]) == sharded and not sharded & set(reads["whole"])
         expected = quantized_model(dims, config, seed=i)

@@ -7,6 +7,8 @@ of processes; the worker functions live at module level so that spawn can import
 from __future__ import annotations
 
 import copy
+import functools
+import itertools
 import os
 import tempfile
 import time
@@ -128,6 +130,10 @@ def _realigned_like(reference: nn.Module, sharded: nn.Module, world: int) -> Non
             realigned = weight.realign(dim, cuts)
             assert realigned.attr_values() == local.attr_values()
             module.weight = nn.Parameter(realigned.clone(), requires_grad=False)
+            if dim == 1 and weight.activation_scale_spans_k():
+                module.forward = functools.partial(
+                    lambda m, x: _k_parts_linear(x, m.weight, m.bias, world), module
+                )
 
 
 # ---- column- and row-parallel linears ------------------------------------------------------
@@ -146,11 +152,21 @@ def _column_parallel_worker(rank, world, mesh):
         assert torch.equal(gathered, expected), f"{cls.__name__} {config}: colwise differs"
 
 
+def _k_parts_linear(x, weight, bias, world):
+    """x @ W.T + bias as a row-parallel layer computes it where the activation quantization
+    spans K (`activation_scale_spans_k`): each rank's part of K by itself, then summed."""
+    cuts = [0, *qshard.tp.shard_cuts(weight.shape[1], world), weight.shape[1]]
+    parts = [F.linear(x[..., a:b], weight[:, a:b]) for a, b in itertools.pairwise(cuts)]
+    return torch.stack(parts).sum(0) + (bias if bias is not None else 0)
+
+
 def _row_parallel_worker(rank, world, mesh):
     for _, config in LAYOUT_CASES:
         linear = _quantized(nn.Linear(world * 256, 96, bias=True), config)
         x = torch.randn(5, world * 256)
         expected = linear(x)
+        if linear.weight.activation_scale_spans_k():
+            expected = _k_parts_linear(x, linear.weight, linear.bias, world)
         qshard.tp.parallelize(linear, mesh, RowwiseParallel(input_layouts=Shard(-1)))
         local_x = x.chunk(world, -1)[rank]
         torch.testing.assert_close(linear(local_x), expected, **ROW_PARALLEL_TOLERANCE)
