@@ -11,7 +11,9 @@ that their total exceeds the 50 MB L2, so small-M numbers measure HBM, not cache
 Methods: bf16 F.linear (cuBLAS); qshard auto / triton / cublas; torch's cuBLAS blockwise
 scaled_mm with the activation quantization in plain torch; torchao blockwise FP8
 (Float8DynamicActivationFloat8WeightConfig, PerBlock 1x128 / 128x128); gemlite fp8 dynamic
-(per-channel, A8W8_fp8_dynamic). Missing optional packages are reported, not silently skipped.
+(per-channel, A8W8_fp8_dynamic); and per-row FP8 (one scale per weight row, per-token
+activations): qshard's Fp8RowwiseTensor eager and compiled, torchao PerRow. Missing optional
+packages are reported, not silently skipped.
 """
 
 from __future__ import annotations
@@ -95,6 +97,29 @@ def torchao_method(w):
     return linear
 
 
+def qshard_perrow_method(compiled: bool):
+    """qshard's FP8 per-row layout through F.linear (cuBLAS row-wise scaled_mm; the per-token
+    activation quantization is plain torch ops, fused into one kernel when compiled)."""
+
+    linear = torch.compile(F.linear, fullgraph=True, dynamic=False) if compiled else F.linear
+
+    def build(w):
+        weight = qshard.Fp8RowwiseTensor.from_float(w)
+        return lambda x: linear(x, weight)
+
+    return build
+
+
+def torchao_perrow_method(w):
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+    from torchao.quantization import quantize_ as ao_quantize
+
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype)
+    linear.weight.data.copy_(w)
+    ao_quantize(linear, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return linear
+
+
 def load_gemlite_config() -> None:
     import gemlite
 
@@ -119,6 +144,9 @@ METHODS = {
     "torch-cublas-blockwise": torch_cublas_method,
     "torchao-blockwise": torchao_method,
     "gemlite-fp8-perchannel": gemlite_method,
+    "qshard-perrow": qshard_perrow_method(compiled=False),
+    "qshard-perrow-compiled": qshard_perrow_method(compiled=True),
+    "torchao-perrow": torchao_perrow_method,
 }
 
 

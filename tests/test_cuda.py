@@ -67,3 +67,21 @@ def test_save_from_gpu_and_load_onto_gpu(cls, config, tmp_path):
     assert_same_qtensor(fresh[0].weight.cpu(), model[0].weight.cpu())
     x = torch.randn(5, 320, device="cuda", dtype=dtype)
     assert torch.equal(fresh(x), model(x))
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 257])
+def test_fp8_rowwise_cublas_matches_the_reference(m):
+    """torch._scaled_mm with row-wise scales (fp32 accumulation, scales in its epilogue) vs the
+    reference's float64 sums: within bf16 output rounding."""
+    w = gaussian(320, 512).cuda()
+    q = qshard.Fp8RowwiseTensor.from_float(w.to(torch.bfloat16))
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(320, device="cuda", dtype=torch.bfloat16)
+    assert q.select_backend(x) is qshard.Backend.CUBLAS
+    out = F.linear(x, q, bias)
+    reference = F.linear(x, q.with_changes(backend=qshard.Backend.REFERENCE), bias)
+    error = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+    assert error <= 1e-2, f"relative error {error:.2e} > 1e-2"
+    compiled = torch.compile(lambda x: F.linear(x, q, bias), fullgraph=True)
+    assert qshard.sqnr_db(out, compiled(x)) > 40
+    assert q.select_backend(x.half()) is qshard.Backend.REFERENCE  # bf16 output only

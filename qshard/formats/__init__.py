@@ -7,8 +7,9 @@ trip, and export qshard-quantized models to them (facts.md §5).
 
 Formats, one file each (detect from config.json / hf_quant_config.json, load, export):
 `deepseek-fp8` (DeepSeek-V3/R1, Qwen3-FP8 block FP8), `modelopt-nvfp4` (NVIDIA ModelOpt),
-`compressed-tensors` (pack-quantized int4, nvfp4-pack-quantized), `gpt-oss-mxfp4` and
-`torchao` (Float8Tensor in blocks; load only).
+`compressed-tensors` (pack-quantized int4, nvfp4-pack-quantized, float-quantized FP8 per
+channel, per tensor and in blocks), `gpt-oss-mxfp4` (load only) and `torchao` (Float8Tensor per
+row, per tensor and in blocks; Int4Tensor; load only).
 Each maps the stored codes and scales into the layout as they are (the tests check every
 format's dequantization formula, written out from its spec, against the loaded layout).
 """

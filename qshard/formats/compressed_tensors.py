@@ -1,8 +1,10 @@
-"""compressed-tensors checkpoints (llm-compressor; facts.md §5) <-> Int4Tensor / Nvfp4Tensor.
+"""compressed-tensors checkpoints (llm-compressor; facts.md §5) <-> Int4Tensor / Nvfp4Tensor /
+Fp8RowwiseTensor / Fp8BlockwiseTensor.
 
 config.json `quantization_config`: quant_method "compressed-tensors", format (for the model or
-per config group) "pack-quantized" or "nvfp4-pack-quantized", config_groups with the weights'
-args, `ignore` (modules left unquantized). Per quantized linear `<p>`:
+per config group) "pack-quantized", "nvfp4-pack-quantized" or "float-quantized", config_groups
+with the weights' and input activations' args, `ignore` (modules left unquantized). Per
+quantized linear `<p>`:
 
 pack-quantized int4 (num_bits 4, type int, strategy group): `weight_packed` int32
 [N, ceil(K/8)], each value q in -8..7 stored as q + 8, element i of a word at bits 4i (LSB
@@ -22,6 +24,15 @@ the format's. Export picks, among the fp32 neighbours of 1 / multiplier, the div
 reciprocal is nearest the multiplier: export -> load gives codes and block scales bit for bit,
 and the global scale exactly where an fp32 divisor can (about 83 % of fp32 values; the
 reciprocal skips the others) and within one fp32 ulp elsewhere.
+
+float-quantized FP8 (num_bits 8, type float; llm-compressor's FP8 and FP8-Dynamic schemes):
+`weight` float8_e4m3fn [N, K] and `weight_scale` (fp32 or bf16, a multiplier: W = weight *
+weight_scale): strategy "channel" [N, 1] -> Fp8RowwiseTensor; "tensor" (one value) ->
+Fp8RowwiseTensor with that scale on every row; "block" [ceil(N/bn), ceil(K/bk)] with the
+group's `block_structure` [bn, bk] -> Fp8BlockwiseTensor. Input activations: none -> weight-only;
+dynamic (per token, or per group for blocks) -> qshard's dynamic activation quantization; static
+(an `input_scale` per tensor) -> dynamic per token too, which is finer (the input_scale is
+dropped). Export writes channel (per-row) and block FP8 with dynamic activations.
 """
 
 from __future__ import annotations
@@ -30,14 +41,14 @@ import sys
 
 import torch
 
-from ..config import Backend
+from ..config import Backend, ScaleFormat
 from ..errors import CheckpointError, QShardError
 from ..kernels.packing import unpack_nibbles
-from ..layouts import Int4Tensor, Nvfp4Tensor
+from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor, Nvfp4Tensor
 from ..qtensor import QTensor
 
 NAME = "compressed-tensors"
-INT4_FORMAT, NVFP4_FORMAT = "pack-quantized", "nvfp4-pack-quantized"
+INT4_FORMAT, NVFP4_FORMAT, FP8_FORMAT = "pack-quantized", "nvfp4-pack-quantized", "float-quantized"
 NVFP4_GROUP = 16
 
 
@@ -69,6 +80,12 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
             consumed.update(f"{prefix}.{n}" for n in (
                 "weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
                 "weight_global_scale", "input_global_scale"))  # fmt: skip
+        elif key.endswith(".weight") and key.removesuffix("weight") + "weight_scale" in reader:
+            prefix = key.removesuffix(".weight")
+            qdata = reader.get(key)
+            if qdata.dtype == torch.float8_e4m3fn:
+                state[key] = _fp8(reader, prefix, qdata, config, dtype)
+                consumed.update(f"{prefix}.{n}" for n in ("weight", "weight_scale", "input_scale"))
     for key in reader.names():
         if key not in consumed:
             state[key] = reader.get(key)
@@ -153,6 +170,58 @@ def _nvfp4(reader, prefix: str, packed: torch.Tensor, dtype: torch.dtype) -> QTe
     return tensor
 
 
+def _fp8_group(config: dict) -> dict:
+    """The config group of the FP8 weights (type float, 8 bits): its weights' and input
+    activations' args."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    for group in groups.values():
+        weights = group.get("weights") or {}
+        if weights.get("type") == "float" and weights.get("num_bits") == 8:
+            return group
+    return {}
+
+
+def _fp8(reader, prefix: str, qdata: torch.Tensor, config: dict, dtype: torch.dtype) -> QTensor:
+    where = f"{reader.directory}: {prefix}"
+    scale = reader.get(prefix + ".weight_scale").float()
+    n, k = qdata.shape
+    group = _fp8_group(config)
+    weight_only = not group.get("input_activations")
+    if scale.numel() == 1 or tuple(scale.shape) in ((n, 1), (n,)):  # tensor or channel
+        rows = scale.reshape(-1, 1).expand(n, 1).contiguous()
+        inner = {"qdata": qdata, "scale": rows}
+        tensor = Fp8RowwiseTensor(inner, shape=(n, k), dtype=dtype,
+                                  weight_only=weight_only, backend=Backend.AUTO)  # fmt: skip
+    else:
+        bn, bk = (group.get("weights") or {}).get("block_structure") or (128, 128)
+        if tuple(scale.shape) != (-(-n // bn), -(-k // bk)):
+            raise CheckpointError(f"{where}: weight_scale {list(scale.shape)} fits neither a "
+                                  f"scale per row ([{n}, 1]), one per tensor, nor {bn}x{bk} "
+                                  f"blocks of [{n}, {k}]")  # fmt: skip
+        tensor = Fp8BlockwiseTensor(
+            {"qdata": qdata, "scale": scale}, shape=(n, k), dtype=dtype,
+            block_size=(bn, bk), act_group_size=bk, weight_only=weight_only,
+            scale_format=ScaleFormat.FP32, backend=Backend.AUTO,
+        )  # fmt: skip
+    tensor.check_attrs(tensor.attrs())
+    tensor.validate()
+    return tensor
+
+
+def _fp8_export(w: QTensor, prefix: str, tensors: dict) -> tuple[dict, dict | None]:
+    """(weights args, input activations args) of an FP8 weight, its tensors added."""
+    tensors[prefix + ".weight"] = w.qdata
+    tensors[prefix + ".weight_scale"] = w.scale
+    args = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
+    if isinstance(w, Fp8RowwiseTensor):
+        args["strategy"], acts["strategy"] = "channel", "token"
+    else:
+        args.update(strategy="block", block_structure=list(w.block_size))
+        acts.update(strategy="group", group_size=w.act_group_size)
+    return args, None if w.weight_only else acts
+
+
 def _pack_words(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [R, C] -> int32 [R, ceil(C/8)], LSB first (pack_to_int32's order)."""
     rows, count = codes.shape
@@ -179,13 +248,19 @@ def _divisor(multiplier: torch.Tensor) -> torch.Tensor:
     return best
 
 
-def _group_config(weights: dict, fmt: str, targets: list[str]) -> dict:
-    return {"targets": sorted(targets), "weights": weights, "input_activations": None,
+def _group_config(args: tuple[dict, dict | None], fmt: str, targets: list[str]) -> dict:
+    weights, inputs = args
+    return {"targets": sorted(targets), "weights": weights, "input_activations": inputs,
             "output_activations": None, "format": fmt}  # fmt: skip
 
 
 def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
     tensors, groups = {}, {}
+
+    def add(fmt: str, args: dict, inputs: dict | None, prefix: str) -> None:
+        group_key = (fmt, repr(sorted(args.items())), repr(sorted((inputs or {}).items())))
+        groups.setdefault(group_key, ((args, inputs), []))[1].append(prefix)
+
     for key, value in state.items():
         if not isinstance(value, QTensor):
             tensors[key] = value
@@ -193,7 +268,14 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
         w = value.t() if value.transposed else value
         prefix = key.removesuffix(".weight")
         n, k = w.logical_shape
-        if isinstance(w, Int4Tensor) and w.group_size in (32, 64, 128, 256):
+        if isinstance(w, Int4Tensor) and w.float_zero:
+            raise QShardError(
+                f"qshard.export(format='{NAME}'): {key!r} has float zero points "
+                f"(zero_point_domain='float'); compressed-tensors int4 zero points are integers"
+            )
+        if isinstance(w, Fp8BlockwiseTensor | Fp8RowwiseTensor):
+            add(FP8_FORMAT, *_fp8_export(w, prefix, tensors), prefix)
+        elif isinstance(w, Int4Tensor) and w.group_size in (32, 64, 128, 256):
             tensors[prefix + ".weight_packed"] = _pack_words(unpack_nibbles(w.qdata, k))
             tensors[prefix + ".weight_scale"] = w.scale
             tensors[prefix + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
@@ -203,29 +285,25 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
                 tensors[prefix + ".weight_zero_point"] = packed_zero
             args = {"num_bits": 4, "type": "int", "symmetric": w.symmetric, "strategy": "group",
                     "group_size": w.group_size, "dynamic": False}  # fmt: skip
-            groups.setdefault((INT4_FORMAT, repr(sorted(args.items()))), (args, []))[1].append(
-                prefix
-            )
+            add(INT4_FORMAT, args, None, prefix)
         elif isinstance(w, Nvfp4Tensor) and k % NVFP4_GROUP == 0:
             tensors[prefix + ".weight_packed"] = w.qdata
             tensors[prefix + ".weight_scale"] = w.scale
             tensors[prefix + ".weight_global_scale"] = _divisor(w.global_scale).reshape(1)
             args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
                     "group_size": NVFP4_GROUP, "dynamic": False}  # fmt: skip
-            groups.setdefault((NVFP4_FORMAT, repr(sorted(args.items()))), (args, []))[1].append(
-                prefix
-            )
+            add(NVFP4_FORMAT, args, None, prefix)
         else:
             raise QShardError(
                 f"qshard.export(format='{NAME}'): {key!r} is a {type(value).__name__} the "
-                f"format cannot hold (it holds int4 in groups of 32..256 and NVFP4 with K a "
-                f"multiple of 16)"
+                f"format cannot hold (it holds FP8 per row or in blocks, int4 in groups of "
+                f"32..256 and NVFP4 with K a multiple of 16)"
             )
     config_groups = {
         f"group_{i}": _group_config(args, fmt, targets)
-        for i, ((fmt, _), (args, targets)) in enumerate(sorted(groups.items()))
+        for i, ((fmt, *_), (args, targets)) in enumerate(sorted(groups.items()))
     }
-    formats = {fmt for fmt, _ in groups}
+    formats = {fmt for fmt, *_ in groups}
     quantized = {t for _, targets in groups.values() for t in targets}
     qc = {
         "quant_method": "compressed-tensors",

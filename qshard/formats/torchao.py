@@ -1,18 +1,32 @@
 """torchao's safetensors checkpoints (torchao >= 0.14, the `pytorch/*` models on the hub;
-facts.md §5) -> Fp8BlockwiseTensor.
+facts.md §5) -> Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor.
 
 config.json `quantization_config.quant_method` "torchao". The safetensors header metadata holds
 `tensor_names` (a JSON list of state_dict keys) and, per key, a JSON object: {"_type":
 "Tensor"} for a plain tensor stored under its key, or {"_type": "<torchao class>", "_data":
 {attributes}, "_tensor_data_names": [...]} for a tensor subclass whose tensors are stored as
-`<module>._<param>_<name>` (e.g. `0._weight_qdata`, `0._weight_scale`).
+`<module>._<param>_<name>` (e.g. `0._weight_qdata`, `0._weight_scale`). Checked against files
+torchao 0.18.0 wrote (tests/io/test_pretrained_formats.py).
 
 Float8Tensor: qdata float8_e4m3fn [N, K], scale float32 with one value per `block_size` block,
-a multiplier (torchao's `_dequantize_affine_float8`: qdata * scale): with power-of-two blocks
-of 16 or more (torchao's PerBlock([128, 128]) config), the FP8 blockwise layout itself, mapped
-as stored. Refused with the reason (CheckpointError): per-row Float8Tensor (block [1, K]: qshard
-has no per-row FP8 layout) and Int4Tensor (its zero point is a float added after scaling,
-W = (q - 8) * scale + zero, which the int4 layout's integer zero code cannot hold exactly).
+a multiplier (torchao's `_dequantize_affine_float8`: qdata * scale), mapped as stored:
+    block [1, K] (PerRow, scale [N, 1])          -> Fp8RowwiseTensor
+    block [N, K] (PerTensor, one scale)          -> Fp8RowwiseTensor, the scale on every row
+    power-of-two blocks >= 16 (PerBlock([128, 128])) -> Fp8BlockwiseTensor
+`act_quant_kwargs` null (Float8WeightOnlyConfig) loads weight-only; otherwise activations are
+quantized dynamically, per token (per-row) or per 1x128 group (blockwise), as qshard does;
+torchao's per-tensor activation scaling becomes per-token, which is finer. Refused with the reason
+(CheckpointError): other block shapes.
+
+Int4Tensor (Int4WeightOnlyConfig, int4_packing_format "plain"; FBGEMM/mslk's
+`int4_row_quantize_zp` and `pack_int4`): qdata int8 [N, K/2], two signed 4-bit values q in
+-8..7 per byte (two's complement nibbles, the even index low); scale and zero_point [K/group, N]
+in the weight's dtype; W = q * scale + zero_point. As the int4 layout with a float zero point,
+W = (u - 8) * scale + zero: u = q + 8 is the nibble with its top bit flipped (byte ^ 0x88), and
+scale and zero are transposed. They load when each is a bf16 value (the layout keeps bf16), as
+torchao writes them for bf16 models. torchao's W4A8 variant (activation_dtype float8, zero
+point 0) loads the same way and runs W4A16. Refused: an `act_pre_scale` (AWQ-style smoothing
+torchao applies to the activations), and Int4TilePackedTo4dTensor (tinygemm's device packing).
 """
 
 from __future__ import annotations
@@ -23,15 +37,14 @@ import torch
 
 from ..config import Backend, ScaleFormat
 from ..errors import CheckpointError
-from ..layouts import Fp8BlockwiseTensor
+from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor
 from ..layouts.fp8_blockwise import MIN_BLOCK
+from ..layouts.int4 import GROUP_SIZES, ZeroPointDomain
 
 NAME = "torchao"
 WHY_NOT = {
-    "Int4Tensor": "its zero point is a float added after scaling ((q - 8) * scale + zero), which "
-    "the int4 layout's integer zero code cannot hold exactly",
-    "Int4TilePackedTo4dTensor": "it is tinygemm's device packing with float zero points; "
-    "qshard's int4 layout keeps integer zero codes",
+    "Int4TilePackedTo4dTensor": "it is tinygemm's device packing, which qshard makes from the "
+    "plain packing (Int4Tensor) itself; save with int4_packing_format='plain'",
 }
 
 
@@ -54,29 +67,88 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
             state[name] = reader.get(name)
         elif kind == "Float8Tensor":
             state[name] = _float8(reader, name, entry, dtype)
+        elif kind == "Int4Tensor":
+            state[name] = _int4(reader, name, entry, dtype)
         else:
-            why = WHY_NOT.get(kind, "qshard reads Float8Tensor and plain tensors from torchao")
+            why = WHY_NOT.get(kind, "qshard reads Float8Tensor, Int4Tensor and plain tensors")
             raise CheckpointError(f"{reader.directory}: {name!r} is a torchao {kind}, which "
                                   f"qshard cannot load as stored: {why}")  # fmt: skip
     return state
 
 
-def _float8(reader, name: str, entry: dict, dtype: torch.dtype) -> Fp8BlockwiseTensor:
+def _prefix(name: str) -> str:
+    """Where torchao stores a subclass's tensors: `<module>._<param>_<tensor name>`."""
     module, _, param = name.rpartition(".")
-    prefix = f"{module}._{param}_" if module else f"_{param}_"
+    return f"{module}._{param}_" if module else f"_{param}_"
+
+
+def _int4(reader, name: str, entry: dict, dtype: torch.dtype) -> Int4Tensor:
+    data, prefix = entry.get("_data") or {}, _prefix(name)
+    where = f"{reader.directory}: {name}"
+    if "act_pre_scale" in (entry.get("_tensor_data_names") or ()):
+        raise CheckpointError(f"{where}: an Int4Tensor with act_pre_scale (activations "
+                              f"scaled before the matmul, AWQ-style); qshard has none")  # fmt: skip
+    qdata = reader.get(prefix + "qdata")
+    (n, k), block = data.get("shape") or (0, 0), data.get("block_size") or ()
+    group = block[-1] if len(block) == 2 and block[0] == 1 else 0
+    if qdata.dim() != 2 or group not in GROUP_SIZES or tuple(qdata.shape) != (n, -(-k // 2)):
+        raise CheckpointError(f"{where}: qdata {list(qdata.shape)}, shape {[n, k]}, block "
+                              f"{list(block)}; qshard reads 2-D Int4Tensors in groups of "
+                              f"{list(GROUP_SIZES)}")  # fmt: skip
+    groups = -(-k // group)
+    scale, zero = (_bf16(reader.get(prefix + t), f"{where} {t}") for t in ("scale", "zero_point"))
+    if tuple(scale.shape) != (groups, n) or tuple(zero.shape) != (groups, n):
+        raise CheckpointError(f"{where}: scale {list(scale.shape)} / zero_point "
+                              f"{list(zero.shape)}; [{n}, {k}] in groups of {group} needs "
+                              f"[{groups}, {n}]")  # fmt: skip
+    # q in -8..7 as two's complement nibbles -> the code u = q + 8: flip each nibble's top bit.
+    codes = qdata.view(torch.uint8) ^ 0x88
+    if k % 2:
+        codes[:, -1] &= 15  # the layout leaves an odd K's last high nibble zero
+    tensor = Int4Tensor(
+        {"qdata": codes, "scale": scale.t().contiguous(), "zero": zero.t().contiguous()},
+        shape=(n, k), dtype=dtype, group_size=group, symmetric=False, backend=Backend.AUTO,
+        zero_point_domain=ZeroPointDomain.FLOAT,
+    )  # fmt: skip
+    tensor.validate()
+    return tensor.repack_for_device()
+
+
+def _bf16(values: torch.Tensor, where: str) -> torch.Tensor:
+    widened = values.to(torch.bfloat16)
+    if not values.dtype.is_floating_point or not torch.equal(widened.to(values.dtype), values):
+        raise CheckpointError(f"{where} is {values.dtype} and not every value is a bf16 "
+                              f"value; the int4 layout keeps bf16 scales and zeros")  # fmt: skip
+    return widened
+
+
+def _float8(reader, name: str, entry: dict, dtype: torch.dtype):
+    prefix = _prefix(name)
     qdata, scale = reader.get(prefix + "qdata"), reader.get(prefix + "scale")
-    block = tuple((entry.get("_data") or {}).get("block_size") or ())
+    data = entry.get("_data") or {}
+    block = tuple(data.get("block_size") or ())
+    weight_only = data.get("act_quant_kwargs") is None
     where = f"{reader.directory}: {name}"
     if qdata.dtype != torch.float8_e4m3fn or qdata.dim() != 2:
         raise CheckpointError(f"{where}: qdata {qdata.dtype}{list(qdata.shape)}; qshard reads "
                               f"2-D float8_e4m3fn weights")  # fmt: skip
     n, k = qdata.shape
+    if block in ((1, k), (n, k)):  # per row, or one scale for the whole tensor
+        if scale.numel() not in (1, n) or (block[0] == 1 and scale.numel() != n):
+            raise CheckpointError(f"{where}: scale {list(scale.shape)} for block "
+                                  f"{list(block)} of [{n}, {k}]")  # fmt: skip
+        rows = scale.float().reshape(-1, 1).expand(n, 1).contiguous()
+        tensor = Fp8RowwiseTensor(
+            {"qdata": qdata, "scale": rows}, shape=(n, k), dtype=dtype,
+            weight_only=weight_only, backend=Backend.AUTO,
+        )  # fmt: skip
+        tensor.validate()
+        return tensor
     if len(block) != 2 or any(b < MIN_BLOCK or b & (b - 1) for b in block):
-        kind = "per-row" if block[:1] == (1,) else f"block {list(block)}"
         raise CheckpointError(
-            f"{where}: a {kind} Float8Tensor; qshard's FP8 layout takes blocks whose sides are "
-            f"powers of two >= {MIN_BLOCK} (torchao's PerBlock([128, 128])); qshard has no "
-            f"per-row FP8 layout"
+            f"{where}: a Float8Tensor with block {list(block)}; qshard's FP8 layouts take rows "
+            f"([1, K]), the whole tensor, or blocks whose sides are powers of two >= "
+            f"{MIN_BLOCK} (torchao's PerBlock([128, 128]))"
         )
     blocks = (-(-n // block[0]), -(-k // block[1]))
     if tuple(scale.shape) != blocks:
@@ -85,7 +157,7 @@ def _float8(reader, name: str, entry: dict, dtype: torch.dtype) -> Fp8BlockwiseT
     tensor = Fp8BlockwiseTensor(
         {"qdata": qdata, "scale": scale.float()},
         shape=(n, k), dtype=dtype, block_size=block, act_group_size=block[1],
-        weight_only=False, scale_format=ScaleFormat.FP32, backend=Backend.AUTO,
+        weight_only=weight_only, scale_format=ScaleFormat.FP32, backend=Backend.AUTO,
     )  # fmt: skip
     tensor.validate()
     return tensor

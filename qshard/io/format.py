@@ -326,6 +326,7 @@ def _decode_stored(raw: Any, stored: Mapping[str, StoredTensor], at: str) -> Sto
 
 def _decode_attrs(layout: type[QTensor], raw: dict, at: str) -> dict[str, Any]:
     types_ = attr_types(layout)
+    raw = {**{n: _attr_to_json(v) for n, v in layout.attr_defaults.items()}, **raw}
     if sorted(raw) != sorted(types_):
         raise CheckpointError(
             f"{at}: attributes {sorted(raw)}; {layout.__name__} has {sorted(types_)}"

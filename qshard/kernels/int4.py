@@ -5,9 +5,13 @@ partial): W ~= (u - zero) * scale, u in 0..15 (4 bits), one (scale, zero) per ro
 Asymmetric: over the group's range widened to include 0, scale = (max - min) / 15,
 zero = clamp(round(-min / scale), 0, 15), u = clamp(round(w / scale) + zero, 0, 15).
 Symmetric: scale = amax / 7.5, q = clamp(round(w / scale), -8, 7), stored as u = q + 8 with
-zero = 8 for every group (not stored). Scales and zeros are bfloat16 (4.25 bits
-per weight at g128, facts.md §2); u is computed with the bf16-rounded scale, so that the stored
-scale is the one the quantization used.
+zero = 8 for every group (not stored). Float zero point (torchao's Int4Tensor, HQQ, tinygemm):
+W ~= (u - 8) * scale + zero, with zero a float (the value of code 8), over the group's own
+range: scale = (max - min) / 15, zero = min + 8 * scale, u = clamp(round((w - zero) / scale) +
+8, 0, 15); its dequantization rounds once ((u - 8) * scale + zero, exact in float64, then fp32:
+what one FMA gives). Scales and zeros are bfloat16 (4.25 bits per weight at g128, facts.md §2);
+u is computed with the bf16-rounded scale (and zero), so that the stored values are the ones the
+quantization used.
 
 Packing: two weights per byte along K, the even index in the low nibble (the convention of
 NVFP4, gpt-oss MXFP4 and compressed-tensors' LSB-first order, facts.md §5):
@@ -35,12 +39,14 @@ SYMMETRIC_ZERO = 8.0
 
 
 def quantize_int4(
-    weight: torch.Tensor, group: int, symmetric: bool
+    weight: torch.Tensor, group: int, symmetric: bool, float_zero: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float -> (packed uint8 [N, ceil(K/2)], scale bf16 [N, G], zero bf16 [N, G] or
-    [0, 0] when symmetric), G = ceil(K/group)."""
+    [0, 0] when symmetric), G = ceil(K/group). `float_zero`: zero is a float (see above)."""
     w = weight.float()
     k = w.shape[1]
+    if float_zero:
+        return _quantize_float_zero(w, group)
     if symmetric:
         amax = group_reduce(w.abs(), group, lambda t, d: t.amax(d))
         scale = amax / torch.full_like(amax, 7.5)
@@ -65,22 +71,45 @@ def quantize_int4(
     return pack_nibbles(q.to(torch.uint8)), scale, zero
 
 
+def _quantize_float_zero(w: torch.Tensor, group: int):
+    k = w.shape[1]
+    high = group_reduce(w, group, lambda t, d: t.amax(d))
+    low = group_reduce(w, group, lambda t, d: t.amin(d))
+    fifteen = torch.full_like(high, 15.0)
+    scale = (high / fifteen - low / fifteen).to(SCALE_DTYPE)
+    # A constant group (or one whose range rounds to 0 in bf16): a step of |value| / 15, so
+    # the group's value is code 0 exactly up to bf16; an all-zero group: scale 1.
+    fallback = (torch.maximum(high.abs(), low.abs()) / fifteen).to(SCALE_DTYPE)
+    scale = torch.where(scale > 0, scale, torch.where(fallback > 0, fallback, 1.0))
+    zero = (low + 8.0 * scale.float()).to(SCALE_DTYPE)
+    full_scale = expand_groups(scale.float(), group, k)
+    full_zero = expand_groups(zero.float(), group, k)
+    q = torch.clamp(torch.round((w - full_zero) / full_scale) + SYMMETRIC_ZERO, 0, 15)
+    return pack_nibbles(q.to(torch.uint8)), scale, zero
+
+
 def dequantize_int4(
     packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, k: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype, float_zero: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """(u - zero) * scale in fp32, rounded once to `dtype`; zero = 8 when `zero` is empty."""
+    """(u - zero) * scale in fp32, rounded once to `dtype`; zero = 8 when `zero` is empty.
+    `float_zero`: (u - 8) * scale + zero, rounded once to fp32 (an FMA), then to `dtype`."""
     u = unpack_nibbles(packed, k).float()
+    full_scale = expand_groups(scale.float(), group, k)
+    if float_zero:
+        # (u - 8) * scale has at most 13 significant bits and zero 8: exact in float64.
+        exact = (u - SYMMETRIC_ZERO).double() * full_scale.double()
+        return (exact + expand_groups(zero.double(), group, k)).float().to(dtype)
     z = expand_groups(zero.float(), group, k) if zero.numel() else SYMMETRIC_ZERO
-    return ((u - z) * expand_groups(scale.float(), group, k)).to(dtype)
+    return ((u - z) * full_scale).to(dtype)
 
 
 def int4_linear_reference(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-    group: int, bias: torch.Tensor | None = None,
+    group: int, bias: torch.Tensor | None = None, float_zero: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """y = x @ W.T + bias with W dequantized to x's dtype (what a W4A16 kernel multiplies),
     accumulated in float64 and rounded once: exact enough that the result does not depend on
     BLAS blocking, so column-parallel shards equal the single-device output bit for bit."""
-    weight = dequantize_int4(packed, scale, zero, group, x.shape[-1], x.dtype)
+    weight = dequantize_int4(packed, scale, zero, group, x.shape[-1], x.dtype, float_zero)
     return linear_float64(x, weight, bias)

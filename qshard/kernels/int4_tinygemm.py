@@ -5,7 +5,8 @@ canonical packing (`kernels/int4.py`).
 tinygemm's weight is W = (q - 8) * scale + zero with q in 0..15 (facts.md §3), so the canonical
 W = (u - z) * s maps to q = u, scale = s and zero = (8 - z) * s. That zero is rounded once to
 the scale dtype (bf16 on CUDA; on the CPU the activation's dtype), so the weights differ from
-the canonical ones by at most 8 * s * 2^-9 (bf16): symmetric weights (z = 8) are exact.
+the canonical ones by at most 8 * s * 2^-9 (bf16): symmetric weights (z = 8) are exact. A
+float zero point (zero_point_domain 'float') is tinygemm's own zero, exact on CUDA.
 The CPU form is made for the weight's dtype, so `.to(dtype)` re-makes it.
 
 tinygemm takes groups of 32..256, K a multiple of the group (and, on CUDA, of its 16 *
@@ -49,7 +50,7 @@ def _inner_k_tiles(k_padded: int) -> int:
 
 def tinygemm_form(
     qdata: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, k: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype, float_zero: bool = False,
 ) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:  # fmt: skip
     """({"tinygemm_qdata", "tinygemm_scale_zero"}, (group, K, N)) for the canonical int4 weight
     on qdata's device. scale_zero is [K_pad / group, N_pad, 2]: bf16 on CUDA; on the CPU, whose
@@ -64,7 +65,8 @@ def tinygemm_form(
     scale_zero = torch.zeros(groups, n_pad, 2, dtype=torch.float32, device=device)
     scale_zero[:, :, 0] = 1.0
     scale_zero[:, :n, 0] = scale.float().t()
-    scale_zero[:, :n, 1] = ((8.0 - z) * scale.float()).t()
+    # tinygemm's W = (u - 8) * s + zero: a float zero point is its own; a code z is (8 - z) * s.
+    scale_zero[:, :n, 1] = (z if float_zero else (8.0 - z) * scale.float()).t()
     tiles = _inner_k_tiles(k_pad)
     if device.type == "cuda":
         # The CUDA kernel reads bytes with the even index in the high nibble.

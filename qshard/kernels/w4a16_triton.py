@@ -28,6 +28,7 @@ one (`tuning.py`, written by bench/tune_w4a16.py), else the built-in `default_co
 Formats (FORMAT, a constexpr), each weight exactly the reference's fp32 value:
     INT4_ASYM  W = (u - zero) * scale, bf16 scale and zero     (16 v - 16 - z) * s, v = 1 + u/16
     INT4_SYM   W = (u - 8) * scale                              the same with z = 8
+    INT4_FZERO W = (u - 8) * scale + zero, zero a float value   fma(16 v - 24, s, zero)
     MXFP4      W = e2m1(c) * 2**(e - 127), e8m0 byte e           (v * 2**14) * 2**(e - 127)
     NVFP4      W = (e2m1(c) * e4m3 scale) * global_scale         the reference's order
 Compiled kernels flush fp32 subnormal results to zero (weights below 1.2e-38; the reference
@@ -70,11 +71,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 class Format(enum.IntEnum):
     INT4_ASYM = 0
     INT4_SYM = 1
-    MXFP4 = 2
-    NVFP4 = 3
+    INT4_FZERO = 2  # the int4 formats come first: `FORMAT >= _MXFP4` means e2m1
+    MXFP4 = 3
+    NVFP4 = 4
 
 
 _INT4_ASYM: tl.constexpr = tl.constexpr(int(Format.INT4_ASYM))
+_INT4_FZERO: tl.constexpr = tl.constexpr(int(Format.INT4_FZERO))
 _MXFP4: tl.constexpr = tl.constexpr(int(Format.MXFP4))
 _NVFP4: tl.constexpr = tl.constexpr(int(Format.NVFP4))
 
@@ -126,7 +129,7 @@ def _group_scale(s_ptr, z_ptr, offs, mask, FORMAT: tl.constexpr):
         return scale, scale
     else:
         scale = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if FORMAT == _INT4_ASYM:
+        if FORMAT == _INT4_ASYM or FORMAT == _INT4_FZERO:  # noqa: SIM109 (constexprs)
             zero = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         else:
             zero = tl.full(scale.shape, 8.0, tl.float32)
@@ -140,8 +143,21 @@ def _dequantize(v, scale, zero, FORMAT: tl.constexpr):
     gives the exact integer u - z), e2m1 (v * 2**14) * s. NVFP4's global scale is left out."""
     if FORMAT >= _MXFP4:
         return (v * 16384.0) * scale
+    elif FORMAT == _INT4_FZERO:  # one rounding, as the reference (an exact value, then fp32)
+        return tl.fma(v * 16.0 - 24.0, scale, zero)
     else:
         return (v * 16.0 - (zero + 16.0)) * scale
+
+
+@triton.jit
+def _group_terms(vx_sum, x_sum, scale, zero, FORMAT: tl.constexpr):
+    """An int4 group's share of the GEMV sum from sum v x and sum x (v = 1 + u/16):
+    sum (u - z) s x = s (16 sum v x - (16 + z) sum x); with a float zero point,
+    sum ((u - 8) s + zero) x = s (16 sum v x - 24 sum x) + zero sum x."""
+    if FORMAT == _INT4_FZERO:
+        return (vx_sum * 16.0 - 24.0 * x_sum) * scale + zero * x_sum
+    else:
+        return (vx_sum * 16.0 - (zero + 16.0) * x_sum) * scale
 
 
 @triton.jit
@@ -226,7 +242,7 @@ def _gemv_kernel(
             acc += tl.sum(partial * scale, axis=1)
         else:
             x_sum = tl.sum(tl.reshape(xf, (G, GK)), axis=1)[None, :]
-            acc += tl.sum((partial * 16.0 - (zero + 16.0) * x_sum) * scale, axis=1)
+            acc += tl.sum(_group_terms(partial, x_sum, scale, zero, FORMAT), axis=1)
         packed, scale, zero, x = next_packed, next_scale, next_zero, next_x
     total = acc * _global_scale(g_ptr, FORMAT)
     if FORMAT >= _MXFP4:
@@ -280,7 +296,7 @@ def _gemv_words_kernel(
             x_sum += xj
         group_sum = tl.sum(tl.reshape(partial, (BLOCK_N, G, WG)), axis=2)
         group_x = tl.sum(tl.reshape(x_sum, (G, WG)), axis=1)[None, :]
-        acc += tl.sum((group_sum * 16.0 - (zero + 16.0) * group_x) * scale, axis=1)
+        acc += tl.sum(_group_terms(group_sum, group_x, scale, zero, FORMAT), axis=1)
         words = next_words
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -354,7 +370,7 @@ def _dequantize_kernel(
 def gemv_words_config(fmt: Format) -> dict | None:
     """The word GEMV's config (int4 only), or None for the formats it does not decode: 16 rows
     x 128 words (1024 K) per step, the best of the H100 sweep (docs/kernels/w4a16.md)."""
-    if fmt not in (Format.INT4_ASYM, Format.INT4_SYM):
+    if fmt not in (Format.INT4_ASYM, Format.INT4_SYM, Format.INT4_FZERO):
         return None
     return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": 128, "num_warps": 4}
 
@@ -392,7 +408,9 @@ def default_config(fmt: Format, m: int, n: int, k: int, device: torch.device) ->
 
 
 def tuned_format(fmt: Format, group: int) -> str:
-    """The format part of a tuned config's key: "int4_asym_g128", "mxfp4_g32", ..."""
+    """The format part of a tuned config's key: "int4_asym_g128", "mxfp4_g32", ... A float zero
+    point moves the same bytes as an integer one and takes its configs."""
+    fmt = Format.INT4_ASYM if fmt == Format.INT4_FZERO else fmt
     return f"{fmt.name.lower()}_g{group}"
 
 
@@ -455,7 +473,7 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     args = (x, qdata, _scale_arg(scale), zero, global_scale, bias if bias is not None else out, out)
     if kernel == "gemv_words":
         config = {k: v for k, v in config.items() if k != "KERNEL"}
-        assert k % (8 * config["BLOCK_W"]) == 0 and fmt in (Format.INT4_ASYM, Format.INT4_SYM)
+        assert k % (8 * config["BLOCK_W"]) == 0 and fmt <= Format.INT4_FZERO
         words = qdata.view(torch.int32)  # 8 codes per word, element 8w + j at bits 4j
         grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
         _gemv_words_kernel[grid](
@@ -503,10 +521,12 @@ def _run(fmt: Format, x, qdata, scale, zero, global_scale, bias, group):
 @torch.library.custom_op("qshard::int4_linear", mutates_args=())
 def int4_linear(
     x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-    bias: torch.Tensor | None, group: int,
+    bias: torch.Tensor | None, group: int, float_zero: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """y = x @ W.T + bias for the int4 weight (qdata, scale, zero; an empty zero: symmetric)."""
+    """y = x @ W.T + bias for the int4 weight (qdata, scale, zero; an empty zero: symmetric;
+    `float_zero`: zero is a value, W = (u - 8) * scale + zero)."""
     fmt = Format.INT4_SYM if zero.numel() == 0 else Format.INT4_ASYM
+    fmt = Format.INT4_FZERO if float_zero else fmt
     return _run(fmt, x, qdata, scale, zero, scale, bias, group)
 
 
@@ -529,7 +549,7 @@ def nvfp4_linear(
 
 
 @int4_linear.register_fake
-def _(x, qdata, scale, zero, bias, group):
+def _(x, qdata, scale, zero, bias, group, float_zero=False):
     return x.new_empty((*x.shape[:-1], qdata.shape[0]))
 
 

@@ -4,11 +4,14 @@ Inner tensors (logical weight [N, K], G = ceil(K / group_size)):
     qdata  uint8 [N, ceil(K/2)]   two 4-bit codes u per byte along K, the even index in the low
                                   nibble; W[n, k] = (u[n, k] - zero[n, k // g]) * scale[n, k // g]
     scale  bfloat16 [N, G]        one multiplier per row per group (the last group may be partial)
-    zero   bfloat16 [N, G]        the code of 0.0 per row per group (asymmetric); an empty [0, 0]
-                                  tensor when symmetric (every zero is 8: u = q + 8, q in -8..7)
+    zero   bfloat16 [N, G]        the code of 0.0 per row per group (asymmetric), or with a float
+                                  zero point the value of code 8; an empty [0, 0] tensor when
+                                  symmetric (every zero is 8: u = q + 8, q in -8..7)
 Attributes:
     group_size  channels per group along K: 32, 64, 128 or 256 (finer after re-grouping)
     symmetric   False: W = (u - zero) * scale, u in 0..15; True: scale only
+    zero_point_domain  INT (above) or FLOAT: W = (u - 8) * scale + zero, zero a float (torchao's
+                Int4Tensor, HQQ, tinygemm's own convention); asymmetric only
     backend     AUTO (the Triton kernels on a CUDA GPU, the reference elsewhere), REFERENCE,
                 TRITON (forced; BackendUnavailableError where it cannot run), TINYGEMM (torch's
                 int4 kernels, CPU and CUDA) or GEMLITE (CUDA, gemlite installed)
@@ -25,13 +28,14 @@ unchanged (as FP8 re-blocks; a TP shard of 64 columns of 128-groups).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import warnings
 from typing import ClassVar
 
 import torch
 
-from ..config import Backend, QuantConfig, parse_backend
+from ..config import Backend, QuantConfig, parse_backend, parse_enum
 from ..errors import BackendUnavailableError, ConfigError, MisalignedSliceError
 from ..kernels.availability import load_w4a16_ops
 from ..kernels.int4 import SCALE_DTYPE, dequantize_int4, int4_linear_reference, quantize_int4
@@ -46,7 +50,7 @@ from ..qtensor import DeviceForm, QTensor
 from .checks import check_activation, check_float_weight, checked_config, weight_only_backend
 from .registry import register_layout
 
-__all__ = ["INT4_MIN_SQNR_DB", "Int4Tensor", "Int4WeightOnlyConfig"]
+__all__ = ["INT4_MIN_SQNR_DB", "Int4Tensor", "Int4WeightOnlyConfig", "ZeroPointDomain"]
 
 GROUP_SIZES = (32, 64, 128, 256)
 MIN_GROUP = 16  # the finest re-grouping of a TP cut
@@ -59,6 +63,13 @@ AVAILABLE_BACKENDS = (
 DEVICE_FORM_BACKENDS = (Backend.TINYGEMM, Backend.GEMLITE)
 
 
+class ZeroPointDomain(str, enum.Enum):
+    """What an asymmetric int4 zero point is (torchao's names)."""
+
+    INT = "int"  # a code: W = (u - zero) * scale
+    FLOAT = "float"  # a value: W = (u - 8) * scale + zero
+
+
 @dataclasses.dataclass(frozen=True)
 class Int4WeightOnlyConfig(QuantConfig):
     """4-bit weights per group of `group_size` input channels; activations stay bf16/fp16."""
@@ -66,6 +77,7 @@ class Int4WeightOnlyConfig(QuantConfig):
     group_size: int = 128
     symmetric: bool = False
     backend: Backend = Backend.AUTO
+    zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT
 
     def __post_init__(self):
         name = type(self).__name__
@@ -76,14 +88,26 @@ class Int4WeightOnlyConfig(QuantConfig):
         if not isinstance(self.symmetric, bool):
             raise ConfigError(f"{name}: symmetric={self.symmetric!r} must be True or False")
         self._set("backend", parse_backend(self.backend, AVAILABLE_BACKENDS, name))
+        domain = parse_enum(ZeroPointDomain, self.zero_point_domain, "zero_point_domain", name)
+        self._set("zero_point_domain", domain)
+        if domain is ZeroPointDomain.FLOAT and self.symmetric:
+            raise ConfigError(f"{name}: zero_point_domain='float' is for asymmetric weights; "
+                              f"use symmetric=False, or zero_point_domain='int'")  # fmt: skip
+        if domain is ZeroPointDomain.FLOAT and self.backend is Backend.GEMLITE:
+            raise ConfigError(
+                f"{name}: gemlite takes integer zero points ((u - z) * s); a float zero point "
+                f"would have to be rounded into one. Use backend='auto' or 'tinygemm'"
+            )
 
 
-@register_layout(Int4WeightOnlyConfig)
+@register_layout(Int4WeightOnlyConfig, ZeroPointDomain)
 class Int4Tensor(QTensor):
     """A 4-bit weight with per-group bf16 scales (and zeros). See the module docstring."""
 
     inner_names = ("qdata", "scale", "zero")
-    attr_names = ("group_size", "symmetric", "backend")
+    attr_names = ("group_size", "symmetric", "backend", "zero_point_domain")
+    # Checkpoints written before the attribute existed hold integer zero points.
+    attr_defaults: ClassVar[dict] = {"zero_point_domain": ZeroPointDomain.INT}
     min_linear_sqnr_db: ClassVar[float] = INT4_MIN_SQNR_DB
 
     qdata: torch.Tensor
@@ -92,13 +116,15 @@ class Int4Tensor(QTensor):
     group_size: int
     symmetric: bool
     backend: Backend
+    zero_point_domain: ZeroPointDomain
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, config: Int4WeightOnlyConfig | None = None):
         config = checked_config(cls.__name__, Int4WeightOnlyConfig, config)
         check_float_weight(cls.__name__, weight)
         weight = weight.detach()
-        qdata, scale, zero = quantize_int4(weight, config.group_size, config.symmetric)
+        float_zero = config.zero_point_domain is ZeroPointDomain.FLOAT
+        qdata, scale, zero = quantize_int4(weight, config.group_size, config.symmetric, float_zero)
         return cls(
             {"qdata": qdata, "scale": scale, "zero": zero},
             shape=tuple(weight.shape),
@@ -106,7 +132,12 @@ class Int4Tensor(QTensor):
             group_size=config.group_size,
             symmetric=config.symmetric,
             backend=config.backend,
+            zero_point_domain=config.zero_point_domain,
         ).repack_for_device()
+
+    @property
+    def float_zero(self) -> bool:
+        return self.zero_point_domain is ZeroPointDomain.FLOAT
 
     @classmethod
     def contract_configs(cls) -> list[Int4WeightOnlyConfig]:
@@ -116,19 +147,22 @@ class Int4Tensor(QTensor):
             Int4WeightOnlyConfig(group_size=64),
             # The device form: every contract op on a tensor that carries one (CPU tinygemm).
             Int4WeightOnlyConfig(group_size=32, backend="tinygemm"),
+            Int4WeightOnlyConfig(group_size=64, zero_point_domain="float"),
         ]
 
     def config(self) -> Int4WeightOnlyConfig:
         # A re-grouped tensor (finer than any config) reports the nearest config it came from.
         group = self.group_size if self.group_size in GROUP_SIZES else GROUP_SIZES[0]
-        return Int4WeightOnlyConfig(group, self.symmetric, self.backend)
+        return Int4WeightOnlyConfig(group, self.symmetric, self.backend, self.zero_point_domain)
 
     @classmethod
     def check_attrs(cls, attrs) -> None:
         group = attrs["group_size"]
         if not (MIN_GROUP <= group <= GROUP_SIZES[-1] and group & (group - 1) == 0):
             raise ConfigError(f"Int4Tensor: group_size {group} is not a power of two in 16..256")
-        Int4WeightOnlyConfig(GROUP_SIZES[0], attrs["symmetric"], attrs["backend"])
+        Int4WeightOnlyConfig(
+            GROUP_SIZES[0], attrs["symmetric"], attrs["backend"], attrs["zero_point_domain"]
+        )
 
     # ---- hooks for the shared shape ops ---------------------------------------------------
 
@@ -182,7 +216,7 @@ class Int4Tensor(QTensor):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = dequantize_int4(
             self.qdata, self.scale, self.zero, self.group_size, self.logical_shape[1],
-            dtype or self.dtype,
+            dtype or self.dtype, self.float_zero,
         )  # fmt: skip
         return weight.t() if self.transposed else weight
 
@@ -200,8 +234,9 @@ class Int4Tensor(QTensor):
         if self.backend not in DEVICE_FORM_BACKENDS or self.device_form_problem(self.device):
             return None
         args = (self.qdata, self.scale, self.zero, self.group_size, self.logical_shape[1])
-        make = tinygemm_form if self.backend is Backend.TINYGEMM else gemlite_form
-        return DeviceForm(*make(*args, self.dtype))
+        if self.backend is Backend.TINYGEMM:
+            return DeviceForm(*tinygemm_form(*args, self.dtype, self.float_zero))
+        return DeviceForm(*gemlite_form(*args, self.dtype))
 
     def _device_form_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         problem = self.device_form_problem(x.device, x.dtype)
@@ -231,9 +266,11 @@ class Int4Tensor(QTensor):
         if self.select_backend(x) is Backend.TRITON:
             load_w4a16_ops()
             return torch.ops.qshard.int4_linear(
-                x, self.qdata, self.scale, self.zero, bias, self.group_size
+                x, self.qdata, self.scale, self.zero, bias, self.group_size, self.float_zero
             )
-        return int4_linear_reference(x, self.qdata, self.scale, self.zero, self.group_size, bias)
+        return int4_linear_reference(
+            x, self.qdata, self.scale, self.zero, self.group_size, bias, self.float_zero
+        )
 
     def select_backend(self, x: torch.Tensor) -> Backend:
         return weight_only_backend(self, x)

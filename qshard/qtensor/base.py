@@ -75,6 +75,9 @@ class QTensor(torch.Tensor):
 
     inner_names: ClassVar[tuple[str, ...]] = ()
     attr_names: ClassVar[tuple[str, ...]] = ()
+    # Values of attributes added after a layout's first release, for checkpoints and pickles
+    # written before them.
+    attr_defaults: ClassVar[dict[str, Any]] = {}
     # Per-class op tables, filled by `implements` / `implements_torch_function`.
     _aten_ops: ClassVar[dict[Any, Handler]] = {}
     _torch_fn_ops: ClassVar[dict[Any, Handler]] = {}
@@ -120,6 +123,7 @@ class QTensor(torch.Tensor):
         # On a view of a part of a tensor with a device form (a slice, narrow, split): that
         # tensor, whose form a copy_ into this part must refresh (the part has none).
         self.form_owner: QTensor | None = None
+        attrs = {**self.attr_defaults, **attrs}
         missing = set(self.attr_names) - set(attrs)
         extra = set(attrs) - set(self.attr_names)
         assert not missing and not extra, f"{type(self).__name__}: attrs {missing=} {extra=}"
@@ -276,6 +280,10 @@ class QTensor(torch.Tensor):
         state = {k: v for k, v in self.__dict__.items() if k not in self.device_names}
         state["device_names"], state["device_meta"], state["form_owner"] = (), (), None
         return state
+
+    def __setstate__(self, state):
+        # A tensor pickled before an attribute was added gets the attribute's default.
+        self.__dict__.update({**self.attr_defaults, **state})
 
     # ---- the device form --------------------------------------------------------------------
 

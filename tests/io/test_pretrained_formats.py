@@ -6,11 +6,12 @@ qshard.export -> load_pretrained must give the same tensors bit for bit."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 import torch
 from helpers import assert_same_qtensor
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import qshard
@@ -192,6 +193,47 @@ def test_compressed_tensors_int4_loads_as_its_formula_says(tmp_path, symmetric):
     assert state["lm_head.weight"].dtype == torch.bfloat16
 
 
+FP8_STRATEGIES = {  # strategy: (weight_scale shape for [200, 300], block_structure)
+    "channel": ((200, 1), None),
+    "tensor": ((1,), None),
+    "block": ((2, 3), [128, 128]),
+}
+
+
+@pytest.mark.parametrize("dynamic", [True, False, None], ids=["dynamic", "static", "weight-only"])
+@pytest.mark.parametrize("strategy", FP8_STRATEGIES)
+def test_compressed_tensors_fp8_loads_as_its_formula_says(tmp_path, strategy, dynamic):
+    """float-quantized (llm-compressor FP8 / FP8-Dynamic): W = weight * weight_scale, the scale
+    per row, per tensor or per block, in the model's dtype or fp32."""
+    n, k = 200, 300
+    qdata = random_e4m3(n, k, seed=3)
+    shape, blocks = FP8_STRATEGIES[strategy]
+    scale = (torch.rand(shape, generator=torch.Generator().manual_seed(4)) + 0.5) / 448
+    scale = scale.to(torch.bfloat16)  # as a bf16 model stores it
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy,
+               "block_structure": blocks, "dynamic": False}  # fmt: skip
+    acts = None if dynamic is None else {"num_bits": 8, "type": "float", "dynamic": dynamic,
+                                         "strategy": "token" if dynamic else "tensor"}  # fmt: skip
+    tensors = {"fc.weight": qdata, "fc.weight_scale": scale}
+    if dynamic is False:
+        tensors["fc.input_scale"] = torch.tensor([0.01])
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts}
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "config_groups": {"group_0": group}, "ignore": []}  # fmt: skip
+    write_checkpoint(tmp_path, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc})
+    state = qshard.load_pretrained(tmp_path)
+    assert set(state) == {"fc.weight"}  # the static input_scale is dropped (dynamic is finer)
+    w = state["fc.weight"]
+    layout = qshard.Fp8BlockwiseTensor if strategy == "block" else qshard.Fp8RowwiseTensor
+    assert isinstance(w, layout) and w.weight_only == (dynamic is None)
+    full = scale.float()
+    if strategy == "block":
+        full = full.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    expected = qdata.float() * full
+    assert torch.equal(w.dequantize(torch.float32), expected)
+    assert not torch.allclose(w.dequantize(torch.float32), qdata.float() / full)
+
+
 def test_compressed_tensors_act_order_checkpoints_are_refused(tmp_path):
     q, _, scale = compressed_int4_checkpoint(tmp_path / "a", True)
     config = json.loads((tmp_path / "a" / "config.json").read_text())
@@ -272,6 +314,9 @@ EXPORTS = [
     ("compressed-tensors", qshard.Int4WeightOnlyConfig()),
     ("compressed-tensors", qshard.Int4WeightOnlyConfig(group_size=64, symmetric=True)),
     ("compressed-tensors", qshard.NVFP4WeightOnlyConfig()),
+    ("compressed-tensors", qshard.Fp8RowwiseConfig()),
+    ("compressed-tensors", qshard.Fp8RowwiseConfig(weight_only=True)),
+    ("compressed-tensors", qshard.Fp8BlockwiseConfig()),
 ]
 
 
@@ -323,6 +368,18 @@ def test_exported_files_follow_the_producers_names(tmp_path):
         packed = f.get_tensor("0.weight_packed")
         assert packed.dtype == torch.int32 and packed.shape == (384, 32)
         assert f.get_tensor("0.weight_zero_point").shape == (48, 4)  # [ceil(N/8), G]
+    model = mlp()
+    qshard.quantize_(model, qshard.Fp8RowwiseConfig(), exclude=["2"])
+    out = qshard.export(model, tmp_path / "fp8", format="compressed-tensors")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    assert qc["format"] == "float-quantized" and qc["ignore"] == ["2"]
+    assert group["weights"]["strategy"] == "channel" and group["weights"]["num_bits"] == 8
+    assert group["input_activations"] == {"num_bits": 8, "type": "float", "symmetric": True,
+                                          "dynamic": True, "strategy": "token"}  # fmt: skip
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.get_tensor("0.weight").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("0.weight_scale").shape == (384, 1)
 
 
 def test_export_refuses_what_the_format_cannot_hold_and_writes_nothing(tmp_path):
@@ -430,9 +487,11 @@ def torchao_checkpoint(directory, entries: dict, tensors: dict):
 
 def float8_entry(block):
     preference = {"_type": "KernelPreference", "_data": "AUTO"}
+    granularity = {"_type": "PerBlock", "_data": {"block_size": [1, block[1]]}}
+    act = {"_type": "QuantizeTensorToFloat8Kwargs", "_data": {"granularity": granularity}}
     return {
         "_type": "Float8Tensor",
-        "_data": {"block_size": block, "kernel_preference": preference},
+        "_data": {"block_size": block, "kernel_preference": preference, "act_quant_kwargs": act},
         "_tensor_data_names": ["qdata", "scale"],
     }
 
@@ -456,24 +515,80 @@ def test_torchao_float8_blockwise_loads_as_its_formula_says(tmp_path):
     assert torch.equal(state["0.bias"], bias)
 
 
+TORCHAO_FIXTURE = pathlib.Path(__file__).parent.parent / "data" / "torchao"
+
+
+def signed_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int8 [R, C] -> q [R, 2C] in -8..7: FBGEMM's pack_int4, the even index in the low nibble,
+    each a two's complement 4-bit value."""
+    nibbles = low_nibble_first(packed.view(torch.uint8)).to(torch.int16)
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles)
+
+
+def test_a_checkpoint_torchao_wrote_loads_as_torchao_dequantizes_it():
+    """tests/data/torchao was written by torchao 0.18.0 itself (make_fixture.py there): per-row
+    W8A8 and weight-only, per-tensor and 128x128-block Float8Tensors, and an Int4Tensor."""
+    state = qshard.load_pretrained(TORCHAO_FIXTURE)
+    theirs = load_file(TORCHAO_FIXTURE / "torchao_dequantized.safetensors")
+    for name in ("rows.weight", "rows_wo.weight", "tensor.weight", "blocks.weight"):
+        assert torch.equal(state[name].dequantize(torch.bfloat16), theirs[name]), name
+    assert isinstance(state["rows.weight"], qshard.Fp8RowwiseTensor)
+    assert not state["rows.weight"].weight_only and state["rows_wo.weight"].weight_only
+    assert isinstance(state["blocks.weight"], qshard.Fp8BlockwiseTensor)
+    # Int4Tensor, by FBGEMM's formula written out: W = q * scale + zero_point, q signed.
+    stored = load_file(TORCHAO_FIXTURE / "model.safetensors")
+    q = signed_nibbles(stored["int4._weight_qdata"]).double()
+    scale, zero = (stored[f"int4._weight_{t}"].t().double() for t in ("scale", "zero_point"))
+    cols = torch.arange(q.shape[1]) // 128
+    expected = (q * scale[:, cols] + zero[:, cols]).float()
+    w = state["int4.weight"]
+    assert isinstance(w, qshard.Int4Tensor) and w.zero_point_domain == "float"
+    assert torch.equal(w.dequantize(torch.float32), expected)
+    unsigned = low_nibble_first(stored["int4._weight_qdata"].view(torch.uint8)).double()
+    slip = (unsigned * scale[:, cols] + zero[:, cols]).float()  # nibbles read as unsigned
+    assert not torch.allclose(w.dequantize(torch.float32), slip, atol=1e-3)
+    assert torch.equal(state["rows.bias"], stored["rows.bias"])
+
+
+def test_a_torchao_checkpoint_loads_into_a_model_and_runs():
+    shapes = {"rows": (96, 128), "rows_wo": (64, 96), "tensor": (48, 64), "blocks": (128, 256),
+              "int4": (80, 256)}  # fmt: skip
+    with torch.device("meta"):
+        model = nn.ModuleDict(
+            {n: nn.Linear(k, out, bias=n == "rows") for n, (out, k) in shapes.items()}
+        ).to(torch.bfloat16)
+    qshard.load_pretrained(TORCHAO_FIXTURE, model=model)
+    for name, (_, k) in shapes.items():
+        linear = model[name]
+        x = torch.randn(3, k, dtype=torch.bfloat16)
+        expected = x.float() @ linear.weight.dequantize(torch.float32).t()
+        if linear.bias is not None:
+            expected += linear.bias.float()
+        assert qshard.sqnr_db(expected, linear(x)) > 25, name
+
+
 @pytest.mark.parametrize(
     ("entry", "match"),
     [
-        (float8_entry([1, 384]), "per-row"),
+        (float8_entry([1, 32]), "block"),
         (
             {
                 "_type": "Int4Tensor",
-                "_data": {"block_size": [1, 128]},
-                "_tensor_data_names": ["qdata", "scale", "zero_point"],
+                "_data": {"block_size": [1, 128], "shape": [256, 768]},
+                "_tensor_data_names": ["qdata", "scale", "zero_point", "act_pre_scale"],
             },
-            "float added after scaling",
+            "act_pre_scale",
+        ),
+        (
+            {"_type": "Int4TilePackedTo4dTensor", "_data": {}, "_tensor_data_names": []},
+            "plain",
         ),
     ],
-    ids=["float8-per-row", "int4"],
+    ids=["float8-1x32", "int4-pre-scale", "int4-tinygemm"],
 )
 def test_torchao_tensors_qshard_cannot_hold_are_refused_with_the_reason(tmp_path, entry, match):
     tensors = {"0._weight_qdata": torch.zeros(256, 384).to(torch.float8_e4m3fn),
-               "0._weight_scale": torch.ones(256, 1)}  # fmt: skip
+               "0._weight_scale": torch.ones(256, 12)}  # fmt: skip
     torchao_checkpoint(tmp_path, {"0.weight": entry}, tensors)
     with pytest.raises(CheckpointError, match=match):
         qshard.load_pretrained(tmp_path)

@@ -54,12 +54,12 @@ def quantized(name: str, weight: torch.Tensor, group: int) -> Quantized:
 
     k = weight.shape[1]
     if name.startswith("int4"):
-        symmetric = name == "int4-sym"
-        q, s, z = int4.quantize_int4(weight, group, symmetric)
-        fmt = Format.INT4_SYM if symmetric else Format.INT4_ASYM
+        symmetric, fz = name == "int4-sym", name == "int4-fzero"
+        q, s, z = int4.quantize_int4(weight, group, symmetric, fz)
+        fmt = Format.INT4_SYM if symmetric else Format.INT4_FZERO if fz else Format.INT4_ASYM
         return Quantized(fmt, k, group, (q, s, z, s),
-                         lambda x, b: int4.int4_linear_reference(x, q, s, z, group, b),
-                         lambda d: int4.dequantize_int4(q, s, z, group, k, d))  # fmt: skip
+                         lambda x, b: int4.int4_linear_reference(x, q, s, z, group, b, fz),
+                         lambda d: int4.dequantize_int4(q, s, z, group, k, d, fz))  # fmt: skip
     if name == "mxfp4":
         q, s = mxfp4.quantize_mxfp4(weight, group)
         return Quantized(Format.MXFP4, k, group, (q, s, q, q),
@@ -79,6 +79,7 @@ CASES = [
     ("int4-sym", 64, 100, 200),
     ("int4-asym", 32, 72, 301),
     ("int4-sym", 16, 40, 96),
+    ("int4-fzero", 64, 56, 200),
     ("mxfp4", 32, 72, 301),
     ("mxfp4", 16, 48, 80),
     ("nvfp4", 16, 88, 200),
@@ -122,6 +123,7 @@ CONFIGS = {
         ("int4-asym", 256, 5, 96, 768, torch.float16),  # BLOCK_K < group: a step in one group
         ("int4-sym", 32, 37, 160, 544, torch.float16),  # several groups per step, 3 token tiles
         ("int4-asym", 64, 3, 72, 960, torch.float32),  # fp32 activations: an IEEE fp32 dot
+        ("int4-fzero", 128, 4, 48, 640, torch.float16),
         ("mxfp4", 32, 6, 64, 416, torch.float16),
         ("nvfp4", 16, 2, 80, 336, torch.float16),
         ("nvfp4", 16, 3, 48, 512, torch.float16),  # K a multiple of every step: no K masks
@@ -149,6 +151,7 @@ def test_each_kernel_config_matches_the_reference(config, name, group, m, n, k, 
         ("int4-sym", 32, 33, 512, 32, 2),
         ("int4-asym", 16, 24, 768, 32, 1),
         ("int4-asym", 128, 16, 2048, 128, 1),
+        ("int4-fzero", 64, 24, 1024, 64, 1),
     ],
 )
 def test_the_word_gemv_matches_the_reference(name, group, n, k, block_w, m):

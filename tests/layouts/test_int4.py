@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import gaussian
 
 import qshard
 from qshard import Int4WeightOnlyConfig
@@ -57,3 +58,33 @@ def test_triton_op_takes_a_strided_bias_and_rounds_it_like_the_reference():
     forced = qshard.Int4Tensor.from_float(torch.randn(8, 64, device=DEVICE), config)
     expected = ref.int4_linear_reference(x, forced.qdata, forced.scale, forced.zero, 32, strided)
     torch.testing.assert_close(F.linear(x, forced.to(torch.float16), strided), expected)
+
+
+def test_a_float_zero_point_is_the_value_of_code_8():
+    """zero_point_domain='float' (torchao's Int4Tensor, HQQ): W = (u - 8) * scale + zero over the
+    group's own range (it need not include 0), rounded once to fp32."""
+    w = gaussian(24, 256)
+    w[0, :128] = w[0, :128].abs() + 0.05  # a group that misses 0
+    w[1, :128] = 0.01  # a constant group: exact up to the bf16 scale and zero
+    w[2, :128] = 0.0
+    config = Int4WeightOnlyConfig(group_size=128, zero_point_domain="float")
+    q = qshard.Int4Tensor.from_float(w, config)
+    u = torch.stack([q.qdata & 15, q.qdata >> 4], -1).reshape(24, 256).double()
+    cols = torch.arange(256) // 128
+    expected = (u - 8) * q.scale.double()[:, cols] + q.zero.double()[:, cols]
+    assert torch.equal(q.dequantize(torch.float32), expected.float())
+    assert (q.dequantize()[1, :128] - 0.01).abs().max() < 1e-4
+    assert torch.equal(q.dequantize()[2, :128], torch.zeros(128))
+    group = w[0, :128]  # codes span the group's own range: min -> 0, max -> 15
+    assert u[0, :128].min() == 0 and u[0, :128].max() == 15 and group.min() > 0
+    integer = qshard.Int4Tensor.from_float(w, Int4WeightOnlyConfig(group_size=128))
+    assert qshard.sqnr_db(w, q.dequantize()) > qshard.sqnr_db(w, integer.dequantize())
+
+
+def test_float_zero_points_refuse_what_cannot_hold_them():
+    with pytest.raises(qshard.ConfigError, match="asymmetric"):
+        Int4WeightOnlyConfig(symmetric=True, zero_point_domain="float")
+    with pytest.raises(qshard.ConfigError, match="gemlite"):
+        Int4WeightOnlyConfig(backend="gemlite", zero_point_domain="float")
+    with pytest.raises(qshard.ConfigError, match="zero_point_domain"):
+        Int4WeightOnlyConfig(zero_point_domain="half")

@@ -44,18 +44,25 @@ def tinygemm_weight(q: qshard.Int4Tensor, scale_dtype: torch.dtype) -> torch.Ten
     codes = torch.stack([q.qdata & 15, q.qdata >> 4], dim=-1).reshape(n, -1)[:, :k].double()
     s = q.scale.double()
     z = q.zero.double() if q.zero.numel() else torch.full_like(s, 8.0)
-    tinygemm_zero = ((8.0 - z) * s).to(scale_dtype).double()
+    # A float zero point is tinygemm's zero as it is.
+    tinygemm_zero = (z if q.float_zero else (8.0 - z) * s).to(scale_dtype).double()
     per_column = torch.arange(k, device=q.device) // q.group_size
     return (codes - 8.0) * s[:, per_column] + tinygemm_zero[:, per_column]
 
 
 @pytest.mark.parametrize("dtype", TINYGEMM_DTYPES)
 @pytest.mark.parametrize(
-    ("n", "k", "group", "symmetric"),
-    [(48, 256, 64, False), (40, 100, 32, False), (32, 192, 128, True), (16, 512, 256, False)],
+    ("n", "k", "group", "symmetric", "domain"),
+    [
+        (48, 256, 64, False, "int"),
+        (40, 100, 32, False, "int"),
+        (32, 192, 128, True, "int"),
+        (16, 512, 256, False, "int"),
+        (40, 160, 32, False, "float"),
+    ],
 )  # N not a multiple of 16 and a partial last group (40 x 100) are padded by the form
-def test_tinygemm_multiplies_the_weight_its_definition_gives(n, k, group, symmetric, dtype):
-    config = Int4WeightOnlyConfig(group, symmetric, backend="tinygemm")
+def test_tinygemm_multiplies_the_weight_its_definition_gives(n, k, group, symmetric, domain, dtype):
+    config = Int4WeightOnlyConfig(group, symmetric, backend="tinygemm", zero_point_domain=domain)
     q = qshard.Int4Tensor.from_float(gaussian(n, k).to(DEVICE), config).to(dtype)
     assert q.device_form is not None
     x = torch.randn(3, 5, k, device=DEVICE).to(dtype)
@@ -71,8 +78,9 @@ def test_tinygemm_multiplies_the_weight_its_definition_gives(n, k, group, symmet
     assert relative_error(out, F.linear(x.double(), swapped, bias.double())) > 0.1
     # Against the canonical reference: equal for symmetric weights (zero 0 is exact), within
     # the zero's rounding (at most 8 * s * 2^-9 per weight in bf16) for asymmetric ones.
-    reference = ref.int4_linear_reference(x, q.qdata, q.scale, q.zero, group, bias)
-    bound = TINYGEMM_TOLERANCE[dtype] + (0 if symmetric else 4e-3)
+    reference = ref.int4_linear_reference(x, q.qdata, q.scale, q.zero, group, bias, q.float_zero)
+    exact_zero = symmetric or (q.float_zero and DEVICE.type == "cuda")  # bf16 zero as stored
+    bound = TINYGEMM_TOLERANCE[dtype] + (0 if exact_zero else 4e-3)
     assert relative_error(out, reference) <= bound
 
 
