@@ -8,7 +8,7 @@ __all__ = ["main"]
 
 # `qshard quantize --config` names (qshard/convert.py CONFIGS; listed here so that --help needs
 # no torch import).
-CONFIG_NAMES = ["fp8-block", "int4-g128", "int4-g64", "mxfp4", "nvfp4"]
+CONFIG_NAMES = ["fp8-block", "fp8-row", "int4-g128", "int4-g64", "mxfp4", "nvfp4"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from .formats.source import SafetensorsDir, read_json
 from .io import save
 from .layouts import (
     Fp8BlockwiseConfig,
+    Fp8RowwiseConfig,
     Int4WeightOnlyConfig,
     MXFP4WeightOnlyConfig,
     NVFP4WeightOnlyConfig,
@@ -29,6 +30,7 @@ __all__ = ["CONFIGS", "DEFAULT_EXCLUDE", "inspect_checkpoint", "quantize_directo
 
 CONFIGS = {
     "fp8-block": Fp8BlockwiseConfig,
+    "fp8-row": Fp8RowwiseConfig,
     "int4-g128": Int4WeightOnlyConfig,
     "int4-g64": lambda: Int4WeightOnlyConfig(group_size=64),
     "nvfp4": NVFP4WeightOnlyConfig,

