@@ -39,6 +39,20 @@ def main(argv: list[str] | None = None) -> int:
         "inspect", help="print a checkpoint's layouts, shapes, bits per weight and bytes"
     )
     inspect.add_argument("path", help="a qshard checkpoint, or a directory load_pretrained reads")
+    bench = commands.add_parser(
+        "bench", help="time a model's linear layers in each layout against bf16 (GPU or CPU)"
+    )
+    bench.add_argument(
+        "source",
+        nargs="?",
+        default="llama-3.1-8b",
+        help="a Hugging Face model directory, 'llama-3.1-8b' (one layer's linears), or shapes "
+        "like 4096x4096,14336x4096 (N x K)",
+    )
+    bench.add_argument("--configs", default=",".join(CONFIG_NAMES), help="comma-separated")
+    bench.add_argument("--ms", default="1,16,128,2048", help="tokens per call, comma-separated")
+    bench.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    bench.add_argument("--plot", default=None, help="also write the speedups as this PNG")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from . import demo as demos
@@ -54,11 +68,29 @@ def main(argv: list[str] | None = None) -> int:
         done = quantize_directory(args.model_dir, args.out, args.config, exclude)
         print(f"{len(done['quantized'])} weights quantized ({args.config}), "
               f"{len(done['kept'])} tensors kept; wrote {args.out}")  # fmt: skip
+    elif args.command == "bench":
+        from .benchmark import bench_linears, model_shapes, plot, print_table
+
+        shapes = model_shapes(args.source)
+        ms = [int(m) for m in args.ms.split(",")]
+        results = bench_linears(shapes, args.configs.split(","), ms, args.device)
+        where = args.device or ("cuda" if _has_cuda() else "cpu")
+        print(f"{args.source}: {sum(shapes.values())} linears, {len(shapes)} shapes, on {where}")
+        print_table(results, ms)
+        if args.plot:
+            plot(results, ms, args.plot, f"{args.source} linears")
+            print(f"wrote {args.plot}")
     elif args.command == "inspect":
         from .convert import inspect_checkpoint
 
         inspect_checkpoint(args.path)
     return 0
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":
