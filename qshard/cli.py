@@ -17,6 +17,13 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="quantize a small model and print the report")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="run under tensor parallelism on this many processes (gloo on CPUs, NCCL with a "
+        "GPU each); under torchrun, its processes",
+    )
+    demo.add_argument(
         "--model",
         choices=["auto", "minilm", "random"],
         default="auto",
@@ -57,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from . import demo as demos
 
-        if args.model == "minilm" or (args.model == "auto" and demos.minilm_available()):
+        if args.tp > 1:
+            from .demo_tp import run_tp_demo
+
+            run_tp_demo(args.tp, args.model)
+        elif args.model == "minilm" or (args.model == "auto" and demos.minilm_available()):
             demos.run_minilm_demo()
         else:
             demos.run_demo(seed=args.seed)

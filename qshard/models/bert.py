@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BertConfig", "BertModel", "mean_pooled_embeddings"]
+__all__ = ["TP_PLAN", "BertConfig", "BertModel", "mean_pooled_embeddings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +68,28 @@ class _SelfAttention(nn.Module):
         super().__init__()
         self.query, self.key, self.value = (nn.Linear(c.hidden_size, c.hidden_size)
                                             for _ in range(3))  # fmt: skip
-        self.heads = c.num_attention_heads
+        self.head_dim = c.hidden_size // c.num_attention_heads
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        split = lambda t: t.view(b, s, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        # The head count comes from the projections' width: under TP (`TP_PLAN`) a rank holds
+        # num_attention_heads / world of them, and this code runs unchanged.
+        b, s, _ = x.shape
+        split = lambda t: t.view(b, s, -1, self.head_dim).transpose(1, 2)  # noqa: E731
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
-        return out.transpose(1, 2).reshape(b, s, d)
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+
+# Column-parallel q/k/v (whole heads per rank) and intermediate, row-parallel attention output
+# and output; embeddings, norms and the pooler stay whole on every rank.
+TP_PLAN = {
+    "encoder.layer.*.attention.self.query": "colwise",
+    "encoder.layer.*.attention.self.key": "colwise",
+    "encoder.layer.*.attention.self.value": "colwise",
+    "encoder.layer.*.attention.output.dense": "rowwise",
+    "encoder.layer.*.intermediate.dense": "colwise",
+    "encoder.layer.*.output.dense": "rowwise",
+}
 
 
 class _Attention(nn.Module):
