@@ -1,15 +1,19 @@
 """End-to-end greedy decode with qshard.models.Llama (random weights, Llama-3.1-8B shapes):
-tokens per second for bf16 and each qshard layout, compiled.
+tokens per second for bf16 and each qshard layout (and torchao's), compiled, at TP 1 or TP N.
 
-    python bench/bench_decode.py [--layouts bf16,int4-g128,fp8-block,nvfp4,mxfp4]
+    python bench/bench_decode.py [--layouts bf16,int4-g128,fp8-block,fp8-row,nvfp4,mxfp4,...]
         [--batches 1,32] [--prompt 1024] [--new 256] [--config llama-3.1-8b|tiny]
+    torchrun --standalone --nproc-per-node 2 bench/bench_decode.py ...     # TP 2 (NCCL)
 
 Each layout: the model built on the GPU in bf16, every linear quantized (the output head
-included), KV caches for prompt + new tokens; the prompt prefilled (eager), then `new` tokens
-decoded by `decode_one_token` compiled with mode="reduce-overhead" (CUDA graphs), after a
-warm-up that compiles it. Reported: decode tokens/s (batch x new / decode time), the speedup
-over bf16 in the same run, and the peak GPU memory. TP 1 only (TP 2 through torchrun is the
-next step: issue 9).
+included), sharded by `qshard.models.TP_PLAN` under torchrun, KV caches for prompt + new tokens
+(a rank's heads); the prompt prefilled (eager), then `new` tokens decoded by `decode_one_token`
+compiled with mode="reduce-overhead" (CUDA graphs), after a warm-up that compiles it. Reported:
+decode tokens/s (batch x new / decode time), the speedup over bf16 in the same run, and the
+peak GPU memory (of rank 0). Baselines where torchao is installed (TP 1 only: torchao's tensors
+are not sharded by qshard's plan): `torchao-int4` (Int4WeightOnlyConfig g128, tinygemm's
+tile-packed format), `torchao-fp8-row` and `torchao-fp8-block` (Float8DynamicActivation-
+Float8WeightConfig, PerRow / PerBlock 1x128 x 128x128).
 """
 
 from __future__ import annotations
@@ -21,16 +25,35 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import qshard
+import qshard.tp
 from qshard.convert import CONFIGS
-from qshard.models import Llama, LlamaConfig, decode_one_token, generate, prefill
+from qshard.models import TP_PLAN, Llama, LlamaConfig, decode_one_token, generate, prefill
 
 
-def build(config: LlamaConfig, layout: str, device: torch.device) -> Llama:
-    torch.manual_seed(0)
+def torchao_config(layout: str):
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Int4WeightOnlyConfig,
+        PerBlock,
+        PerRow,
+    )
+
+    if layout == "torchao-int4":
+        return Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
+    if layout == "torchao-fp8-row":
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    return Float8DynamicActivationFloat8WeightConfig(
+        granularity=[PerBlock([1, 128]), PerBlock([128, 128])]
+    )
+
+
+def build(config: LlamaConfig, layout: str, device: torch.device, mesh=None) -> Llama:
+    torch.manual_seed(0)  # the same weights on every rank
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -38,20 +61,35 @@ def build(config: LlamaConfig, layout: str, device: torch.device) -> Llama:
             model = Llama(config).eval()
     finally:
         torch.set_default_dtype(default)
-    if layout != "bf16":
+    if layout.startswith("torchao-"):
+        from torchao.quantization import quantize_ as torchao_quantize
+
+        torchao_quantize(model, torchao_config(layout))
+    elif layout != "bf16":
         qshard.quantize_(model, CONFIGS[layout]())
+    if mesh is not None:
+        qshard.tp.parallelize(model, mesh, TP_PLAN)
     return model
 
 
 @torch.no_grad()
-def tokens_per_second(model: Llama, batch: int, prompt_len: int, new: int, device) -> float:
-    model.setup_caches(batch, prompt_len + new + 8)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device)
+def tokens_per_second(model: Llama, batch: int, prompt_len: int, new: int, device,
+                      world: int = 1) -> float:  # fmt: skip
+    model.setup_caches(batch, prompt_len + new + 8, tp_world=world)
+    generator = torch.Generator(device).manual_seed(1)  # the same prompt on every rank
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device,
+                           generator=generator)  # fmt: skip
     mode = "reduce-overhead" if device.type == "cuda" else None
     step = torch.compile(decode_one_token, mode=mode, fullgraph=True)
     for _ in range(2):  # compiles, then records the CUDA graph
         generate(model, prompt, new_tokens=4, step=step)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if world > 1:
+            dist.barrier()
+
     token = prefill(model, prompt)
     positions = [torch.tensor([prompt_len + i], device=device) for i in range(new)]
     sync()
@@ -64,42 +102,72 @@ def tokens_per_second(model: Llama, batch: int, prompt_len: int, new: int, devic
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layouts", default="bf16,int4-g128,fp8-block,nvfp4,mxfp4")
+    parser.add_argument("--layouts", default="bf16,int4-g128,fp8-block,fp8-row,nvfp4,mxfp4,"
+                        "torchao-int4,torchao-fp8-row,torchao-fp8-block")  # fmt: skip
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--config", default="llama-3.1-8b", choices=["llama-3.1-8b", "tiny"])
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    mesh, world, rank = None, 1, 0
+    if "RANK" in os.environ:  # under torchrun: tensor parallelism over its processes
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        mesh = init_device_mesh(device.type, (world,))
+    say = print if rank == 0 else (lambda *a, **k: None)
     config = LlamaConfig.llama_3_1_8b() if args.config == "llama-3.1-8b" else LlamaConfig.tiny()
     batches = [int(b) for b in args.batches.split(",")]
     if device.type == "cuda":
         import triton
 
-        print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton "
-              f"{triton.__version__}")  # fmt: skip
-    print(f"{args.config}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
-          f"decode step, TP 1\n")  # fmt: skip
-    print("| layout | " + " | ".join(f"batch {b}" for b in batches) + " | peak memory |")
-    print("|---|" + "---|" * (len(batches) + 1))
+        say(f"GPU: {torch.cuda.get_device_name()} x {world}; torch {torch.__version__}, triton "
+            f"{triton.__version__}, torchao {_version('torchao')}")  # fmt: skip
+    say(f"{args.config}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
+        f"decode step, TP {world}\n")  # fmt: skip
+    say("| layout | " + " | ".join(f"batch {b}" for b in batches) + " | peak memory |")
+    say("|---|" + "---|" * (len(batches) + 1))
     base = {}
     for layout in args.layouts.split(","):
+        if layout.startswith("torchao-") and (world > 1 or _version("torchao") is None):
+            why = "TP 1 only" if world > 1 else "torchao is not installed"
+            say(f"| {layout} | " + " | ".join("n/a" for _ in batches) + f" | {why} |")
+            continue
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        model = build(config, layout, device)
-        cells = []
-        for b in batches:
-            rate = tokens_per_second(model, b, args.prompt, args.new, device)
-            base.setdefault(b, rate if layout == "bf16" else None)
-            ratio = f", {rate / base[b]:.2f}x" if base.get(b) else ""
-            cells.append(f"{rate:.0f} tok/s{ratio}")
+        model, cells = None, []
+        try:
+            model = build(config, layout, device, mesh)
+            for b in batches:
+                rate = tokens_per_second(model, b, args.prompt, args.new, device, world)
+                base.setdefault(b, rate if layout == "bf16" else None)
+                ratio = f", {rate / base[b]:.2f}x" if base.get(b) else ""
+                cells.append(f"{rate:.0f} tok/s{ratio}")
+        except Exception as e:  # a baseline that cannot run here: reported in its row
+            cells += [f"fails: {type(e).__name__}: {str(e).splitlines()[0][:60]}"] * (
+                len(batches) - len(cells)
+            )
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-        print(f"| {layout} | " + " | ".join(cells) + f" | {peak:.1f} GiB |", flush=True)
+        say(f"| {layout} | " + " | ".join(cells) + f" | {peak:.1f} GiB |", flush=True)
         del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         torch._dynamo.reset()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return __import__(package).__version__
+    except Exception:  # not installed, or broken: reported as such
+        return None
 
 
 if __name__ == "__main__":
