@@ -3,14 +3,16 @@ tokens per second for bf16 and each qshard layout (and torchao's), compiled, at 
 
     python bench/bench_decode.py [--layouts bf16,int4-g128,fp8-block,fp8-row,nvfp4,mxfp4,...]
         [--batches 1,32] [--prompt 1024] [--new 256] [--config llama-3.1-8b|tiny]
-    torchrun --standalone --nproc-per-node 2 bench/bench_decode.py ...     # TP 2 (NCCL)
+    python bench/bench_decode.py --tp 2 ...     # TP 2: each measurement under torchrun (NCCL)
 
 Each layout: the model built on the GPU in bf16, every linear quantized (the output head
 included), sharded by `qshard.models.TP_PLAN` under torchrun, KV caches for prompt + new tokens
 (a rank's heads); the prompt prefilled (eager), then `new` tokens decoded by `decode_one_token`
 compiled with mode="reduce-overhead" (CUDA graphs), after a warm-up that compiles it. Reported:
 decode tokens/s (batch x new / decode time), the speedup over bf16 in the same run, and the
-peak GPU memory (of rank 0). Baselines where torchao is installed (TP 1 only: torchao's tensors
+peak GPU memory of rank 0 while decoding. Each (layout, batch) runs in a fresh process: in one
+process, a layout measured after another ran up to 40 % slower (int4 at batch 1 on an H100: 104
+tok/s after bf16, 187 alone). Baselines where torchao is installed (TP 1 only: torchao's tensors
 are not sharded by qshard's plan): `torchao-int4` (Int4WeightOnlyConfig g128, tinygemm's
 tile-packed format), `torchao-fp8-row` and `torchao-fp8-block` (Float8DynamicActivation-
 Float8WeightConfig, PerRow / PerBlock 1x128 x 128x128).
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -108,7 +112,57 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--config", default="llama-3.1-8b", choices=["llama-3.1-8b", "tiny"])
+    parser.add_argument("--tp", type=int, default=1, help="processes (GPUs) through torchrun")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return child(args)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        import triton
+
+        print(f"GPU: {torch.cuda.get_device_name()} x {args.tp}; torch {torch.__version__}, "
+              f"triton {triton.__version__}, torchao {_version('torchao')}")  # fmt: skip
+    print(f"{args.config}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
+          f"decode step, TP {args.tp}; each (layout, batch) in a fresh process\n")  # fmt: skip
+    batches = args.batches.split(",")
+    print("| layout | " + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("|---|" + "---|" * len(batches))
+    base = {}
+    for layout in args.layouts.split(","):
+        cells = []
+        for batch in batches:
+            result = run_child(args, layout, batch)
+            if isinstance(result, str):
+                cells.append(result)
+                continue
+            rate, memory = result["rate"], result["memory_gib"]
+            base.setdefault(batch, rate if layout == "bf16" else None)
+            ratio = f", {rate / base[batch]:.2f}x" if base.get(batch) else ""
+            cells.append(f"{rate:.0f} tok/s{ratio} ({memory:.1f} GiB)")
+        print(f"| {layout} | " + " | ".join(cells) + " |", flush=True)
+    print("\n(GiB: the peak GPU memory of rank 0 while decoding, weights and caches included)")
+
+
+def run_child(args, layout: str, batch: str) -> dict | str:
+    """One (layout, batch) measured in a fresh process (torchrun for TP): compiled graphs and
+    CUDA graph pools of an earlier model slowed later ones in the same process (measured)."""
+    if layout.startswith("torchao-") and args.tp > 1:
+        return "n/a (torchao: TP 1 only)"
+    script = [__file__, "--child", "--layouts", layout, "--batches", batch, "--prompt",
+              str(args.prompt), "--new", str(args.new), "--config", args.config]  # fmt: skip
+    launcher = [sys.executable]
+    if args.tp > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}"]
+    done = subprocess.run(launcher + script, capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line.removeprefix("RESULT "))
+    errors = [line for line in done.stderr.splitlines() if "Error" in line] or ["no result"]
+    return f"fails: {errors[-1].strip()[:80]}"
+
+
+def child(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mesh, world, rank = None, 1, 0
     if "RANK" in os.environ:  # under torchrun: tensor parallelism over its processes
@@ -120,45 +174,16 @@ def main() -> None:
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
         mesh = init_device_mesh(device.type, (world,))
-    say = print if rank == 0 else (lambda *a, **k: None)
     config = LlamaConfig.llama_3_1_8b() if args.config == "llama-3.1-8b" else LlamaConfig.tiny()
-    batches = [int(b) for b in args.batches.split(",")]
+    model = build(config, args.layouts, device, mesh)
+    gc.collect()
     if device.type == "cuda":
-        import triton
-
-        say(f"GPU: {torch.cuda.get_device_name()} x {world}; torch {torch.__version__}, triton "
-            f"{triton.__version__}, torchao {_version('torchao')}")  # fmt: skip
-    say(f"{args.config}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
-        f"decode step, TP {world}\n")  # fmt: skip
-    say("| layout | " + " | ".join(f"batch {b}" for b in batches) + " | peak memory |")
-    say("|---|" + "---|" * (len(batches) + 1))
-    base = {}
-    for layout in args.layouts.split(","):
-        if layout.startswith("torchao-") and (world > 1 or _version("torchao") is None):
-            why = "TP 1 only" if world > 1 else "torchao is not installed"
-            say(f"| {layout} | " + " | ".join("n/a" for _ in batches) + f" | {why} |")
-            continue
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        model, cells = None, []
-        try:
-            model = build(config, layout, device, mesh)
-            for b in batches:
-                rate = tokens_per_second(model, b, args.prompt, args.new, device, world)
-                base.setdefault(b, rate if layout == "bf16" else None)
-                ratio = f", {rate / base[b]:.2f}x" if base.get(b) else ""
-                cells.append(f"{rate:.0f} tok/s{ratio}")
-        except Exception as e:  # a baseline that cannot run here: reported in its row
-            cells += [f"fails: {type(e).__name__}: {str(e).splitlines()[0][:60]}"] * (
-                len(batches) - len(cells)
-            )
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-        say(f"| {layout} | " + " | ".join(cells) + f" | {peak:.1f} GiB |", flush=True)
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the float model quantize_ started from is gone
+    rate = tokens_per_second(model, int(args.batches), args.prompt, args.new, device, world)
+    memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    if rank == 0:
+        print("RESULT " + json.dumps({"rate": rate, "memory_gib": memory}), flush=True)
     if world > 1:
         dist.destroy_process_group()
 
