@@ -7,7 +7,9 @@ quantization_config with quant_method "modelopt". A quantized linear is `<p>.wei
 float8_e4m3fn [N, K/16] and `<p>.weight_scale_2` float32 (a scalar), a multiplier:
 W = e2m1 * weight_scale * weight_scale_2: the layout's own definition, so every tensor maps as
 it is. `<p>.input_scale` (the static activation scale of ModelOpt's W4A4 serving) is not used:
-qshard runs NVFP4 weight-only, and drops it. Export writes the weight-only subset.
+qshard runs NVFP4 weight-only, and drops it, as it drops the FP8 KV-cache scales `k_scale` and
+`v_scale` (qshard keeps the KV cache in the activation dtype). Export writes the weight-only
+subset.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
         prefix, _, name = key.rpartition(".")
         if prefix in quantized and name in ("weight_scale", "weight_scale_2", "input_scale"):
             continue  # the scales, read with their weight; input_scale dropped (docstring)
+        if name in ("k_scale", "v_scale"):
+            continue  # FP8 KV-cache scales (kv_cache_quant_algo): qshard's caches stay float
         if prefix in quantized and name == "weight":
             state[key] = _tensor(reader, prefix, dtype)
         else:

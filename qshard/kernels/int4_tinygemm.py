@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import BackendUnavailableError
 from .packing import unpack_nibbles
 
 __all__ = ["TINYGEMM_GROUPS", "tinygemm_form", "tinygemm_linear", "tinygemm_problem"]
@@ -75,12 +76,26 @@ def tinygemm_form(
         scale_zero = scale_zero.to(torch.bfloat16)
     else:
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, tiles)
-        scale_zero = scale_zero.to(dtype)
+        scale_zero = _cpu_scale_zero(scale_zero, dtype)
     return {"tinygemm_qdata": weight, "tinygemm_scale_zero": scale_zero.contiguous()}, (
         group,
         k,
         n,
     )
+
+
+def _cpu_scale_zero(scale_zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The CPU kernel's scales and zeros, in the activation dtype; fp16 cannot hold every bf16
+    scale (above 65504: weights beyond fp16's range), which is refused, not turned into inf."""
+    converted = scale_zero.to(dtype)
+    if not bool(torch.isfinite(converted).all()):
+        largest = float(scale_zero.float().abs().max())
+        raise BackendUnavailableError(
+            f"tinygemm on the CPU takes its scales and zeros in the activation dtype {dtype}, "
+            f"which cannot hold this weight's (largest {largest:.3g}); use bfloat16 or float32 "
+            f"activations, or backend='auto'"
+        )
+    return converted
 
 
 def tinygemm_linear(
@@ -97,7 +112,7 @@ def tinygemm_linear(
         out = torch.ops.aten._weight_int4pack_mm(x2d.contiguous(), weight, group, scale_zero)
     else:
         if scale_zero.dtype != x.dtype:
-            scale_zero = scale_zero.to(x.dtype)
+            scale_zero = _cpu_scale_zero(scale_zero, x.dtype)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2d.contiguous(), weight, group, scale_zero
         )

@@ -118,6 +118,8 @@ def test_modelopt_nvfp4_loads_as_its_formula_says(tmp_path):
         "proj.weight_scale_2": scale_2,
         "proj.input_scale": torch.tensor(0.01),
         "head.weight": torch.randn(8, k),
+        "attn.k_proj.k_scale": torch.tensor(0.02),  # FP8 KV-cache scales: dropped
+        "attn.v_proj.v_scale": torch.tensor(0.03),
     }
     hf_quant = {"producer": {"name": "modelopt"},
                 "quantization": {"quant_algo": "NVFP4", "group_size": 16,

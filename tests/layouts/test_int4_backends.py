@@ -223,3 +223,14 @@ def test_a_model_built_empty_gets_its_device_form_from_load_state_dict():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*repack_for_device")
         assert torch.equal(empty(x), model(x))
+
+
+def test_cpu_tinygemm_refuses_scales_fp16_cannot_hold():
+    """The CPU kernel takes scales and zeros in the activation dtype: a bf16 weight whose scales
+    pass fp16's 65504 is refused for fp16 activations, not run with inf scales."""
+    w = gaussian(32, 64).to(torch.bfloat16) * 1e7
+    q = qshard.Int4Tensor.from_float(w, Int4WeightOnlyConfig(32, backend="tinygemm"))
+    x = torch.randn(2, 64)
+    assert bool(torch.isfinite(F.linear(x.to(torch.bfloat16), q)).all())
+    with pytest.raises(BackendUnavailableError, match="activation dtype"):
+        F.linear(x.half(), q)
