@@ -279,7 +279,7 @@ from qshard.kernels.w4a16_triton import _dequantize_kernel
 names = ["q_ptr", "s_ptr", "z_ptr", "g_ptr", "w_ptr", "N", "K", "KH", "stride_qn", "stride_sn",
          "stride_wn", "FORMAT", "GROUP", "BLOCK_N", "BLOCK_K"]
 types = ["*u8", "*u8", "*u8", "*fp32", "*bf16"] + ["i32"] * 6 + ["constexpr"] * 4
-for fmt in (0, 1, 2, 3):
+for fmt in (0, 1, 2, 3, 4):
     triton.compile(
         ASTSource(fn=_dequantize_kernel, signature=dict(zip(names, types)),
                   constexprs={"FORMAT": fmt, "GROUP": 16, "BLOCK_N": 32, "BLOCK_K": 128}),
@@ -290,7 +290,7 @@ names = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "M", "N", "K
          "stride_qw", "stride_sn", "stride_om", "FORMAT", "GROUP", "HAS_BIAS", "BLOCK_N",
          "BLOCK_W"]
 types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16"] + ["i32"] * 7 + ["constexpr"] * 5
-for fmt in (0, 1):
+for fmt in (0, 1, 2):
     triton.compile(
         ASTSource(fn=_gemv_words_kernel, signature=dict(zip(names, types)),
                   constexprs={"FORMAT": fmt, "GROUP": 128, "HAS_BIAS": True, "BLOCK_N": 16,
