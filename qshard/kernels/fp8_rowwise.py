@@ -33,7 +33,9 @@ def row_amax(weight: torch.Tensor) -> torch.Tensor:
     """fp32 [N, 1]: the largest |value| of each row (0 for rows of no columns)."""
     if not weight.shape[1]:
         return torch.zeros(weight.shape[0], 1, device=weight.device)
-    return weight.detach().float().abs().amax(dim=1, keepdim=True)
+    # |x| and its max are exact in the input's dtype: widen the [N, 1] result, not the input
+    # (eager, a full fp32 copy of the activations was two more passes over them).
+    return weight.detach().abs().amax(dim=1, keepdim=True).float()
 
 
 def row_scales(weight: torch.Tensor) -> torch.Tensor:
@@ -43,7 +45,8 @@ def row_scales(weight: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """values [R, K] / scale [R, 1] rounded to e4m3 (to nearest even), saturating at +-448."""
-    return (values.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    # bf16 / fp32 promotes to fp32 in one pass: the same values as widening first.
+    return torch.div(values, scale).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
 def dequantize_rowwise(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
