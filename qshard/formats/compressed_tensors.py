@@ -203,7 +203,10 @@ def _fp8(reader, prefix: str, qdata: torch.Tensor, config: dict, dtype: torch.dt
             block_size=(bn, bk), act_group_size=bk, weight_only=weight_only,
             scale_format=ScaleFormat.FP32, backend=Backend.AUTO,
         )  # fmt: skip
-    tensor.check_attrs(tensor.attrs())
+    try:
+        tensor.check_attrs(tensor.attrs())
+    except QShardError as e:  # e.g. a block_structure qshard's FP8 layout cannot take
+        raise CheckpointError(f"{where}: {e}") from None
     tensor.validate()
     return tensor
 

@@ -5,8 +5,8 @@ config.json `quantization_config.quant_method` "torchao". The safetensors header
 `tensor_names` (a JSON list of state_dict keys) and, per key, a JSON object: {"_type":
 "Tensor"} for a plain tensor stored under its key, or {"_type": "<torchao class>", "_data":
 {attributes}, "_tensor_data_names": [...]} for a tensor subclass whose tensors are stored as
-`<module>._<param>_<name>` (e.g. `0._weight_qdata`, `0._weight_scale`). Checked against files
-torchao 0.18.0 wrote (tests/io/test_pretrained_formats.py).
+`<module>._<param>_<name>` (e.g. `0._weight_qdata`, `0._weight_scale`). Checked against a file
+torchao 0.18.0 wrote (tests/data/torchao).
 
 Float8Tensor: qdata float8_e4m3fn [N, K], scale float32 with one value per `block_size` block,
 a multiplier (torchao's `_dequantize_affine_float8`: qdata * scale), mapped as stored:

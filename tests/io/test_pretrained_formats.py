@@ -594,3 +594,13 @@ def test_torchao_tensors_qshard_cannot_hold_are_refused_with_the_reason(tmp_path
     torchao_checkpoint(tmp_path, {"0.weight": entry}, tensors)
     with pytest.raises(CheckpointError, match=match):
         qshard.load_pretrained(tmp_path)
+
+
+def test_compressed_tensors_fp8_blocks_qshard_cannot_take_are_a_checkpoint_error(tmp_path):
+    weights = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [10, 10]}
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    tensors = {"fc.weight": random_e4m3(200, 300), "fc.weight_scale": torch.ones(20, 30)}
+    write_checkpoint(tmp_path, tensors, {"quantization_config": qc})
+    with pytest.raises(CheckpointError, match="power of two"):
+        qshard.load_pretrained(tmp_path)
