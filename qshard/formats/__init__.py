@@ -8,8 +8,9 @@ trip, and export qshard-quantized models to them (facts.md §5).
 Formats, one file each (detect from config.json / hf_quant_config.json, load, export):
 `deepseek-fp8` (DeepSeek-V3/R1, Qwen3-FP8 block FP8), `modelopt-nvfp4` (NVIDIA ModelOpt),
 `compressed-tensors` (pack-quantized int4, nvfp4-pack-quantized, float-quantized FP8 per
-channel, per tensor and in blocks), `gpt-oss-mxfp4` (load only) and `torchao` (Float8Tensor per
-row, per tensor and in blocks; Int4Tensor; load only).
+channel, per tensor and in blocks), `fbgemm-fp8` (Meta's / Hugging Face's row-wise FP8),
+`gpt-oss-mxfp4` (load only) and `torchao` (Float8Tensor per row, per tensor and in blocks;
+Int4Tensor; load only).
 Each maps the stored codes and scales into the layout as they are (the tests check every
 format's dequantization formula, written out from its spec, against the loaded layout).
 """
@@ -23,15 +24,23 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, QShardError
-from . import compressed_tensors, deepseek_fp8, gpt_oss_mxfp4, modelopt_nvfp4, torchao
+from . import (
+    compressed_tensors,
+    deepseek_fp8,
+    fbgemm_fp8,
+    gpt_oss_mxfp4,
+    modelopt_nvfp4,
+    torchao,
+)
 from .source import MemorySource, SafetensorsDir, read_json, write_directory
 
 __all__ = ["EXPORT_FORMATS", "FORMATS", "detect_format", "export", "load_pretrained"]
 
 FORMATS = {
-    m.NAME: m for m in (deepseek_fp8, modelopt_nvfp4, compressed_tensors, gpt_oss_mxfp4, torchao)
+    m.NAME: m
+    for m in (deepseek_fp8, modelopt_nvfp4, compressed_tensors, fbgemm_fp8, gpt_oss_mxfp4, torchao)
 }
-EXPORT_FORMATS = ("deepseek-fp8", "modelopt-nvfp4", "compressed-tensors")
+EXPORT_FORMATS = ("deepseek-fp8", "modelopt-nvfp4", "compressed-tensors", "fbgemm-fp8")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 

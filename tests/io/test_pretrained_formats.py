@@ -319,6 +319,7 @@ EXPORTS = [
     ("compressed-tensors", qshard.Fp8RowwiseConfig()),
     ("compressed-tensors", qshard.Fp8RowwiseConfig(weight_only=True)),
     ("compressed-tensors", qshard.Fp8BlockwiseConfig()),
+    ("fbgemm-fp8", qshard.Fp8RowwiseConfig()),
 ]
 
 
@@ -604,3 +605,27 @@ def test_compressed_tensors_fp8_blocks_qshard_cannot_take_are_a_checkpoint_error
     write_checkpoint(tmp_path, tensors, {"quantization_config": qc})
     with pytest.raises(CheckpointError, match="power of two"):
         qshard.load_pretrained(tmp_path)
+
+
+def test_fbgemm_fp8_loads_as_its_formula_says(tmp_path):
+    """Hugging Face's FbgemmFp8Config (Meta's Llama-3.1-405B-FP8): W = weight * weight_scale
+    per row; modules_to_not_convert stay float."""
+    n, k = 96, 160
+    qdata = random_e4m3(n, k, seed=8)
+    scale = (torch.rand(n, 1, generator=torch.Generator().manual_seed(9)) + 0.5) / 448
+    head = torch.randn(16, k, dtype=torch.bfloat16)
+    qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+          "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+    tensors = {"fc.weight": qdata, "fc.weight_scale": scale, "lm_head.weight": head}
+    write_checkpoint(tmp_path, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc})
+    state = qshard.load_pretrained(tmp_path)
+    w = state["fc.weight"]
+    assert isinstance(w, qshard.Fp8RowwiseTensor) and not w.weight_only
+    assert torch.equal(w.dequantize(torch.float32), qdata.float() * scale)
+    assert not torch.allclose(w.dequantize(torch.float32), qdata.float() / scale)
+    assert set(state) == {"fc.weight", "lm_head.weight"}
+    assert torch.equal(state["lm_head.weight"], head)
+    model = mlp()
+    qshard.quantize_(model, qshard.Fp8RowwiseConfig(weight_only=True))
+    with pytest.raises(QShardError, match="weight-only"):
+        qshard.export(model, tmp_path / "out", format="fbgemm-fp8")

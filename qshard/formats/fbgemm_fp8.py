@@ -1,0 +1,84 @@
+"""FBGEMM row-wise FP8 checkpoints (Meta's Llama-3.1-405B-FP8, Hugging Face's FbgemmFp8Config)
+<-> Fp8RowwiseTensor.
+
+config.json `quantization_config`: quant_method "fbgemm_fp8", activation_scale_ub (1200.0 by
+default), modules_to_not_convert (left in float). A quantized linear is `<p>.weight`
+float8_e4m3fn [N, K] with `<p>.weight_scale` [N, 1] (float32, or the model's dtype), a
+multiplier: W = weight * weight_scale per row, the per-row layout's own definition, so both map
+as they are. Activations are quantized per token (FBGEMM's `quantize_fp8_per_row`), as the
+per-row layout does, except that FBGEMM clamps each token's amax at activation_scale_ub first;
+qshard does not, so a token whose |max| exceeds it (1200 by default) is scaled to its own
+amax: its outliers are kept, where FBGEMM saturates them. `input_scale_ub` is a buffer the
+format does not save.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Backend
+from ..errors import CheckpointError, QShardError
+from ..layouts import Fp8RowwiseTensor
+from ..qtensor import QTensor
+
+NAME = "fbgemm-fp8"
+DEFAULT_SCALE_UB = 1200.0  # Hugging Face's FbgemmFp8Config default
+
+
+def detect(config: dict, hf_quant: dict | None) -> bool:
+    qc = config.get("quantization_config") or {}
+    return qc.get("quant_method") == "fbgemm_fp8"
+
+
+def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dict:
+    scaled = {k.removesuffix(".weight_scale") for k in reader.names()
+              if k.endswith(".weight_scale")}  # fmt: skip
+    state = {}
+    for key in reader.names():
+        prefix, _, name = key.rpartition(".")
+        if prefix in scaled and name in ("weight_scale", "input_scale_ub"):
+            continue  # read with the weight; the bound is not used (docstring)
+        quantized = prefix in scaled and name == "weight"
+        state[key] = _weight(reader, prefix, dtype) if quantized else reader.get(key)
+    return state
+
+
+def _weight(reader, prefix: str, dtype: torch.dtype) -> QTensor:
+    where = f"{reader.directory}: {prefix}"
+    qdata, scale = reader.get(prefix + ".weight"), reader.get(prefix + ".weight_scale")
+    if qdata.dtype != torch.float8_e4m3fn or qdata.dim() != 2:
+        raise CheckpointError(f"{where}.weight is {qdata.dtype}{list(qdata.shape)}; FBGEMM FP8 "
+                              f"weights are float8_e4m3fn [N, K]")  # fmt: skip
+    n, k = qdata.shape
+    if scale.numel() != n or not scale.dtype.is_floating_point:
+        raise CheckpointError(f"{where}.weight_scale is {scale.dtype}{list(scale.shape)}; "
+                              f"expected one float per row, [{n}, 1]")  # fmt: skip
+    inner = {"qdata": qdata, "scale": scale.float().reshape(n, 1)}
+    tensor = Fp8RowwiseTensor(inner, shape=(n, k), dtype=dtype, weight_only=False,
+                              backend=Backend.AUTO)  # fmt: skip
+    tensor.validate()
+    return tensor
+
+
+def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
+    """(tensors, config.json entries, other JSON files) of a state_dict whose quantized weights
+    are per-row FP8 with activation quantization (the format has no weight-only variant)."""
+    tensors, quantized = {}, set()
+    for key, value in state.items():
+        if isinstance(value, Fp8RowwiseTensor) and not value.weight_only:
+            untransposed = value.t() if value.transposed else value
+            prefix = key.removesuffix(".weight")
+            tensors[prefix + ".weight"] = untransposed.qdata
+            tensors[prefix + ".weight_scale"] = untransposed.scale
+            quantized.add(prefix)
+        elif isinstance(value, QTensor):
+            raise QShardError(
+                f"qshard.export(format='{NAME}'): {key!r} is a {type(value).__name__}"
+                f"{' (weight-only)' if isinstance(value, Fp8RowwiseTensor) else ''}; the format "
+                f"holds per-row FP8 weights with dynamic activations (Fp8RowwiseConfig())"
+            )
+        else:
+            tensors[key] = value
+    qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": DEFAULT_SCALE_UB,
+          "modules_to_not_convert": [n for n in linear_names if n not in quantized]}  # fmt: skip
+    return tensors, {"quantization_config": qc}, {}
