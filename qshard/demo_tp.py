@@ -163,7 +163,7 @@ def _llama(rank, world, root, mesh, device) -> dict:
 
     def logits(model, batch):
         # The KV cache is sized for this model's heads: a rank's share when it is sharded.
-        sharded = hasattr(model.layers[0].attention.wq.weight, "device_mesh")  # a DTensor
+        sharded = hasattr(model.layers[0].attention.wqkv.weight, "device_mesh")  # a DTensor
         model.setup_caches(batch=batch.shape[0], max_seq=batch.shape[1],
                            tp_world=world if sharded else 1)  # fmt: skip
         return model(batch, torch.arange(batch.shape[1], device=batch.device)).float().cpu()

@@ -3,10 +3,13 @@ grouped-query attention over a static KV cache, a SwiGLU MLP; random initialisat
 config (Llama-3.1-8B's shapes or small ones); a TP plan table; a greedy decode loop whose
 one-token step works under `torch.compile(mode="reduce-overhead")`.
 
-Every projection is an nn.Linear (q, k, v, o; gate, up, down), so `qshard.quantize_` and
-`qshard.tp.parallelize(model, mesh, TP_PLAN)` apply unchanged. Under TP each rank holds
-n_heads / world query heads and n_kv_heads / world KV heads: the attention infers its local
-head counts from its projections' output sizes, and `setup_caches` sizes the cache for them.
+Every projection is an nn.Linear (fused q/k/v and o; fused gate/up and down: four GEMMs a
+layer, each one GEMV at decode, as serving stacks fuse them), so `qshard.quantize_` and
+`qshard.tp.parallelize(model, mesh, TP_PLAN)` apply unchanged. The fused rows are ordered so
+that a column-parallel shard holds whole KV groups and whole gate/up units: under TP each rank
+holds n_heads / world query heads and n_kv_heads / world KV heads, the attention infers its
+local head counts from its projection's output size, and `setup_caches` sizes the cache for
+them.
 """
 
 from __future__ import annotations
@@ -45,14 +48,12 @@ class LlamaConfig:
         return cls(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, hidden=768)
 
 
-# Column-parallel q/k/v and gate/up (whole heads and units per rank), row-parallel o and down.
+# Column-parallel fused q/k/v and gate/up (whole KV groups and gate/up units per rank),
+# row-parallel o and down. TP N needs n_kv_heads and hidden / 128 divisible by N.
 TP_PLAN = {
-    "layers.*.attention.wq": "colwise",
-    "layers.*.attention.wk": "colwise",
-    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wqkv": "colwise",
     "layers.*.attention.wo": "rowwise",
-    "layers.*.feed_forward.w1": "colwise",
-    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w13": "colwise",
     "layers.*.feed_forward.w2": "rowwise",
 }
 
@@ -71,20 +72,26 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with q, k and v in one projection (one GEMM, one GEMV at decode).
+
+    `wqkv`'s rows go KV group by KV group: for each KV head g, the query heads that share it,
+    then k_g, then v_g, so any cut between groups (a column-parallel TP shard) holds whole groups
+    and the same code runs on a rank's shard."""
+
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.head_dim = c.head_dim
-        self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
-        self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
-        self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.group_heads = c.n_heads // c.n_kv_heads  # query heads per KV head
+        self.wqkv = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=False)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x, rope, mask, input_pos):
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)  # local heads under TP
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        rep = self.group_heads
+        qkv = self.wqkv(x).view(b, s, -1, rep + 2, self.head_dim)  # local groups under TP
+        q = qkv[:, :, :, :rep].reshape(b, s, -1, self.head_dim)
+        k, v = qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.kv_cache is not None:
@@ -94,14 +101,21 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """SwiGLU with gate and up in one projection: `w13`'s rows alternate `UNIT` gate rows and
+    the `UNIT` up rows of the same channels, so a column-parallel cut between pairs keeps
+    each channel's gate and up together."""
+
+    UNIT = 128
+
     def __init__(self, c: LlamaConfig):
         super().__init__()
-        self.w1 = nn.Linear(c.dim, c.hidden, bias=False)  # gate
-        self.w3 = nn.Linear(c.dim, c.hidden, bias=False)  # up
+        self.w13 = nn.Linear(c.dim, 2 * c.hidden, bias=False)  # [gate_i, up_i] per unit i
         self.w2 = nn.Linear(c.hidden, c.dim, bias=False)  # down
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        b, s, _ = x.shape
+        gate, up = self.w13(x).view(b, s, -1, 2, self.UNIT).unbind(3)
+        return self.w2((F.silu(gate) * up).reshape(b, s, -1))
 
 
 class Block(nn.Module):

@@ -63,11 +63,33 @@ def _tp_worker(rank, world, mesh):
         qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=64), exclude=["output"])
         qshard.tp.parallelize(model, mesh, TP_PLAN)
         model.setup_caches(batch=2, max_seq=32, tp_world=world)
-        local = model.layers[0].attention.wq.weight.to_local()
-        assert local.shape == (256 // world, 256)
+        # q, k, v fused: (4 query + 2 key + 2 value heads) x 64 rows, whole KV groups per rank.
+        local = model.layers[0].attention.wqkv.weight.to_local()
+        assert local.shape == (512 // world, 256)
         logits = model(prompt, torch.arange(6))
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_the_tp_plan_shards_the_model_with_the_single_device_logits():
     spawn(_tp_worker, 2)
+
+
+@torch.no_grad()
+def test_the_fused_projections_are_the_separate_ones_reordered():
+    """wqkv's rows go KV group by KV group ([q heads of g, k_g, v_g]) and w13's alternate
+    128-row gate and up units: each output equals separate q, k, v, gate and up projections
+    with their rows taken from those places."""
+    model = tiny()
+    c, attention, ffn = model.config, model.layers[0].attention, model.layers[0].feed_forward
+    x = torch.randn(3, c.dim)
+    rep, hd = c.n_heads // c.n_kv_heads, c.head_dim
+    groups = attention.wqkv.weight.view(c.n_kv_heads, rep + 2, hd, c.dim)
+    wq, wk, wv = groups[:, :rep].reshape(-1, c.dim), groups[:, rep], groups[:, rep + 1]
+    out = attention.wqkv(x).view(3, c.n_kv_heads, rep + 2, hd)
+    torch.testing.assert_close(out[:, :, :rep].reshape(3, -1), x @ wq.t())
+    torch.testing.assert_close(out[:, :, rep], (x @ wk.reshape(-1, c.dim).t()).view(3, -1, hd))
+    torch.testing.assert_close(out[:, :, rep + 1], (x @ wv.reshape(-1, c.dim).t()).view(3, -1, hd))
+    units = ffn.w13.weight.view(-1, 2, ffn.UNIT, c.dim)
+    gate, up = units[:, 0].reshape(c.hidden, c.dim), units[:, 1].reshape(c.hidden, c.dim)
+    expected = torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())
+    torch.testing.assert_close(ffn(x[None])[0], expected @ ffn.w2.weight.t())
