@@ -10,11 +10,13 @@ included), sharded by `qshard.models.TP_PLAN` under torchrun, KV caches for prom
 (a rank's heads); the prompt prefilled (eager), then `new` tokens decoded by `decode_one_token`
 compiled with mode="reduce-overhead" (CUDA graphs), after a warm-up that compiles it. Reported:
 decode tokens/s (batch x new / decode time), the speedup over bf16 in the same run, and the
-peak GPU memory of rank 0 while decoding. Each (layout, batch) runs in a fresh process: in one
-process, a layout measured after another ran up to 40 % slower (int4 at batch 1 on an H100: 104
-tok/s after bf16, 187 alone). Baselines where torchao is installed (TP 1 only: torchao's tensors
-are not sharded by qshard's plan): `torchao-int4` (Int4WeightOnlyConfig g128, tinygemm's
-tile-packed format), `torchao-fp8-row` and `torchao-fp8-block` (Float8DynamicActivation-
+peak GPU memory of rank 0 while decoding. Each (layout, batch) runs in a fresh process, so no
+measurement depends on what ran before it (int4 at batch 1 on an H100: 104 tok/s measured
+after bf16 in one process with 64 new tokens, 187 alone with 32; the decode length explains
+part of that, the order was not separated). Baselines where torchao is installed (TP 1
+only: torchao's tensors are not sharded by qshard's plan): `torchao-int4`
+(Int4WeightOnlyConfig g128, tinygemm's tile-packed format), `torchao-fp8-row` and
+`torchao-fp8-block` (Float8DynamicActivation-
 Float8WeightConfig, PerRow / PerBlock 1x128 x 128x128).
 """
 
