@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigError
+
 __all__ = ["TP_PLAN", "Llama", "LlamaConfig", "decode_one_token", "generate", "prefill"]
 
 
@@ -109,6 +111,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, c: LlamaConfig):
         super().__init__()
+        if c.hidden % self.UNIT:
+            raise ConfigError(f"Llama: hidden={c.hidden} is not a multiple of the gate/up unit "
+                              f"{self.UNIT}")  # fmt: skip
         self.w13 = nn.Linear(c.dim, 2 * c.hidden, bias=False)  # [gate_i, up_i] per unit i
         self.w2 = nn.Linear(c.hidden, c.dim, bias=False)  # down
 
@@ -166,6 +171,13 @@ class Llama(nn.Module):
         """Static KV caches for `batch` sequences of up to `max_seq` tokens (on the weights'
         device and in the norm's dtype), sized for this rank's KV heads under TP."""
         c = self.config
+        units = c.hidden // FeedForward.UNIT
+        if c.n_kv_heads % tp_world or units % tp_world:
+            works = [n for n in range(1, c.n_kv_heads + 1) if c.n_kv_heads % n == 0 == units % n]
+            raise ConfigError(
+                f"Llama: TP {tp_world} would split a KV group ({c.n_kv_heads} KV heads) or a "
+                f"gate/up unit ({units} of {FeedForward.UNIT}); use a TP size in {works}"
+            )
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(

@@ -3,6 +3,8 @@ one-token step compiles, and the TP plan shards it with the single-device result
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import LAYOUT_CASES
@@ -93,3 +95,11 @@ def test_the_fused_projections_are_the_separate_ones_reordered():
     gate, up = units[:, 0].reshape(c.hidden, c.dim), units[:, 1].reshape(c.hidden, c.dim)
     expected = torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())
     torch.testing.assert_close(ffn(x[None])[0], expected @ ffn.w2.weight.t())
+
+
+def test_a_tp_size_that_would_split_a_kv_group_is_refused():
+    model = tiny()  # 2 KV heads, 6 gate/up units
+    with pytest.raises(qshard.ConfigError, match=r"use a TP size in \[1, 2\]"):
+        model.setup_caches(batch=1, max_seq=8, tp_world=4)
+    with pytest.raises(qshard.ConfigError, match="multiple of the gate/up unit"):
+        Llama(dataclasses.replace(LlamaConfig.tiny(), hidden=200))
