@@ -46,6 +46,7 @@ from ..errors import CheckpointError, QShardError
 from ..kernels.packing import unpack_nibbles
 from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor, Nvfp4Tensor
 from ..qtensor import QTensor
+from .source import exact_bf16, fp8_rows
 
 NAME = "compressed-tensors"
 INT4_FORMAT, NVFP4_FORMAT, FP8_FORMAT = "pack-quantized", "nvfp4-pack-quantized", "float-quantized"
@@ -99,16 +100,6 @@ def _unpack_words(words: torch.Tensor, count: int) -> torch.Tensor:
     return codes[:, :count]
 
 
-def _bf16_scale(scale: torch.Tensor, where: str) -> torch.Tensor:
-    widened = scale.to(torch.bfloat16)
-    if not scale.dtype.is_floating_point or not torch.equal(widened.to(scale.dtype), scale):
-        raise CheckpointError(
-            f"{where}.weight_scale is {scale.dtype} and not every scale is a bfloat16 value; "
-            f"the int4 layout keeps bf16 scales and converting them would re-quantize"
-        )
-    return widened
-
-
 def _group_sizes(config: dict) -> list[int]:
     """The group sizes the config groups name for their 4-bit int weights."""
     groups = (config.get("quantization_config") or {}).get("config_groups") or {}
@@ -120,7 +111,7 @@ def _int4(reader, prefix: str, packed: torch.Tensor, dtype: torch.dtype,
           group_sizes: list[int]) -> QTensor:  # fmt: skip
     where = f"{reader.directory}: {prefix}"
     n, k = (int(v) for v in reader.get(prefix + ".weight_shape"))
-    scale = _bf16_scale(reader.get(prefix + ".weight_scale"), where)
+    scale = exact_bf16(reader.get(prefix + ".weight_scale"), where + ".weight_scale")
     groups = scale.shape[1]
     if tuple(packed.shape) != (n, -(-k // 8)) or scale.shape[0] != n:
         raise CheckpointError(f"{where}: weight_packed {list(packed.shape)} / weight_scale "
@@ -188,21 +179,17 @@ def _fp8(reader, prefix: str, qdata: torch.Tensor, config: dict, dtype: torch.dt
     group = _fp8_group(config)
     weight_only = not group.get("input_activations")
     if scale.numel() == 1 or tuple(scale.shape) in ((n, 1), (n,)):  # tensor or channel
-        rows = scale.reshape(-1, 1).expand(n, 1).contiguous()
-        inner = {"qdata": qdata, "scale": rows}
-        tensor = Fp8RowwiseTensor(inner, shape=(n, k), dtype=dtype,
-                                  weight_only=weight_only, backend=Backend.AUTO)  # fmt: skip
-    else:
-        bn, bk = (group.get("weights") or {}).get("block_structure") or (128, 128)
-        if tuple(scale.shape) != (-(-n // bn), -(-k // bk)):
-            raise CheckpointError(f"{where}: weight_scale {list(scale.shape)} fits neither a "
-                                  f"scale per row ([{n}, 1]), one per tensor, nor {bn}x{bk} "
-                                  f"blocks of [{n}, {k}]")  # fmt: skip
-        tensor = Fp8BlockwiseTensor(
-            {"qdata": qdata, "scale": scale}, shape=(n, k), dtype=dtype,
-            block_size=(bn, bk), act_group_size=bk, weight_only=weight_only,
-            scale_format=ScaleFormat.FP32, backend=Backend.AUTO,
-        )  # fmt: skip
+        return fp8_rows(qdata, scale, dtype, weight_only)
+    bn, bk = (group.get("weights") or {}).get("block_structure") or (128, 128)
+    if tuple(scale.shape) != (-(-n // bn), -(-k // bk)):
+        raise CheckpointError(f"{where}: weight_scale {list(scale.shape)} fits neither a "
+                              f"scale per row ([{n}, 1]), one per tensor, nor {bn}x{bk} "
+                              f"blocks of [{n}, {k}]")  # fmt: skip
+    tensor = Fp8BlockwiseTensor(
+        {"qdata": qdata, "scale": scale}, shape=(n, k), dtype=dtype,
+        block_size=(bn, bk), act_group_size=bk, weight_only=weight_only,
+        scale_format=ScaleFormat.FP32, backend=Backend.AUTO,
+    )  # fmt: skip
     try:
         tensor.check_attrs(tensor.attrs())
     except QShardError as e:  # e.g. a block_structure qshard's FP8 layout cannot take

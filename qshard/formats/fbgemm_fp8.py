@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Backend
 from ..errors import CheckpointError, QShardError
 from ..layouts import Fp8RowwiseTensor
 from ..qtensor import QTensor
+from .source import fp8_rows
 
 NAME = "fbgemm-fp8"
 DEFAULT_SCALE_UB = 1200.0  # Hugging Face's FbgemmFp8Config default
@@ -49,15 +49,11 @@ def _weight(reader, prefix: str, dtype: torch.dtype) -> QTensor:
     if qdata.dtype != torch.float8_e4m3fn or qdata.dim() != 2:
         raise CheckpointError(f"{where}.weight is {qdata.dtype}{list(qdata.shape)}; FBGEMM FP8 "
                               f"weights are float8_e4m3fn [N, K]")  # fmt: skip
-    n, k = qdata.shape
+    n = qdata.shape[0]
     if scale.numel() != n or not scale.dtype.is_floating_point:
         raise CheckpointError(f"{where}.weight_scale is {scale.dtype}{list(scale.shape)}; "
                               f"expected one float per row, [{n}, 1]")  # fmt: skip
-    inner = {"qdata": qdata, "scale": scale.float().reshape(n, 1)}
-    tensor = Fp8RowwiseTensor(inner, shape=(n, k), dtype=dtype, weight_only=False,
-                              backend=Backend.AUTO)  # fmt: skip
-    tensor.validate()
-    return tensor
+    return fp8_rows(qdata, scale, dtype, weight_only=False)
 
 
 def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:

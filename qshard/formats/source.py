@@ -16,11 +16,21 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..config import Backend
 from ..errors import CheckpointError, QShardError
+from ..layouts import Fp8RowwiseTensor
 from ..qtensor import QTensor
 from ..tp.styles import chunk_bounds, shard_cuts
 
-__all__ = ["MemorySource", "SafetensorsDir", "matches_any", "read_json", "write_directory"]
+__all__ = [
+    "MemorySource",
+    "SafetensorsDir",
+    "exact_bf16",
+    "fp8_rows",
+    "matches_any",
+    "read_json",
+    "write_directory",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -83,6 +93,31 @@ class SafetensorsDir:
             raise CheckpointError(f"{self.directory}: no tensor {key!r}")
         with safe_open(self.file_of[key], "pt") as f:
             return f.get_tensor(key)
+
+
+def exact_bf16(values: torch.Tensor, where: str) -> torch.Tensor:
+    """`values` (int4 scales or zero points stored in another float dtype) as bfloat16, the int4
+    layout's dtype, or CheckpointError if a value is not a bf16 value (converting would
+    re-quantize)."""
+    widened = values.to(torch.bfloat16)
+    if not values.dtype.is_floating_point or not torch.equal(widened.to(values.dtype), values):
+        raise CheckpointError(
+            f"{where} is {values.dtype} and not every value is a bfloat16 value; the int4 "
+            f"layout keeps bf16 scales and zero points, and converting them would re-quantize"
+        )
+    return widened
+
+
+def fp8_rows(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+             weight_only: bool) -> Fp8RowwiseTensor:  # fmt: skip
+    """The per-row FP8 layout of e4m3 `qdata` [N, K] with one multiplier per row, or one for
+    the whole tensor (then repeated on every row: the same weights)."""
+    n, k = qdata.shape
+    rows = scale.float().reshape(-1, 1).expand(n, 1).contiguous()
+    tensor = Fp8RowwiseTensor({"qdata": qdata, "scale": rows}, shape=(n, k), dtype=dtype,
+                              weight_only=weight_only, backend=Backend.AUTO)  # fmt: skip
+    tensor.validate()
+    return tensor
 
 
 def matches_any(name: str, patterns: Iterable[str]) -> bool:

@@ -37,9 +37,10 @@ import torch
 
 from ..config import Backend, ScaleFormat
 from ..errors import CheckpointError
-from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor
+from ..layouts import Fp8BlockwiseTensor, Int4Tensor
 from ..layouts.fp8_blockwise import MIN_BLOCK
 from ..layouts.int4 import GROUP_SIZES, ZeroPointDomain
+from .source import exact_bf16, fp8_rows
 
 NAME = "torchao"
 WHY_NOT = {
@@ -96,7 +97,8 @@ def _int4(reader, name: str, entry: dict, dtype: torch.dtype) -> Int4Tensor:
                               f"{list(block)}; qshard reads 2-D Int4Tensors in groups of "
                               f"{list(GROUP_SIZES)}")  # fmt: skip
     groups = -(-k // group)
-    scale, zero = (_bf16(reader.get(prefix + t), f"{where} {t}") for t in ("scale", "zero_point"))
+    scale, zero = (exact_bf16(reader.get(prefix + t), f"{where} {t}")
+                   for t in ("scale", "zero_point"))  # fmt: skip
     if tuple(scale.shape) != (groups, n) or tuple(zero.shape) != (groups, n):
         raise CheckpointError(f"{where}: scale {list(scale.shape)} / zero_point "
                               f"{list(zero.shape)}; [{n}, {k}] in groups of {group} needs "
@@ -114,14 +116,6 @@ def _int4(reader, name: str, entry: dict, dtype: torch.dtype) -> Int4Tensor:
     return tensor.repack_for_device()
 
 
-def _bf16(values: torch.Tensor, where: str) -> torch.Tensor:
-    widened = values.to(torch.bfloat16)
-    if not values.dtype.is_floating_point or not torch.equal(widened.to(values.dtype), values):
-        raise CheckpointError(f"{where} is {values.dtype} and not every value is a bf16 "
-                              f"value; the int4 layout keeps bf16 scales and zeros")  # fmt: skip
-    return widened
-
-
 def _float8(reader, name: str, entry: dict, dtype: torch.dtype):
     prefix = _prefix(name)
     qdata, scale = reader.get(prefix + "qdata"), reader.get(prefix + "scale")
@@ -137,13 +131,7 @@ def _float8(reader, name: str, entry: dict, dtype: torch.dtype):
         if scale.numel() not in (1, n) or (block[0] == 1 and scale.numel() != n):
             raise CheckpointError(f"{where}: scale {list(scale.shape)} for block "
                                   f"{list(block)} of [{n}, {k}]")  # fmt: skip
-        rows = scale.float().reshape(-1, 1).expand(n, 1).contiguous()
-        tensor = Fp8RowwiseTensor(
-            {"qdata": qdata, "scale": rows}, shape=(n, k), dtype=dtype,
-            weight_only=weight_only, backend=Backend.AUTO,
-        )  # fmt: skip
-        tensor.validate()
-        return tensor
+        return fp8_rows(qdata, scale, dtype, weight_only)
     if len(block) != 2 or any(b < MIN_BLOCK or b & (b - 1) for b in block):
         raise CheckpointError(
             f"{where}: a Float8Tensor with block {list(block)}; qshard's FP8 layouts take rows "
