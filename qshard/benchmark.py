@@ -50,14 +50,15 @@ def model_shapes(source: str) -> dict[tuple[int, int], int]:
 
         reader = SafetensorsDir(path)
         shapes: Counter = Counter()
-        for name, file in reader.file_of.items():
-            module = name.removesuffix(".weight")
-            if not name.endswith(".weight") or _is_excluded(module, DEFAULT_EXCLUDE):
-                continue
+        for file in sorted(set(reader.file_of.values())):  # each header read once
             with safe_open(file, "pt") as f:
-                shape = f.get_slice(name).get_shape()
-            if len(shape) == 2:
-                shapes[tuple(shape)] += 1
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    module = name.removesuffix(".weight")
+                    if not name.endswith(".weight") or _is_excluded(module, DEFAULT_EXCLUDE):
+                        continue
+                    shape = f.get_slice(name).get_shape()
+                    if len(shape) == 2:
+                        shapes[tuple(shape)] += 1
         if not shapes:
             raise QShardError(f"qshard bench: {path} has no 2-D linear weights")
         return dict(shapes)
