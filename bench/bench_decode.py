@@ -115,6 +115,13 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--config", default="llama-3.1-8b", choices=["llama-3.1-8b", "tiny"])
     parser.add_argument("--tp", type=int, default=1, help="processes (GPUs) through torchrun")
+    parser.add_argument(
+        "--no-freezing",
+        dest="freezing",
+        action="store_false",
+        help="compile without inductor freezing (see the module docstring)",
+    )
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per measurement")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -126,7 +133,8 @@ def main() -> None:
         print(f"GPU: {torch.cuda.get_device_name()} x {args.tp}; torch {torch.__version__}, "
               f"triton {triton.__version__}, torchao {_version('torchao')}")  # fmt: skip
     print(f"{args.config}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
-          f"decode step, TP {args.tp}; each (layout, batch) in a fresh process\n")  # fmt: skip
+          f"decode step (inductor freezing {'on' if args.freezing and args.tp == 1 else 'off'}), "
+          f"TP {args.tp}; each (layout, batch) in a fresh process\n")  # fmt: skip
     batches = args.batches.split(",")
     print("| layout | " + " | ".join(f"batch {b}" for b in batches) + " |")
     print("|---|" + "---|" * len(batches))
@@ -153,10 +161,15 @@ def run_child(args, layout: str, batch: str) -> dict | str:
         return "n/a (torchao: TP 1 only)"
     script = [__file__, "--child", "--layouts", layout, "--batches", batch, "--prompt",
               str(args.prompt), "--new", str(args.new), "--config", args.config]  # fmt: skip
+    script += [] if args.freezing else ["--no-freezing"]
     launcher = [sys.executable]
     if args.tp > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}"]
-    done = subprocess.run(launcher + script, capture_output=True, text=True)
+    try:
+        done = subprocess.run(launcher + script, capture_output=True, text=True,
+                              timeout=args.timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"no result in {args.timeout} s"
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line.removeprefix("RESULT "))
@@ -165,6 +178,9 @@ def run_child(args, layout: str, batch: str) -> dict | str:
 
 
 def child(args) -> None:
+    # Frozen weights are constants of the compiled graph: without freezing, every call of the
+    # compiled step unwraps each quantized weight (a tensor subclass) in Python, which made
+    # the int4 decode CPU-bound (docs/decode.md).
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mesh, world, rank = None, 1, 0
     if "RANK" in os.environ:  # under torchrun: tensor parallelism over its processes
@@ -176,6 +192,11 @@ def child(args) -> None:
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
         mesh = init_device_mesh(device.type, (world,))
+    # Frozen weights are constants of the compiled graph. Without freezing, every call of the
+    # compiled step unwraps each quantized weight (a tensor subclass) in Python: that made the
+    # int4 decode CPU-bound (docs/decode.md). Not under TP: inductor cannot freeze the graph's
+    # process group (TypeError: cannot assign a FakeScriptObject to buffer '_frozen_param').
+    torch._inductor.config.freezing = args.freezing and world == 1
     config = LlamaConfig.llama_3_1_8b() if args.config == "llama-3.1-8b" else LlamaConfig.tiny()
     model = build(config, args.layouts, device, mesh)
     gc.collect()

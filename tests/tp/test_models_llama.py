@@ -52,6 +52,12 @@ def test_every_layout_decodes_and_the_step_compiles(config):
     step = torch.compile(decode_one_token, fullgraph=True)
     compiled = generate(model, prompt, new_tokens=4, step=step)
     assert torch.equal(compiled, eager)
+    # Frozen (the weights constants of the graph: how bench_decode.py compiles the step at TP 1,
+    # since otherwise each call unwraps every quantized weight in Python).
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(freezing=True):
+        frozen = generate(model, prompt, new_tokens=4, step=torch.compile(decode_one_token))
+    assert torch.equal(frozen, eager)
 
 
 def _tp_worker(rank, world, mesh):
