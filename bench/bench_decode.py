@@ -8,12 +8,13 @@ tokens per second for bf16 and each qshard layout (and torchao's), compiled, at 
 Each layout: the model built on the GPU in bf16, every linear quantized (the output head
 included), sharded by `qshard.models.TP_PLAN` under torchrun, KV caches for prompt + new tokens
 (a rank's heads); the prompt prefilled (eager), then `new` tokens decoded by `decode_one_token`
-compiled with mode="reduce-overhead" (CUDA graphs), after a warm-up that compiles it. Reported:
+compiled with mode="reduce-overhead" (CUDA graphs) and, at TP 1, inductor freezing (the weights
+constants of the graph; without it each call unwraps every quantized weight in Python and the
+int4 decode was CPU-bound, docs/decode.md), after a warm-up that compiles it. Reported:
 decode tokens/s (batch x new / decode time), the speedup over bf16 in the same run, and the
 peak GPU memory of rank 0 while decoding. Each (layout, batch) runs in a fresh process, so no
-measurement depends on what ran before it (int4 at batch 1 on an H100: 104 tok/s measured
-after bf16 in one process with 64 new tokens, 187 alone with 32; the decode length explains
-part of that, the order was not separated). Baselines where torchao is installed (TP 1
+measurement depends on what ran before it (before freezing, the CPU-bound int4 decode at
+batch 1 on an H100 gave 104 to 187 tok/s by order and decode length). Baselines where torchao is installed (TP 1
 only: torchao's tensors are not sharded by qshard's plan): `torchao-int4`
 (Int4WeightOnlyConfig g128, tinygemm's tile-packed format), `torchao-fp8-row` and
 `torchao-fp8-block` (Float8DynamicActivation-
@@ -119,7 +120,7 @@ def main() -> None:
         "--no-freezing",
         dest="freezing",
         action="store_false",
-        help="compile without inductor freezing (see the module docstring)",
+        help="compile the step without inductor freezing (docs/decode.md)",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per measurement")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -178,9 +179,6 @@ def run_child(args, layout: str, batch: str) -> dict | str:
 
 
 def child(args) -> None:
-    # Frozen weights are constants of the compiled graph: without freezing, every call of the
-    # compiled step unwraps each quantized weight (a tensor subclass) in Python, which made
-    # the int4 decode CPU-bound (docs/decode.md).
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mesh, world, rank = None, 1, 0
     if "RANK" in os.environ:  # under torchrun: tensor parallelism over its processes
