@@ -14,8 +14,9 @@ int4 decode was CPU-bound, docs/decode.md), after a warm-up that compiles it. Re
 decode tokens/s (batch x new / decode time), the speedup over bf16 in the same run, and the
 peak GPU memory of rank 0 while decoding. Each (layout, batch) runs in a fresh process, so no
 measurement depends on what ran before it (before freezing, the CPU-bound int4 decode at
-batch 1 on an H100 gave 104 to 187 tok/s by order and decode length). Baselines where torchao is installed (TP 1
-only: torchao's tensors are not sharded by qshard's plan): `torchao-int4`
+batch 1 on an H100 gave 104 to 187 tok/s by order and decode length). Baselines where
+torchao is installed (TP 1 only: torchao's tensors are not sharded by qshard's plan):
+`torchao-int4`
 (Int4WeightOnlyConfig g128, tinygemm's tile-packed format), `torchao-fp8-row` and
 `torchao-fp8-block` (Float8DynamicActivation-
 Float8WeightConfig, PerRow / PerBlock 1x128 x 128x128).
