@@ -16,10 +16,9 @@ peak GPU memory of rank 0 while decoding. Each (layout, batch) runs in a fresh p
 measurement depends on what ran before it (before freezing, the CPU-bound int4 decode at
 batch 1 on an H100 gave 104 to 187 tok/s by order and decode length). Baselines where
 torchao is installed (TP 1 only: torchao's tensors are not sharded by qshard's plan):
-`torchao-int4`
-(Int4WeightOnlyConfig g128, tinygemm's tile-packed format), `torchao-fp8-row` and
-`torchao-fp8-block` (Float8DynamicActivation-
-Float8WeightConfig, PerRow / PerBlock 1x128 x 128x128).
+`torchao-int4` (Int4WeightOnlyConfig g128, tinygemm's tile-packed format), `torchao-fp8-row`
+and `torchao-fp8-block` (Float8DynamicActivationFloat8WeightConfig, PerRow / PerBlock 1x128 x
+128x128).
 """
 
 from __future__ import annotations
