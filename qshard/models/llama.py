@@ -206,7 +206,9 @@ def prefill(model: Llama, tokens: torch.Tensor) -> torch.Tensor:
 
 def decode_one_token(model: Llama, token: torch.Tensor, input_pos: torch.Tensor):
     """One greedy step: token [b, 1] at position input_pos [1] -> the next token [b, 1]. The
-    function to compile (`mode="reduce-overhead"`: shapes never change between steps)."""
+    function to compile (`mode="reduce-overhead"`: shapes never change between steps), with
+    `torch._inductor.config.freezing = True` for quantized weights: unfrozen, each call unwraps
+    every quantized weight in Python (docs/decode.md)."""
     return model(token, input_pos)[:, -1:].argmax(-1)
 
 
