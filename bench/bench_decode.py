@@ -192,8 +192,9 @@ def child(args) -> None:
         mesh = init_device_mesh(device.type, (world,))
     # Frozen weights are constants of the compiled graph. Without freezing, every call of the
     # compiled step unwraps each quantized weight (a tensor subclass) in Python: that made the
-    # int4 decode CPU-bound (docs/decode.md). Not under TP: inductor cannot freeze the graph's
-    # process group (TypeError: cannot assign a FakeScriptObject to buffer '_frozen_param').
+    # int4 decode CPU-bound (docs/decode.md). Not under TP: with gloo, inductor could not freeze
+    # the graph's process group (TypeError: cannot assign a FakeScriptObject to buffer
+    # '_frozen_param'); NCCL not tried.
     torch._inductor.config.freezing = args.freezing and world == 1
     config = LlamaConfig.llama_3_1_8b() if args.config == "llama-3.1-8b" else LlamaConfig.tiny()
     model = build(config, args.layouts, device, mesh)
