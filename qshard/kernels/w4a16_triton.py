@@ -66,6 +66,7 @@ __all__ = [
 ]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETED: tl.constexpr = tl.constexpr(INTERPRETED)
 
 
 class Format(enum.IntEnum):
@@ -117,15 +118,14 @@ def _group_scale(s_ptr, z_ptr, offs, mask, FORMAT: tl.constexpr):
         scale = tl.where(e == 0, 2.0**-127, (e << 23).to(tl.float32, bitcast=True))
         return scale, scale
     elif FORMAT == _NVFP4:
-        # e4m3 read as its byte and decoded here, not as Triton's fp8e4nv (which needs sm_89):
-        # the kernels run on sm_80 too. s eeee mmm, bias 7; e = 0 is m * 2**-9 (NaN, e = 15 and
-        # m = 7, is never stored: the quantizer clamps to 448 and loading refuses NaN).
+        # e4m3 read as its byte, not as Triton's fp8e4nv (which needs sm_89): the kernels run on
+        # sm_80 too. Decoded by bit placement as `_decode` decodes e2m1: s eeee mmm (bias 7) in
+        # fp16's sign, low exponent and top mantissa bits is the value * 2**-8 (e4m3's
+        # subnormals are fp16 subnormals; NaN, e = 15 and m = 7, is never stored: the quantizer
+        # clamps to 448 and loading refuses NaN), exactly, then * 2**8.
         b = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.int32)
-        e, m, sign = (b >> 3) & 15, b & 7, (b & 0x80) << 24
-        normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-        # The sign as a bit, not a negation: compiled, -x is 0 - x, which makes -0.0 +0.0.
-        subnormal = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | sign
-        scale = tl.where(e == 0, subnormal.to(tl.float32, bitcast=True), normal)
+        bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+        scale = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
         return scale, scale
     else:
         scale = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -195,6 +195,79 @@ def _step_weights(packed, scale, zero, global_scale, FORMAT: tl.constexpr, GROUP
 
 
 @triton.jit
+def _step_words(q_ptr, s_ptr, offs_n, k0, N, K, stride_qw, stride_sn, FORMAT: tl.constexpr,
+                GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """`_step_codes` for e2m1 with K a multiple of the step: the codes as 32-bit words
+    [rows, BLOCK_K / 8] (q_ptr an int32 view) and each group's scale [rows, G]."""
+    GK: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
+    n_ok = offs_n < N * (k0 < K)  # (no rows at all past K)
+    word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(q_ptr + offs_n[:, None] * stride_qw + word[None, :], mask=n_ok[:, None],
+                    other=0)  # fmt: skip
+    group = (k0 + tl.arange(0, BLOCK_K // GK) * GK) // GROUP
+    scale, _ = _group_scale(s_ptr, s_ptr, offs_n[:, None] * stride_sn + group[None, :],
+                            n_ok[:, None], FORMAT)  # fmt: skip
+    return words, scale
+
+
+@triton.jit
+def _word_pair_weights(words, j: tl.constexpr, per_word, global_scale, FORMAT: tl.constexpr,
+                       dtype: tl.constexpr):  # fmt: skip
+    """Nibbles j and j + 4 of every word as weights [rows, words, 2] in `dtype`, each the
+    reference's fp32 value rounded once. Two exact products and one rounded: MXFP4 (value) *
+    scale, the value being the decoded value * 2**-14 times 2**14 (a huge e8m0 scale times
+    2**14 could overflow); NVFP4 value * (2**14 scale) (at most 448 * 2**14: exact) * global."""
+    low, high = _halves_to_fp32(_word_pair(words, j))
+    if FORMAT == _NVFP4:
+        low = ((low * per_word) * global_scale).to(dtype)
+        high = ((high * per_word) * global_scale).to(dtype)
+    else:
+        low = ((low * 16384.0) * per_word).to(dtype)
+        high = ((high * 16384.0) * per_word).to(dtype)
+    return tl.join(low, high)
+
+
+@triton.jit
+def _word_weights(words, scale, global_scale, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_K: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+    """One step's e2m1 weights [rows, BLOCK_K] in `dtype`, in K order, from its words
+    (`_step_words`): each pair of nibbles decoded at once (`_word_pair`), scaled in fp32 (exactly
+    the reference's fp32 value, as `_step_weights`) and rounded once; the eight [rows, words]
+    planes joined so that plane j lands at 8w + j."""
+    ROWS: tl.constexpr = words.shape[0]
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    GK: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
+    if FORMAT == _NVFP4:
+        scale = scale * 16384.0
+    per_word = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, BLOCK_K // GK, GK // 8)),
+                          (ROWS, BLOCK_W))  # fmt: skip
+    # tl.join adds a minor dimension, so the joins' leaves go in bit-reversed order of the
+    # position in the word: the pair (j, j + 4) of `_word_pair` is one innermost join.
+    w = tl.join(
+        tl.join(_word_pair_weights(words, 0, per_word, global_scale, FORMAT, dtype),
+                _word_pair_weights(words, 2, per_word, global_scale, FORMAT, dtype)),
+        tl.join(_word_pair_weights(words, 1, per_word, global_scale, FORMAT, dtype),
+                _word_pair_weights(words, 3, per_word, global_scale, FORMAT, dtype)),
+    )  # fmt: skip
+    return tl.reshape(w, (ROWS, BLOCK_K))
+
+
+@triton.jit
+def _small_m_step(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_sn,
+                  FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN_K: tl.constexpr):  # fmt: skip
+    """The small-M kernel's loads of one step: e2m1 codes as words when K is a multiple of the
+    step (`_step_words`, decoded by `_word_weights`), else as bytes (`_step_codes`)."""
+    if FORMAT >= _MXFP4 and EVEN_K:
+        words, scale = _step_words(q_ptr.to(tl.pointer_type(tl.int32)), s_ptr, offs_n, k0, N, K,
+                                   stride_qn // 4, stride_sn, FORMAT, GROUP, BLOCK_K)  # fmt: skip
+        return words, scale, scale
+    else:
+        return _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_sn,
+                           FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
+
+
+@triton.jit
 def _global_scale(g_ptr, FORMAT: tl.constexpr):
     if FORMAT == _NVFP4:
         return tl.load(g_ptr).to(tl.float32)
@@ -254,18 +327,50 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _word_pair(words, j: tl.constexpr):
+    """Nibbles j and j + 4 (j < 4) of every 32-bit word as the two 16-bit halves of one int32,
+    each placed in fp16 bits as `_decode` places an e2m1 code (value * 2**-14): magnitude bits
+    4j..4j+2 to 9..11, sign bit 4j+3 to 15; both halves with one shift and one mask each."""
+    if 9 - 4 * j >= 0:  # noqa: SIM108 (a constexpr branch: one shift direction each)
+        magnitude = (words << (9 - 4 * j)) & 0x0E000E00
+    else:
+        magnitude = (words >> (4 * j - 9)) & 0x0E000E00
+    return magnitude | ((words << (12 - 4 * j)) & -0x7FFF8000)  # 0x80008000 as an int32
+
+
+@triton.jit
+def _halves_to_fp32(pair):
+    """The low and high 16 bits of an int32 tensor read as fp16, exactly, in fp32. Compiled,
+    by PTX on each register: Triton's own conversion packs the halves of two registers
+    together first (a PRMT per value; docs/kernels/w4a16.md, v7). The interpreter, which runs
+    no PTX, converts with Triton's casts (the same values)."""
+    if _INTERPRETED:
+        low = pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return low, high
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+            "=r,=r,r", [pair], dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def _gemv_words_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr,
     M, N, KW, stride_xm, stride_qw, stride_sn, stride_om,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
-    """The int4 GEMV on 32-bit words (8 codes each; K a multiple of 8 * BLOCK_W): the codes are
-    never split into bytes or put back in K order. Nibble j of every word in the tile becomes
-    1 + u/16 with one shift and one and-or (`_decode`'s value), and multiplies the activations
-    x[8w + j], loaded as 8 strided vectors per step and shared by the tile's rows; the group
-    sums then take the scale and zero point as in `_gemv_kernel`. About 3 instructions per
-    weight, against `_decode`'s byte unpacking and K-order interleave (docs/kernels/w4a16.md)."""
+    """The GEMV on 32-bit words (8 codes each; K a multiple of 8 * BLOCK_W): the codes are
+    never split into bytes or put back in K order. Nibble j of every word in the tile is decoded
+    in place and multiplies the activations x[8w + j], loaded as 8 strided vectors per step and
+    shared by the tile's rows; the group sums then take the scales as in `_gemv_kernel`.
+    int4: nibble j becomes 1 + u/16 with one shift and one and-or (`_decode`'s value).
+    e2m1: nibbles j and j + 4 become the fp16 halves of one value with two shifts and two masks
+    (`_word_pair`), each half read as fp32 by one conversion. About 3 (int4) and 4 (e2m1)
+    instructions per weight, against `_decode`'s byte unpacking and K-order interleave
+    (docs/kernels/w4a16.md)."""
     pid = tl.program_id(0)
     m = pid % M
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -276,6 +381,7 @@ def _gemv_words_kernel(
     x_ptr += m * stride_xm
     q_ptrs = q_ptr + offs_n[:, None] * stride_qw + word[None, :]
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    group_acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     words = tl.load(q_ptrs, mask=n_ok[:, None], other=0)
     for w0 in range(0, KW, BLOCK_W):
         next_ok = offs_n < N * (w0 + BLOCK_W < KW)  # (no rows at all past K)
@@ -284,20 +390,33 @@ def _gemv_words_kernel(
         scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
                                    n_ok[:, None], FORMAT)  # fmt: skip
         partial = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-        x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
-        for j in tl.static_range(8):
-            xj = tl.load(x_ptr + (w0 + word) * 8 + j).to(tl.float32)
-            if 4 * j <= 19:  # noqa: SIM108 (a constexpr branch: one shift direction each)
-                bits = (words << (19 - 4 * j)) & 0x780000
-            else:
-                bits = (words >> (4 * j - 19)) & 0x780000
-            v = (bits | 0x3F800000).to(tl.float32, bitcast=True)
-            partial += v * xj[None, :]
-            x_sum += xj
-        group_sum = tl.sum(tl.reshape(partial, (BLOCK_N, G, WG)), axis=2)
-        group_x = tl.sum(tl.reshape(x_sum, (G, WG)), axis=1)[None, :]
-        acc += tl.sum(_group_terms(group_sum, group_x, scale, zero, FORMAT), axis=1)
+        x_ptrs = x_ptr + (w0 + word) * 8
+        if FORMAT >= _MXFP4:
+            for j in tl.static_range(4):
+                low, high = _halves_to_fp32(_word_pair(words, j))
+                x_low = tl.load(x_ptrs + j).to(tl.float32)
+                x_high = tl.load(x_ptrs + j + 4).to(tl.float32)
+                partial += low * x_low[None, :]
+                partial += high * x_high[None, :]
+            # The groups' scaled sums summed across the row once, after the loop.
+            group_acc += tl.sum(tl.reshape(partial, (BLOCK_N, G, WG)), axis=2) * scale
+        else:
+            x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptrs + j).to(tl.float32)
+                if 4 * j <= 19:  # a constexpr branch: one shift direction each
+                    bits = (words << (19 - 4 * j)) & 0x780000
+                else:
+                    bits = (words >> (4 * j - 19)) & 0x780000
+                v = (bits | 0x3F800000).to(tl.float32, bitcast=True)
+                partial += v * xj[None, :]
+                x_sum += xj
+            group_sum = tl.sum(tl.reshape(partial, (BLOCK_N, G, WG)), axis=2)
+            group_x = tl.sum(tl.reshape(x_sum, (G, WG)), axis=1)[None, :]
+            acc += tl.sum(_group_terms(group_sum, group_x, scale, zero, FORMAT), axis=1)
         words = next_words
+    if FORMAT >= _MXFP4:  # the decoded e2m1 values are value * 2**-14
+        acc = tl.sum(group_acc, axis=1) * (_global_scale(g_ptr, FORMAT) * 16384.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -321,27 +440,32 @@ def _small_m_kernel(
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x.T: [BLOCK_K, BLOCK_M]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k0 = first_step * BLOCK_K
-    packed, scale, zero = _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn,
-                                      stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
+    codes, scale, zero = _small_m_step(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn,
+                                       stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
     x = tl.load(x_ptrs + k0, mask=(offs_m < M)[None, :] & (k0 + offs_k < K)[:, None], other=0.0)
     for step in range(first_step, last_step):
         # The next step's loads first (the last program's step past K loads nothing; the
         # others' is the next split's first step, read and not used).
         k0 = step * BLOCK_K
-        next_packed, next_scale, next_zero = _step_codes(
+        next_codes, next_scale, next_zero = _small_m_step(
             q_ptr, s_ptr, z_ptr, offs_n, k0 + BLOCK_K, N, K, KH, stride_qn, stride_sn,
             FORMAT, GROUP, BLOCK_K, EVEN_K,
         )  # fmt: skip
         next_x = tl.load(x_ptrs + k0 + BLOCK_K,
                          mask=(offs_m < M)[None, :] & (k0 + BLOCK_K + offs_k < K)[:, None],
                          other=0.0)  # fmt: skip
-        w = _step_weights(packed, scale, zero, global_scale, FORMAT, GROUP, BLOCK_K)
-        w = w.to(x_ptr.dtype.element_ty)  # rounded to the activation dtype, as the reference
+        # Rounded to the activation dtype, as the reference.
+        if FORMAT >= _MXFP4 and EVEN_K:
+            w = _word_weights(codes, scale, global_scale, FORMAT, GROUP, BLOCK_K,
+                              x_ptr.dtype.element_ty)  # fmt: skip
+        else:
+            w = _step_weights(codes, scale, zero, global_scale, FORMAT, GROUP, BLOCK_K)
+            w = w.to(x_ptr.dtype.element_ty)
         if X_FP32:  # noqa: SIM108 (fp32 activations: a true fp32 product, not TF32)
             acc = tl.dot(w, x, acc, input_precision="ieee")
         else:
             acc = tl.dot(w, x, acc)
-        packed, scale, zero, x = next_packed, next_scale, next_zero, next_x
+        codes, scale, zero, x = next_codes, next_scale, next_zero, next_x
     finish_tile(acc, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, offs_n < N,
                 offs_m < M, M, N, stride_om, HAS_BIAS, SPLIT)  # fmt: skip
 
@@ -367,12 +491,11 @@ def _dequantize_kernel(
 # ---- configs and launchers ---------------------------------------------------------------------
 
 
-def gemv_words_config(fmt: Format) -> dict | None:
-    """The word GEMV's config (int4 only), or None for the formats it does not decode: 16 rows
-    x 128 words (1024 K) per step, the best of the H100 sweep (docs/kernels/w4a16.md)."""
-    if fmt not in (Format.INT4_ASYM, Format.INT4_SYM, Format.INT4_FZERO):
-        return None
-    return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": 128, "num_warps": 4}
+def gemv_words_config(fmt: Format) -> dict:
+    """The word GEMV's config: 128 words (1024 K) per step, 16 rows for int4 and 8 for e2m1,
+    the best of the H100 sweeps (docs/kernels/w4a16.md, v5 and v7)."""
+    rows = 8 if fmt >= Format.MXFP4 else 16
+    return {"KERNEL": "gemv_words", "BLOCK_N": rows, "BLOCK_W": 128, "num_warps": 4}
 
 
 def gemv_config(fmt: Format) -> dict:
@@ -402,8 +525,8 @@ def default_config(fmt: Format, m: int, n: int, k: int, device: torch.device) ->
     and its config."""
     kernel = kernel_for(m, None)
     if kernel == "gemv":
-        words = gemv_words_config(fmt)  # int4 with K a multiple of a step: whole words
-        return words if words and k % (8 * words["BLOCK_W"]) == 0 else gemv_config(fmt)
+        words = gemv_words_config(fmt)  # K a multiple of a step: whole words
+        return words if k % (8 * words["BLOCK_W"]) == 0 else gemv_config(fmt)
     return small_m_config(m, n, k, device) if kernel == "small_m" else DEQUANTIZE
 
 
@@ -473,12 +596,12 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     args = (x, qdata, _scale_arg(scale), zero, global_scale, bias if bias is not None else out, out)
     if kernel == "gemv_words":
         config = {k: v for k, v in config.items() if k != "KERNEL"}
-        assert k % (8 * config["BLOCK_W"]) == 0 and fmt <= Format.INT4_FZERO
+        assert k % (8 * config["BLOCK_W"]) == 0, "the word GEMV needs K a multiple of its step"
         words = qdata.view(torch.int32)  # 8 codes per word, element 8w + j at bits 4j
         grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
         _gemv_words_kernel[grid](
-            x, words, scale, zero, args[5], out, m, n, words.shape[1], x.stride(0),
-            words.stride(0), scale.stride(0), out.stride(0), **common, **config,
+            x, words, args[2], zero, global_scale, args[5], out, m, n, words.shape[1],
+            x.stride(0), words.stride(0), scale.stride(0), out.stride(0), **common, **config,
         )  # fmt: skip
         return out
     if kernel == "gemv":

@@ -73,7 +73,8 @@ def quantized(name: str, weight: torch.Tensor, group: int) -> Quantized:
 
 
 # (format, group, N, K): K not a multiple of the group (a partial last group), odd K, the
-# re-grouped 16 of a TP cut, and each format's own group.
+# re-grouped 16 of a TP cut, and each format's own group; e2m1 with K a multiple of the
+# small-M step (codes read as words) and not.
 CASES = [
     ("int4-asym", 128, 96, 300),
     ("int4-sym", 64, 100, 200),
@@ -83,6 +84,8 @@ CASES = [
     ("mxfp4", 32, 72, 301),
     ("mxfp4", 16, 48, 80),
     ("nvfp4", 16, 88, 200),
+    ("mxfp4", 16, 40, 256),
+    ("nvfp4", 16, 24, 384),
 ]
 
 
@@ -142,8 +145,9 @@ def test_each_kernel_config_matches_the_reference(config, name, group, m, n, k, 
     check(weight.launch(x, bias, CONFIGS[config]), weight.reference(x, bias), dtype)
 
 
-# The int4 GEMV on whole 32-bit words (the default at M = 1 when K is a multiple of its step):
-# a step inside one group, several groups per step, the re-grouped 16, two tokens.
+# The GEMV on whole 32-bit words (the default at M = 1 when K is a multiple of its step): a step
+# inside one group, several groups per step, the re-grouped 16 (int4 and MXFP4 after a TP cut),
+# two tokens, each format.
 @pytest.mark.parametrize(
     ("name", "group", "n", "k", "block_w", "m"),
     [
@@ -152,6 +156,11 @@ def test_each_kernel_config_matches_the_reference(config, name, group, m, n, k, 
         ("int4-asym", 16, 24, 768, 32, 1),
         ("int4-asym", 128, 16, 2048, 128, 1),
         ("int4-fzero", 64, 24, 1024, 64, 1),
+        ("mxfp4", 32, 40, 1024, 128, 1),
+        ("mxfp4", 16, 17, 512, 32, 2),
+        ("mxfp4", 32, 24, 256, 2, 1),
+        ("nvfp4", 16, 33, 768, 32, 1),
+        ("nvfp4", 16, 16, 2048, 128, 2),
     ],
 )
 def test_the_word_gemv_matches_the_reference(name, group, n, k, block_w, m):
@@ -163,14 +172,16 @@ def test_the_word_gemv_matches_the_reference(name, group, n, k, block_w, m):
     check(weight.launch(x, bias, config), weight.reference(x, bias), ACT_DTYPE)
 
 
-def test_the_default_gemv_is_the_word_gemv_for_int4_with_k_a_multiple_of_its_step():
+def test_the_default_gemv_is_the_word_gemv_with_k_a_multiple_of_its_step():
     from qshard.kernels.w4a16_triton import Format, default_config
 
     cpu = torch.device("cpu")
     assert default_config(Format.INT4_ASYM, 1, 4096, 4096, cpu)["KERNEL"] == "gemv_words"
     assert default_config(Format.INT4_SYM, 1, 4096, 14336, cpu)["KERNEL"] == "gemv_words"
     assert "KERNEL" not in default_config(Format.INT4_ASYM, 1, 4096, 4000, cpu)  # byte GEMV
-    assert "KERNEL" not in default_config(Format.MXFP4, 1, 4096, 4096, cpu)
+    assert default_config(Format.MXFP4, 1, 4096, 4096, cpu)["KERNEL"] == "gemv_words"
+    assert default_config(Format.NVFP4, 1, 6144, 4096, cpu)["KERNEL"] == "gemv_words"
+    assert "KERNEL" not in default_config(Format.NVFP4, 1, 4096, 4080, cpu)  # byte GEMV
     assert "SPLIT_K" in default_config(Format.INT4_ASYM, 2, 4096, 4096, cpu)
 
 
@@ -286,15 +297,16 @@ for fmt in (0, 1, 2, 3, 4):
         target=GPUTarget("cuda", 80, 32),
     )
 from qshard.kernels.w4a16_triton import _gemv_words_kernel
-names = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "bias_ptr", "out_ptr", "M", "N", "KW", "stride_xm",
-         "stride_qw", "stride_sn", "stride_om", "FORMAT", "GROUP", "HAS_BIAS", "BLOCK_N",
-         "BLOCK_W"]
-types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16"] + ["i32"] * 7 + ["constexpr"] * 5
-for fmt in (0, 1, 2):
+names = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "g_ptr", "bias_ptr", "out_ptr", "M", "N", "KW",
+         "stride_xm", "stride_qw", "stride_sn", "stride_om", "FORMAT", "GROUP", "HAS_BIAS",
+         "BLOCK_N", "BLOCK_W"]
+for fmt in (0, 1, 2, 3, 4):
+    scale = "*u8" if fmt >= 3 else "*bf16"
+    types = ["*bf16", "*i32", scale, "*bf16", "*fp32", "*bf16", "*bf16"] + ["i32"] * 7
     triton.compile(
-        ASTSource(fn=_gemv_words_kernel, signature=dict(zip(names, types)),
-                  constexprs={"FORMAT": fmt, "GROUP": 128, "HAS_BIAS": True, "BLOCK_N": 16,
-                              "BLOCK_W": 128}),
+        ASTSource(fn=_gemv_words_kernel, signature=dict(zip(names, types + ["constexpr"] * 5)),
+                  constexprs={"FORMAT": fmt, "GROUP": 128 if fmt < 3 else 16, "HAS_BIAS": True,
+                              "BLOCK_N": 16, "BLOCK_W": 128}),
         target=GPUTarget("cuda", 80, 32),
     )
 """
