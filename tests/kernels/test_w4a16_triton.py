@@ -237,6 +237,38 @@ def test_e4m3_block_scales_decode_from_their_bits():
     assert not differ, f"{len(differ)} values differ, first (scale index, column): {differ[:4]}"
 
 
+@pytest.mark.parametrize("fmt_name", ["mxfp4", "nvfp4"])
+def test_the_word_decoding_gives_every_weight_exactly(fmt_name):
+    """The small-M kernel's word decoding (`_word_pair`, `_halves_to_fp32`, shared with the
+    word GEMV) against the reference, value for value: every e2m1 code under every e8m0 scale
+    byte the quantizer writes (MXFP4) or every finite e4m3 byte (NVFP4), multiplied by fp32
+    identity activations (an IEEE fp32 dot: each output is one weight, exactly)."""
+    from qshard.kernels.w4a16_triton import Format, linear_launch
+
+    load_w4a16_ops()
+    k = 128  # one small-M step: the codes are read as words
+    codes = torch.arange(16, dtype=torch.uint8).repeat(k // 16)
+    if fmt_name == "mxfp4":
+        fmt, group, scale_bytes = Format.MXFP4, 32, list(range(2, 253))
+        scale_dtype = torch.float8_e8m0fnu
+    else:
+        fmt, group, scale_bytes = Format.NVFP4, 16, [b for b in range(256) if b & 0x7F != 0x7F]
+        scale_dtype = torch.float8_e4m3fn
+    rows = len(scale_bytes)
+    packed = (codes[0::2] | (codes[1::2] << 4)).repeat(rows, 1).to(DEVICE)
+    scale = torch.tensor(scale_bytes, dtype=torch.uint8)[:, None].repeat(1, k // group)
+    scale = scale.view(scale_dtype).to(DEVICE)
+    one = torch.ones(1, 1, device=DEVICE)
+    identity = torch.eye(k, device=DEVICE)
+    out = linear_launch(fmt, identity, packed, scale, packed, one, None, group)  # [k, rows]
+    if fmt == Format.MXFP4:
+        expected = mxfp4.dequantize_mxfp4(packed, scale, group, k, torch.float32)
+    else:
+        expected = nvfp4.dequantize_nvfp4(packed, scale, one, group, k, torch.float32)
+    differ = (out.t() != expected).nonzero().tolist()  # (-0.0 comes out as +0.0: a sum)
+    assert not differ, f"{len(differ)} weights differ, first (scale index, column): {differ[:4]}"
+
+
 @pytest.mark.parametrize("layout", ["int4", "mxfp4", "nvfp4"])
 def test_the_layouts_run_the_kernels_when_asked_and_on_gpus(layout):
     cls, config_cls = {
