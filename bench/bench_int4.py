@@ -189,7 +189,7 @@ def sweep_candidates(m: int):
 
     device = torch.device("cuda", torch.cuda.current_device())
     if m <= 4:
-        for bn, bw, warps in WORDS_SWEEP:  # int4 only: other formats print a failure
+        for bn, bw, warps in WORDS_SWEEP:  # every format (e2m1 since v7)
             yield f"gemv-words {bn}x{bw}w {warps}w", lambda n, k, c=(bn, bw, warps): dict(
                 KERNEL="gemv_words", BLOCK_N=c[0], BLOCK_W=c[1], num_warps=c[2])  # fmt: skip
         for bn, bk, warps in GEMV_SWEEP:
