@@ -330,7 +330,8 @@ def _gemv_kernel(
 def _word_pair(words, j: tl.constexpr):
     """Nibbles j and j + 4 (j < 4) of every 32-bit word as the two 16-bit halves of one int32,
     each placed in fp16 bits as `_decode` places an e2m1 code (value * 2**-14): magnitude bits
-    4j..4j+2 to 9..11, sign bit 4j+3 to 15; both halves with one shift and one mask each."""
+    4j..4j+2 to 9..11, sign bit 4j+3 to 15. Both halves at once: one shift and one mask for the
+    magnitudes, one shift and one and-or for the signs."""
     if 9 - 4 * j >= 0:  # noqa: SIM108 (a constexpr branch: one shift direction each)
         magnitude = (words << (9 - 4 * j)) & 0x0E000E00
     else:
