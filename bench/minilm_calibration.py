@@ -9,7 +9,9 @@ Methods, per format (int4 g64 asymmetric, MXFP4, NVFP4):
 - rtn: round to nearest with the layout's own scale rule (what `qshard.quantize_` does).
 - mse: per group, the candidate scale (a clipped range for int4, the e8m0 exponent -1/0/+1 for
   MXFP4, the e4m3 scale of 0.8x to 1.2x the amax for NVFP4) with the least squared error.
-- gptq: GPTQ (Frantar et al. 2022) with 24 calibration sentences that are not the demo's,
+- gptq: GPTQ (Frantar et al. 2022) with 24 calibration sentences that are not the demo's
+  (`qshard.demo.MINILM_CALIBRATION`), over the real tokens only (`qshard.gptq_` takes every
+  position of its batches, padding included),
   static groups (each group's scale from the unquantized weight), columns in decreasing
   order of their input's second moment (act-order), dampening 0.1 of the mean diagonal.
   MXFP4 also with its scale rounded up (`mxfp4-ceil`: nothing clipped), since the spec's rule
@@ -28,36 +30,11 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from qshard.demo import MINILM_CALIBRATION as CALIBRATION
 from qshard.demo import _minilm_inputs
 from qshard.kernels.mxfp4 import E2M1_VALUES, block_exponents, e2m1_codes
 from qshard.models import BertModel, mean_pooled_embeddings
 
-CALIBRATION = [
-    "The weather today is sunny with a light breeze from the west.",
-    "She opened the letter and read it twice before answering.",
-    "Our team shipped the new release after three weeks of testing.",
-    "The recipe calls for two cups of flour and a pinch of salt.",
-    "Several birds were singing in the tall oak tree near the river.",
-    "He forgot his umbrella, so he waited for the rain to stop.",
-    "The museum reopened its modern art wing last spring.",
-    "A small boat drifted slowly across the quiet lake.",
-    "Students gathered in the library to prepare for the final exam.",
-    "The company reported higher profits in the third quarter.",
-    "A dog chased a ball across the crowded park.",
-    "The train to Berlin leaves at seven in the morning.",
-    "Doctors recommend drinking water and sleeping eight hours a night.",
-    "The old castle stands on a hill above the village.",
-    "Engineers measured the bridge before the repairs began.",
-    "My grandmother grows tomatoes and basil in her garden.",
-    "The orchestra played a symphony by Beethoven.",
-    "Children were building a snowman in the yard.",
-    "The software update fixed a bug in the login page.",
-    "A chef sliced onions for the evening soup.",
-    "The players celebrated after winning the championship.",
-    "Scientists discovered a new species of frog in the rainforest.",
-    "The library closes early on public holidays.",
-    "Traffic was heavy on the highway during rush hour.",
-]
 E2M1 = torch.tensor(E2M1_VALUES, dtype=torch.float64)
 
 

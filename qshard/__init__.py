@@ -8,6 +8,7 @@ model = qshard.load("ckpt/", model_built_on_meta)
 """
 
 from .api import QuantizationReport, quantize_, register_handler, repack_for_device
+from .calibration import gptq_
 from .config import Backend, QuantConfig, ScaleFormat, config_from_dict
 from .errors import (
     BackendUnavailableError,
@@ -75,6 +76,7 @@ __all__ = [
     "__version__",
     "config_from_dict",
     "export",
+    "gptq_",
     "load",
     "load_pretrained",
     "quantize_",

@@ -215,6 +215,21 @@ def quantize_(
             f"quantize_: no handler for {type(config).__name__}; registered configs: {known}. "
             f"Register one with qshard.register_handler({type(config).__name__}, fn)"
         )
+    return quantize_with(model, config, handler, filter_fn, include, exclude)
+
+
+def quantize_with(
+    model: nn.Module,
+    config: QuantConfig,
+    handler: Handler,
+    filter_fn: FilterFn | None = None,
+    include: Sequence[str] | str | None = None,
+    exclude: Sequence[str] | str | None = None,
+) -> QuantizationReport:
+    """`quantize_` with the weights quantized by `handler(weight, config)` instead of the
+    config's registered handler (`qshard.gptq_` passes one that returns its calibrated
+    weights): the same selection, tied weights, report, sharded-model agreement, and nothing
+    changed unless every selected weight quantized."""
     include = [include] if isinstance(include, str) else include
     exclude = [exclude] if isinstance(exclude, str) else exclude
     sharded = _sharded_linears(model)

@@ -56,6 +56,9 @@ def test_demo_prints_report_and_accuracy(capsys, monkeypatch):
 # stated in the issue's notes. bench/minilm_calibration.py measures what would close it: scale
 # search gains ~0.005, GPTQ reaches 0.9776 (int4) and 0.9687 (MXFP4, scale rounded up).
 MINILM_FLOORS = {"fp8-block": 0.995, "nvfp4": 0.97, "int4-g64": 0.955, "mxfp4": 0.94}
+# Calibrated with GPTQ (qshard.gptq_, the demo's 24 calibration sentences): int4 g64 and NVFP4
+# meet issue 9's floors (measured 0.9823 and 0.9843); MXFP4 reaches 0.9668, short of its 0.97.
+MINILM_GPTQ_FLOORS = {"int4-g64 gptq": 0.98, "nvfp4 gptq": 0.97, "mxfp4 gptq": 0.965}
 
 
 def test_demo_runs_minilm_with_each_layout(capsys, monkeypatch):
@@ -69,7 +72,7 @@ def test_demo_runs_minilm_with_each_layout(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "all-MiniLM-L6-v2" in out and "| int4-g64 |" in out
     (result,) = results
-    for layout, floor in MINILM_FLOORS.items():
+    for layout, floor in (MINILM_FLOORS | MINILM_GPTQ_FLOORS).items():
         assert result[layout]["cosine_min"] >= floor, (layout, result[layout])
         assert result[layout]["linear_bytes"] < result["float"]["linear_bytes"] / 3.5
 

@@ -39,12 +39,16 @@ SYMMETRIC_ZERO = 8.0
 
 
 def quantize_int4(
-    weight: torch.Tensor, group: int, symmetric: bool, float_zero: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    weight: torch.Tensor, group: int, symmetric: bool, float_zero: bool = False,
+    params: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """[N, K] float -> (packed uint8 [N, ceil(K/2)], scale bf16 [N, G], zero bf16 [N, G] or
-    [0, 0] when symmetric), G = ceil(K/group). `float_zero`: zero is a float (see above)."""
+    [0, 0] when symmetric), G = ceil(K/group). `float_zero`: zero is a float (see above).
+    `params`: (scale, zero) to round with instead of the groups' own (a calibration's: GPTQ)."""
     w = weight.float()
-    k = w.shape[1]
+    if params is not None:
+        scale, zero = params
+        return pack_nibbles(int4_codes(w, scale, zero, group, symmetric, float_zero)), scale, zero
     if float_zero:
         return _quantize_float_zero(w, group)
     if symmetric:
@@ -59,20 +63,34 @@ def quantize_int4(
     # In bf16 first: a tiny fp32 scale rounds to 0 there. An all-zero group gets scale 1.
     scale = scale.to(SCALE_DTYPE)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    full_scale = expand_groups(scale.float(), group, k)
     if symmetric:
-        q = torch.clamp(torch.round(w / full_scale), -8, 7) + SYMMETRIC_ZERO
         zero = torch.zeros(0, 0, dtype=SCALE_DTYPE, device=w.device)
     else:
         # 0 - low, not -low: a group with no negative value has low = 0 and -low = -0.0, and
         # clamp keeps a -0.0 zero point on the CPU but not on CUDA (other bytes, same value).
         zero = torch.clamp(torch.round((0.0 - low) / scale.float()), 0, 15).to(SCALE_DTYPE)
+    return pack_nibbles(int4_codes(w, scale, zero, group, symmetric, False)), scale, zero
+
+
+def int4_codes(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, symmetric: bool,
+    float_zero: bool,
+) -> torch.Tensor:  # fmt: skip
+    """fp32 [N, K] -> its codes u (uint8 0..15) under the groups' scale and zero, rounded to
+    nearest (ties to even) and clamped."""
+    k = w.shape[1]
+    full_scale = expand_groups(scale.float(), group, k)
+    if symmetric:
+        q = torch.clamp(torch.round(w / full_scale), -8, 7) + SYMMETRIC_ZERO
+    elif float_zero:
+        full_zero = expand_groups(zero.float(), group, k)
+        q = torch.clamp(torch.round((w - full_zero) / full_scale) + SYMMETRIC_ZERO, 0, 15)
+    else:
         q = torch.clamp(torch.round(w / full_scale) + expand_groups(zero.float(), group, k), 0, 15)
-    return pack_nibbles(q.to(torch.uint8)), scale, zero
+    return q.to(torch.uint8)
 
 
 def _quantize_float_zero(w: torch.Tensor, group: int):
-    k = w.shape[1]
     high = group_reduce(w, group, lambda t, d: t.amax(d))
     low = group_reduce(w, group, lambda t, d: t.amin(d))
     fifteen = torch.full_like(high, 15.0)
@@ -82,10 +100,7 @@ def _quantize_float_zero(w: torch.Tensor, group: int):
     fallback = (torch.maximum(high.abs(), low.abs()) / fifteen).to(SCALE_DTYPE)
     scale = torch.where(scale > 0, scale, torch.where(fallback > 0, fallback, 1.0))
     zero = (low + 8.0 * scale.float()).to(SCALE_DTYPE)
-    full_scale = expand_groups(scale.float(), group, k)
-    full_zero = expand_groups(zero.float(), group, k)
-    q = torch.clamp(torch.round((w - full_zero) / full_scale) + SYMMETRIC_ZERO, 0, 15)
-    return pack_nibbles(q.to(torch.uint8)), scale, zero
+    return pack_nibbles(int4_codes(w, scale, zero, group, False, True)), scale, zero
 
 
 def dequantize_int4(

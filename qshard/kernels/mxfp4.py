@@ -55,14 +55,19 @@ def block_exponents(amax: torch.Tensor) -> torch.Tensor:
     return e.clamp(-127, 127)
 
 
-def quantize_mxfp4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (packed uint8 [N, ceil(K/2)], scale e8m0 [N, ceil(K/group)])."""
+def quantize_mxfp4(
+    weight: torch.Tensor, group: int = GROUP, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (packed uint8 [N, ceil(K/2)], scale e8m0 [N, ceil(K/group)]).
+    `scale`: e8m0 scales to round with instead of the blocks' own (a calibration's: GPTQ)."""
     w = weight.float()
     k = w.shape[1]
-    exponents = block_exponents(group_reduce(w.abs(), group, lambda t, d: t.amax(d)))
-    scale = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
-    v = (w / expand_groups(scale, group, k)).clamp(-E2M1_MAX, E2M1_MAX)  # exact: powers of two
-    return pack_nibbles(e2m1_codes(v)), scale.to(SCALE_DTYPE)
+    if scale is None:
+        exponents = block_exponents(group_reduce(w.abs(), group, lambda t, d: t.amax(d)))
+        scale = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
+        scale = scale.to(SCALE_DTYPE)
+    v = (w / expand_groups(scale.float(), group, k)).clamp(-E2M1_MAX, E2M1_MAX)  # exact: 2**e
+    return pack_nibbles(e2m1_codes(v)), scale
 
 
 def dequantize_mxfp4(

@@ -46,18 +46,22 @@ def global_scale_of(weight: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nvfp4(
-    weight: torch.Tensor, global_scale: torch.Tensor, group: int = GROUP
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (packed uint8 [N, ceil(K/2)], block scales e4m3 [N, ceil(K/group)])."""
+    weight: torch.Tensor, global_scale: torch.Tensor, group: int = GROUP,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """[N, K] float -> (packed uint8 [N, ceil(K/2)], block scales e4m3 [N, ceil(K/group)]).
+    `scale`: e4m3 block scales to round with instead of the blocks' own (a calibration's)."""
     w = weight.float()
     k = w.shape[1]
-    amax = group_reduce(w.abs(), group, lambda t, d: t.amax(d))
     global_scale = global_scale.float()
-    block = (amax / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(SCALE_DTYPE).float()
-    block = torch.where(amax > 0, block.clamp(min=E4M3_MIN_STEP), torch.ones_like(block))
-    divisor = expand_groups(block * global_scale, group, k)
+    if scale is None:
+        amax = group_reduce(w.abs(), group, lambda t, d: t.amax(d))
+        block = (amax / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(SCALE_DTYPE).float()
+        block = torch.where(amax > 0, block.clamp(min=E4M3_MIN_STEP), torch.ones_like(block))
+        scale = block.to(SCALE_DTYPE)
+    divisor = expand_groups(scale.float() * global_scale, group, k)
     v = (w / divisor).clamp(-E2M1_MAX, E2M1_MAX)
-    return pack_nibbles(e2m1_codes(v)), block.to(SCALE_DTYPE)
+    return pack_nibbles(e2m1_codes(v)), scale
 
 
 def dequantize_nvfp4(

@@ -119,12 +119,19 @@ class Int4Tensor(QTensor):
     zero_point_domain: ZeroPointDomain
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, config: Int4WeightOnlyConfig | None = None):
+    def from_float(
+        cls, weight: torch.Tensor, config: Int4WeightOnlyConfig | None = None,
+        group_params: dict[str, torch.Tensor] | None = None,
+    ) -> Int4Tensor:  # fmt: skip
+        """Quantize `weight`; with `group_params` ({"scale", "zero"} as this layout stores them,
+        e.g. chosen by `qshard.gptq_`) round with those instead of the groups' own."""
         config = checked_config(cls.__name__, Int4WeightOnlyConfig, config)
         check_float_weight(cls.__name__, weight)
         weight = weight.detach()
         float_zero = config.zero_point_domain is ZeroPointDomain.FLOAT
-        qdata, scale, zero = quantize_int4(weight, config.group_size, config.symmetric, float_zero)
+        params = (group_params["scale"], group_params["zero"]) if group_params else None
+        qdata, scale, zero = quantize_int4(weight, config.group_size, config.symmetric, float_zero,
+                                           params)  # fmt: skip
         return cls(
             {"qdata": qdata, "scale": scale, "zero": zero},
             shape=tuple(weight.shape),

@@ -69,10 +69,16 @@ class Mxfp4Tensor(QTensor):
     backend: Backend
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, config: MXFP4WeightOnlyConfig | None = None):
+    def from_float(
+        cls, weight: torch.Tensor, config: MXFP4WeightOnlyConfig | None = None,
+        group_params: dict[str, torch.Tensor] | None = None,
+    ) -> Mxfp4Tensor:  # fmt: skip
+        """Quantize `weight`; with `group_params` ({"scale"}: e8m0 [N, ceil(K/32)], e.g. chosen
+        by `qshard.gptq_`) round with those scales instead of the blocks' own."""
         config = checked_config(cls.__name__, MXFP4WeightOnlyConfig, config)
         check_float_weight(cls.__name__, weight)
-        qdata, scale = quantize_mxfp4(weight.detach(), GROUP)
+        scale = group_params["scale"] if group_params else None
+        qdata, scale = quantize_mxfp4(weight.detach(), GROUP, scale)
         return cls(
             {"qdata": qdata, "scale": scale},
             shape=tuple(weight.shape),

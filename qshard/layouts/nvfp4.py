@@ -71,14 +71,18 @@ class Nvfp4Tensor(QTensor):
     def from_float(
         cls, weight: torch.Tensor, config: NVFP4WeightOnlyConfig | None = None,
         global_scale: torch.Tensor | None = None,
+        group_params: dict[str, torch.Tensor] | None = None,
     ) -> Nvfp4Tensor:  # fmt: skip
-        """Quantize `weight`, with its own global scale unless one (a parent's) is given."""
+        """Quantize `weight`, with its own global scale unless one (a parent's) is given; with
+        `group_params` ({"scale"}: e4m3 [N, ceil(K/16)], e.g. chosen by `qshard.gptq_`) round
+        with those block scales instead of the blocks' own."""
         config = checked_config(cls.__name__, NVFP4WeightOnlyConfig, config)
         check_float_weight(cls.__name__, weight)
         weight = weight.detach()
         if global_scale is None:
             global_scale = global_scale_of(weight)
-        qdata, scale = quantize_nvfp4(weight, global_scale, GROUP)
+        scale = group_params["scale"] if group_params else None
+        qdata, scale = quantize_nvfp4(weight, global_scale, GROUP, scale)
         return cls(
             {"qdata": qdata, "scale": scale, "global_scale": global_scale.clone()},
             shape=tuple(weight.shape),

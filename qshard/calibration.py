@@ -1,0 +1,346 @@
+"""`gptq_`: quantize a model's linears with GPTQ (Frantar et al., "GPTQ: Accurate Post-Training
+Quantization for Generative Pre-trained Transformers", 2022) instead of rounding each weight to
+its nearest code, for the 4-bit weight-only layouts (int4, MXFP4, NVFP4).
+
+Each selected linear collects H = sum x^T x over the inputs it sees while `forward` runs the
+calibration batches (float model, one pass). Its weight columns are then rounded one at a time;
+each column's rounding error, weighted by H^-1 (Cholesky), is moved onto the columns not yet
+rounded, so that the layer's output on inputs like the calibration's changes least. Choices,
+each the common one in GPTQ implementations:
+- Static groups: every group's scale (and zero) is fixed before the columns are rounded, from
+  the unrounded weight, so the result is an ordinary layout tensor (contiguous groups).
+  `scale_search=True` picks each group's scale among a few candidates (a clipped range for
+  int4, the e8m0 exponent -1 / 0 / +1 for MXFP4, the e4m3 scale of 0.8x-1.2x the amax for
+  NVFP4) by the squared error of its rounded weights weighted by diag(H), the inputs' second
+  moments; otherwise the layout's own rule.
+- Act-order: columns go in decreasing order of diag(H) (the most used inputs first, while
+  there are columns left to absorb their error).
+- Dampening: `damp` times the mean of diag(H) is added to the diagonal (0.1; 0.01 is the
+  paper's, and was worse on MiniLM: bench/minilm_calibration.py).
+The rounding of each column, the scales and the final tensor are the layout's own functions
+(`quantize_int4` / `quantize_mxfp4` / `quantize_nvfp4` with given group parameters), so a
+calibrated weight is stored, saved, loaded, sharded and multiplied like any other.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .api import FilterFn, QuantizationReport, _is_dtensor, _skip_reason, quantize_with
+from .errors import ConfigError
+from .kernels import int4, mxfp4, nvfp4
+from .layouts import (
+    Int4Tensor,
+    Int4WeightOnlyConfig,
+    Mxfp4Tensor,
+    MXFP4WeightOnlyConfig,
+    Nvfp4Tensor,
+    NVFP4WeightOnlyConfig,
+)
+from .layouts.int4 import ZeroPointDomain
+
+__all__ = ["gptq_"]
+
+SUPPORTED = (Int4WeightOnlyConfig, MXFP4WeightOnlyConfig, NVFP4WeightOnlyConfig)
+INT4_CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # int4: the group's range times these
+NVFP4_AMAX_FACTORS = (1.0, 0.8, 0.85, 0.9, 0.95, 1.05, 1.1, 1.2)
+BLOCK = 128  # columns rounded before their error is moved onto the rest at once (lazy batches)
+
+
+@torch.no_grad()
+def gptq_(
+    model: nn.Module,
+    config: Int4WeightOnlyConfig | MXFP4WeightOnlyConfig | NVFP4WeightOnlyConfig,
+    calibration: Iterable[Any],
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+    filter_fn: FilterFn | None = None,
+    include: Sequence[str] | str | None = None,
+    exclude: Sequence[str] | str | None = None,
+    damp: float = 0.1,
+    scale_search: bool = True,
+) -> QuantizationReport:
+    """Quantize `model`'s nn.Linear weights in place with GPTQ, calibrated on `calibration`;
+    return `quantize_`'s report. Selection (filter_fn, include, exclude), tied weights and the
+    all-or-nothing rule are `quantize_`'s.
+
+    calibration: batches; each runs as `forward(model, batch)`, by default `model(*batch)` for
+    a tuple and `model(batch)` otherwise. A few hundred tokens of text like the model's use
+    are enough for a small model. A selected linear that no batch reaches is rounded to
+    nearest (with a warning naming it). Run it before `qshard.tp.parallelize`.
+    """
+    if isinstance(config, type):
+        raise ConfigError(
+            f"gptq_: got the class {config.__name__}, not a config; pass an instance, "
+            f"e.g. {config.__name__}()"
+        )
+    if not isinstance(config, SUPPORTED):
+        raise ConfigError(
+            f"gptq_: got {type(config).__name__}; GPTQ here takes the 4-bit weight-only configs "
+            f"({', '.join(c.__name__ for c in SUPPORTED)}). Use qshard.quantize_ for the others"
+        )
+    if not 0 < damp < 10:
+        raise ConfigError(f"gptq_: damp={damp} must be in (0, 10); 0.1 is the default")
+    selected = _selected_linears(model, filter_fn, include, exclude)
+    hessians = _collect_hessians(model, selected, calibration, forward or _default_forward)
+    unreached = [name for name, m in selected if _key(m.weight) not in hessians]
+    if unreached:
+        warnings.warn(
+            f"gptq_: no calibration input reached {unreached}; rounded to nearest",
+            stacklevel=3,  # the caller's line (no_grad's wrapper is one frame)
+        )
+    calibrated = {}
+    for _, module in selected:
+        key = _key(module.weight)
+        if key in hessians and key not in calibrated:
+            calibrated[key] = _gptq_weight(module.weight.detach(), hessians[key], config, damp,
+                                           scale_search)  # fmt: skip
+    registered = {Int4WeightOnlyConfig: Int4Tensor, MXFP4WeightOnlyConfig: Mxfp4Tensor,
+                  NVFP4WeightOnlyConfig: Nvfp4Tensor}[type(config)]  # fmt: skip
+
+    def handler(weight: torch.Tensor, cfg) -> torch.Tensor:
+        found = calibrated.get(_key(weight))
+        return found if found is not None else registered.from_float(weight, cfg)
+
+    return quantize_with(model, config, handler, filter_fn, include, exclude)
+
+
+def _default_forward(model: nn.Module, batch: Any) -> Any:
+    return model(*batch) if isinstance(batch, tuple) else model(batch)
+
+
+def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    # quantize_ hands handlers `weight.detach()`: the same storage, another tensor object.
+    return weight.data_ptr(), tuple(weight.shape)
+
+
+def _selected_linears(model, filter_fn, include, exclude) -> list[tuple[str, nn.Linear]]:
+    include = [include] if isinstance(include, str) else include
+    exclude = [exclude] if isinstance(exclude, str) else exclude
+    selected = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not isinstance(module, nn.Linear):
+            continue
+        if _is_dtensor(module.weight):
+            raise ConfigError(
+                f"gptq_: module {name!r} is sharded (a DTensor weight); run gptq_ on the whole "
+                f"model before qshard.tp.parallelize (the quantized weights shard like any other)"
+            )
+        if _skip_reason(name, module, include, exclude, filter_fn) is None:
+            selected.append((name, module))
+    return selected
+
+
+def _collect_hessians(model, selected, calibration, forward) -> dict:
+    """{weight key: sum over the calibration of x^T x [K, K] (float64)} per selected linear."""
+    hessians: dict = {}
+
+    def record(module, inputs):
+        x = inputs[0].detach().reshape(-1, module.in_features).double()
+        key = _key(module.weight)
+        hessians[key] = hessians.get(key, 0) + x.t() @ x
+
+    hooks = [module.register_forward_pre_hook(record) for _, module in selected]
+    batches = 0
+    try:
+        for batch in calibration:
+            forward(model, batch)
+            batches += 1
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if batches == 0:
+        raise ConfigError("gptq_: `calibration` gave no batch; pass an iterable of inputs")
+    return hessians
+
+
+# ---- the formats: group parameters, one column rounded, the finished tensor --------------------
+
+
+class _Format:
+    """What GPTQ needs of a layout, through the layout's reference functions."""
+
+    def __init__(self, weight: torch.Tensor, config):
+        self.config, self.n, self.k = config, weight.shape[0], weight.shape[1]
+        if isinstance(config, Int4WeightOnlyConfig):
+            self.group = config.group_size
+            self.float_zero = config.zero_point_domain is ZeroPointDomain.FLOAT
+        else:
+            self.group = mxfp4.GROUP if isinstance(config, MXFP4WeightOnlyConfig) else nvfp4.GROUP
+        if isinstance(config, NVFP4WeightOnlyConfig):  # the whole weight's, as from_float's
+            self.global_scale = nvfp4.global_scale_of(weight)
+
+    def quantize(self, w: torch.Tensor, params: dict | None):
+        """(packed codes, params) of w [N, k'] (params: the groups' of those columns)."""
+        if isinstance(self.config, Int4WeightOnlyConfig):
+            given = (params["scale"], params["zero"]) if params else None
+            q, scale, zero = int4.quantize_int4(w, self.group, self.config.symmetric,
+                                                self.float_zero, given)  # fmt: skip
+            return q, {"scale": scale, "zero": zero}
+        given = params["scale"] if params else None
+        if isinstance(self.config, MXFP4WeightOnlyConfig):
+            q, scale = mxfp4.quantize_mxfp4(w, self.group, given)
+        else:
+            q, scale = nvfp4.quantize_nvfp4(w, self.global_scale, self.group, given)
+        return q, {"scale": scale}
+
+    def dequantize(self, q: torch.Tensor, params: dict, k: int) -> torch.Tensor:
+        if isinstance(self.config, Int4WeightOnlyConfig):
+            return int4.dequantize_int4(q, params["scale"], params["zero"], self.group, k,
+                                        torch.float32, self.float_zero)  # fmt: skip
+        if isinstance(self.config, MXFP4WeightOnlyConfig):
+            return mxfp4.dequantize_mxfp4(q, params["scale"], self.group, k, torch.float32)
+        return nvfp4.dequantize_nvfp4(q, params["scale"], self.global_scale, self.group, k,
+                                      torch.float32)  # fmt: skip
+
+    def column_rounder(self, params: dict, dtype: torch.dtype):
+        """round(column [N], group g) -> the column's values on group g's grid: the layout's
+        rounding (`int4_codes`, `e2m1_codes`) without packing, for GPTQ's column loop. (The
+        stored tensor is made by the layout's quantizer at the end, from these values.)"""
+        scale = params["scale"].to(dtype)
+        if isinstance(self.config, NVFP4WeightOnlyConfig):
+            scale = scale * self.global_scale.to(dtype)
+        if not isinstance(self.config, Int4WeightOnlyConfig):
+            table = torch.tensor(mxfp4.E2M1_VALUES, dtype=dtype, device=scale.device)
+
+            def fp4(column: torch.Tensor, g: int) -> torch.Tensor:
+                s = scale[:, g]
+                return table[mxfp4.e2m1_codes((column / s).clamp(-6, 6).float()).long()] * s
+
+            return fp4
+        zero = params["zero"].to(dtype)
+        symmetric = self.config.symmetric
+
+        def int4_(column: torch.Tensor, g: int) -> torch.Tensor:
+            s = scale[:, g]
+            if symmetric:
+                return torch.clamp(torch.round(column / s), -8, 7) * s
+            if self.float_zero:
+                u = torch.clamp(torch.round((column - zero[:, g]) / s) + 8, 0, 15)
+                return (u - 8) * s + zero[:, g]
+            u = torch.clamp(torch.round(column / s) + zero[:, g], 0, 15)
+            return (u - zero[:, g]) * s
+
+        return int4_
+
+    def rounded(self, w: torch.Tensor, params: dict) -> torch.Tensor:
+        q, _ = self.quantize(w, params)
+        return self.dequantize(q, params, w.shape[1]).to(w.dtype)
+
+    def candidates(self, w: torch.Tensor) -> list[dict]:
+        """Group parameters to choose from, the layout's own rule first."""
+        own = self.quantize(w, None)[1]
+        if isinstance(self.config, Int4WeightOnlyConfig):
+            amax = _expand(_group_amax(w.abs(), self.group), self.group, self.k)
+            high = _expand(_group_max(w, self.group), self.group, self.k)
+            low = _expand(_group_min(w, self.group), self.group, self.k)
+            options = [own]
+            for clip in INT4_CLIPS[1:]:
+                if self.config.symmetric:
+                    clipped = w.clamp(-clip * amax, clip * amax)
+                else:
+                    clipped = w.clamp(clip * low, clip * high)
+                options.append(self.quantize(clipped, None)[1])
+            return options
+        if isinstance(self.config, MXFP4WeightOnlyConfig):
+            e = own["scale"].float()
+            return [own] + [
+                {"scale": (e * f).clamp(2.0**-127, 2.0**127).to(own["scale"].dtype)}
+                for f in (0.5, 2.0)
+            ]
+        return [own] + [self.quantize(w * f, None)[1] for f in NVFP4_AMAX_FACTORS[1:]]
+
+    def best_params(self, w: torch.Tensor, importance: torch.Tensor, search: bool) -> dict:
+        """Per (row, group), the candidate whose rounded weights differ least from w, each
+        column's squared error weighted by `importance`."""
+        options = self.candidates(w) if search else self.candidates(w)[:1]
+        if len(options) == 1:
+            return options[0]
+        errors = torch.stack([
+            _group_sum((self.rounded(w, p) - w) ** 2 * importance, self.group) for p in options
+        ])  # fmt: skip
+        best = errors.argmin(0)  # [N, G]
+        return {name: _pick([p[name] for p in options], best) for name in options[0]}
+
+    def build(self, w: torch.Tensor, params: dict, dtype: torch.dtype) -> torch.Tensor:
+        """The layout tensor of w (on the groups' grid) with these group parameters. w in the
+        weight's dtype: rounding it there moves no value by half a step, so the codes stay."""
+        weight = w.to(dtype)
+        if isinstance(self.config, Int4WeightOnlyConfig):
+            return Int4Tensor.from_float(weight, self.config, params)
+        if isinstance(self.config, MXFP4WeightOnlyConfig):
+            return Mxfp4Tensor.from_float(weight, self.config, params)
+        return Nvfp4Tensor.from_float(weight, self.config, self.global_scale, params)
+
+
+def _pick(options: list[torch.Tensor], best: torch.Tensor) -> torch.Tensor:
+    """options[best[r, g]][r, g] for each (r, g); one-byte dtypes (e8m0, e4m3) as bytes."""
+    if options[0].numel() == 0:  # a symmetric int4 weight's zero: empty
+        return options[0]
+    dtype = options[0].dtype
+    stacked = torch.stack([o.view(torch.uint8) if dtype.itemsize == 1 else o for o in options])
+    chosen = torch.gather(stacked, 0, best[None])[0]
+    return chosen.view(dtype) if dtype.itemsize == 1 else chosen
+
+
+def _group_sum(t: torch.Tensor, group: int) -> torch.Tensor:
+    from .kernels.packing import group_reduce
+
+    return group_reduce(t, group, lambda v, d: v.sum(d))
+
+
+def _group_amax(t, group):
+    from .kernels.packing import group_reduce
+
+    return group_reduce(t, group, lambda v, d: v.amax(d))
+
+
+def _group_max(t, group):
+    return _group_amax(t, group).clamp(min=0)
+
+
+def _group_min(t, group):
+    from .kernels.packing import group_reduce
+
+    return group_reduce(t, group, lambda v, d: v.amin(d)).clamp(max=0)
+
+
+def _expand(values, group, k):
+    from .kernels.packing import expand_groups
+
+    return expand_groups(values, group, k)
+
+
+def _gptq_weight(weight, hessian, config, damp: float, scale_search: bool) -> torch.Tensor:
+    """The GPTQ-rounded layout tensor of one weight [N, K] given its inputs' x^T x."""
+    dtype = weight.dtype
+    w = weight.double() if weight.device.type == "cpu" else weight.float()
+    h = hessian.to(w.device, w.dtype).clone()
+    fmt = _Format(w, config)
+    k = w.shape[1]
+    dead = torch.diag(h) == 0  # inputs the calibration never used: no error moves through them
+    h[dead, dead] = 1
+    params = fmt.best_params(w, torch.diag(h)[None, :], scale_search)
+    order = torch.argsort(torch.diag(h), descending=True)
+    group_of = order // fmt.group
+    w, h = w[:, order], h[order][:, order]
+    h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype, device=h.device)
+    inverse = torch.cholesky_inverse(torch.linalg.cholesky(h))
+    upper = torch.linalg.cholesky(inverse, upper=True)
+    round_column = fmt.column_rounder(params, w.dtype)
+    rounded = torch.empty_like(w)
+    for start in range(0, k, BLOCK):
+        end = min(start + BLOCK, k)
+        block, errors = w[:, start:end].clone(), torch.empty_like(w[:, start:end])
+        for i in range(end - start):
+            rounded[:, start + i] = round_column(block[:, i], int(group_of[start + i]))
+            errors[:, i] = (block[:, i] - rounded[:, start + i]) / upper[start + i, start + i]
+            block[:, i:] -= errors[:, i : i + 1] * upper[start + i, start + i : end][None, :]
+        w[:, end:] -= errors @ upper[start:end, end:]
+    result = torch.empty_like(rounded)
+    result[:, order] = rounded
+    return fmt.build(result, params, dtype)
