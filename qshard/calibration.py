@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .api import FilterFn, QuantizationReport, _is_dtensor, _skip_reason, quantize_with
-from .errors import ConfigError
+from .errors import ConfigError, QShardError, UnsupportedWeightError
 from .kernels import int4, mxfp4, nvfp4
 from .layouts import (
     Int4Tensor,
@@ -42,6 +42,7 @@ from .layouts import (
     Nvfp4Tensor,
     NVFP4WeightOnlyConfig,
 )
+from .layouts.checks import check_float_weight
 from .layouts.int4 import ZeroPointDomain
 
 __all__ = ["gptq_"]
@@ -93,14 +94,26 @@ def gptq_(
             f"gptq_: no calibration input reached {unreached}; rounded to nearest",
             stacklevel=3,  # the caller's line (no_grad's wrapper is one frame)
         )
-    calibrated = {}
-    for _, module in selected:
-        key = _key(module.weight)
-        if key in hessians and key not in calibrated:
-            calibrated[key] = _gptq_weight(module.weight.detach(), hessians[key], config, damp,
-                                           scale_search)  # fmt: skip
     registered = {Int4WeightOnlyConfig: Int4Tensor, MXFP4WeightOnlyConfig: Mxfp4Tensor,
                   NVFP4WeightOnlyConfig: Nvfp4Tensor}[type(config)]  # fmt: skip
+    calibrated = {}
+    for name, module in selected:
+        key = _key(module.weight)
+        if key not in hessians or key in calibrated:
+            continue
+        try:
+            check_float_weight(registered.__name__, module.weight.detach())
+            calibrated[key] = _gptq_weight(module.weight.detach(), hessians[key], config, damp,
+                                           scale_search)  # fmt: skip
+        except UnsupportedWeightError:
+            continue  # quantize_ skips the module and reports why
+        except QShardError as e:  # a non-finite weight: nothing is changed
+            raise type(e)(f"gptq_: module {name!r}: {e}") from e
+        except torch.linalg.LinAlgError as e:
+            raise ConfigError(
+                f"gptq_: module {name!r}: its inputs' x^T x + damp is not positive definite "
+                f"({e}); raise damp (now {damp})"
+            ) from e
 
     def handler(weight: torch.Tensor, cfg) -> torch.Tensor:
         found = calibrated.get(_key(weight))

@@ -121,3 +121,13 @@ def test_bad_input_is_refused_and_nothing_changes(config, calibration, damp, mes
     with pytest.raises(qshard.ConfigError, match=message):
         qshard.gptq_(model, config, calibration, damp=damp)
     assert type(model.weight) is nn.Parameter and torch.equal(model.weight, before)
+
+
+def test_a_non_finite_weight_is_named_and_nothing_changes():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[1].weight[3, 5] = float("nan")
+    first = model[0].weight.detach().clone()
+    with pytest.raises(qshard.NonFiniteWeightError, match="gptq_: module '1'"):
+        qshard.gptq_(model, qshard.NVFP4WeightOnlyConfig(), [torch.randn(16, 64)])
+    assert type(model[0].weight) is nn.Parameter and torch.equal(model[0].weight, first)
