@@ -34,6 +34,7 @@ from torch import nn
 from .api import FilterFn, QuantizationReport, _is_dtensor, _skip_reason, quantize_with
 from .errors import ConfigError, QShardError, UnsupportedWeightError
 from .kernels import int4, mxfp4, nvfp4
+from .kernels.packing import expand_groups, group_reduce
 from .layouts import (
     Int4Tensor,
     Int4WeightOnlyConfig,
@@ -132,8 +133,6 @@ def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...]]:
 
 
 def _selected_linears(model, filter_fn, include, exclude) -> list[tuple[str, nn.Linear]]:
-    include = [include] if isinstance(include, str) else include
-    exclude = [exclude] if isinstance(exclude, str) else exclude
     selected = []
     for name, module in model.named_modules(remove_duplicate=False):
         if not isinstance(module, nn.Linear):
@@ -178,7 +177,7 @@ class _Format:
     """What GPTQ needs of a layout, through the layout's reference functions."""
 
     def __init__(self, weight: torch.Tensor, config):
-        self.config, self.n, self.k = config, weight.shape[0], weight.shape[1]
+        self.config, self.k = config, weight.shape[1]
         if isinstance(config, Int4WeightOnlyConfig):
             self.group = config.group_size
             self.float_zero = config.zero_point_domain is ZeroPointDomain.FLOAT
@@ -226,19 +225,20 @@ class _Format:
 
             return fp4
         zero = params["zero"].to(dtype)
-        symmetric = self.config.symmetric
+        symmetric, float_zero = self.config.symmetric, self.float_zero
 
-        def int4_(column: torch.Tensor, g: int) -> torch.Tensor:
-            s = scale[:, g]
+        def int4_round(column: torch.Tensor, g: int) -> torch.Tensor:
+            s = scale[:, g : g + 1]
+            z = zero[:, g : g + 1] if zero.numel() else zero
+            u = int4.int4_codes(column[:, None], s, z, self.group, symmetric, float_zero)
+            u = u[:, 0].to(dtype)
             if symmetric:
-                return torch.clamp(torch.round(column / s), -8, 7) * s
-            if self.float_zero:
-                u = torch.clamp(torch.round((column - zero[:, g]) / s) + 8, 0, 15)
-                return (u - 8) * s + zero[:, g]
-            u = torch.clamp(torch.round(column / s) + zero[:, g], 0, 15)
-            return (u - zero[:, g]) * s
+                return (u - 8) * s[:, 0]
+            if float_zero:
+                return (u - 8) * s[:, 0] + z[:, 0]
+            return (u - z[:, 0]) * s[:, 0]
 
-        return int4_
+        return int4_round
 
     def rounded(self, w: torch.Tensor, params: dict) -> torch.Tensor:
         q, _ = self.quantize(w, params)
@@ -248,9 +248,10 @@ class _Format:
         """Group parameters to choose from, the layout's own rule first."""
         own = self.quantize(w, None)[1]
         if isinstance(self.config, Int4WeightOnlyConfig):
-            amax = _expand(_group_amax(w.abs(), self.group), self.group, self.k)
-            high = _expand(_group_max(w, self.group), self.group, self.k)
-            low = _expand(_group_min(w, self.group), self.group, self.k)
+            high = expand_groups(group_reduce(w, self.group, torch.amax), self.group, self.k)
+            low = expand_groups(group_reduce(w, self.group, torch.amin), self.group, self.k)
+            high, low = high.clamp(min=0), low.clamp(max=0)
+            amax = torch.maximum(high, -low)
             options = [own]
             for clip in INT4_CLIPS[1:]:
                 if self.config.symmetric:
@@ -274,7 +275,8 @@ class _Format:
         if len(options) == 1:
             return options[0]
         errors = torch.stack([
-            _group_sum((self.rounded(w, p) - w) ** 2 * importance, self.group) for p in options
+            group_reduce((self.rounded(w, p) - w) ** 2 * importance, self.group, torch.sum)
+            for p in options
         ])  # fmt: skip
         best = errors.argmin(0)  # [N, G]
         return {name: _pick([p[name] for p in options], best) for name in options[0]}
@@ -298,34 +300,6 @@ def _pick(options: list[torch.Tensor], best: torch.Tensor) -> torch.Tensor:
     stacked = torch.stack([o.view(torch.uint8) if dtype.itemsize == 1 else o for o in options])
     chosen = torch.gather(stacked, 0, best[None])[0]
     return chosen.view(dtype) if dtype.itemsize == 1 else chosen
-
-
-def _group_sum(t: torch.Tensor, group: int) -> torch.Tensor:
-    from .kernels.packing import group_reduce
-
-    return group_reduce(t, group, lambda v, d: v.sum(d))
-
-
-def _group_amax(t, group):
-    from .kernels.packing import group_reduce
-
-    return group_reduce(t, group, lambda v, d: v.amax(d))
-
-
-def _group_max(t, group):
-    return _group_amax(t, group).clamp(min=0)
-
-
-def _group_min(t, group):
-    from .kernels.packing import group_reduce
-
-    return group_reduce(t, group, lambda v, d: v.amin(d)).clamp(max=0)
-
-
-def _expand(values, group, k):
-    from .kernels.packing import expand_groups
-
-    return expand_groups(values, group, k)
 
 
 def _gptq_weight(weight, hessian, config, damp: float, scale_search: bool) -> torch.Tensor:
