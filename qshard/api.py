@@ -108,10 +108,12 @@ def _mib(n: int) -> str:
 def _skip_reason(
     name: str,
     module: nn.Linear,
-    include: Sequence[str] | None,
-    exclude: Sequence[str] | None,
+    include: Sequence[str] | str | None,
+    exclude: Sequence[str] | str | None,
     filter_fn: FilterFn | None,
 ) -> str | None:
+    include = [include] if isinstance(include, str) else include
+    exclude = [exclude] if isinstance(exclude, str) else exclude
     if include is not None and not any(fnmatch.fnmatchcase(name, p) for p in include):
         return f"matches no include pattern {list(include)}"
     for pattern in exclude or ():
@@ -230,8 +232,6 @@ def quantize_with(
     config's registered handler (`qshard.gptq_` passes one that returns its calibrated
     weights): the same selection, tied weights, report, sharded-model agreement, and nothing
     changed unless every selected weight quantized."""
-    include = [include] if isinstance(include, str) else include
-    exclude = [exclude] if isinstance(exclude, str) else exclude
     sharded = _sharded_linears(model)
     try:
         report, pending = _quantize_all(model, handler, config, include, exclude, filter_fn)
