@@ -91,6 +91,12 @@ MIN_STEPS_PER_SPLIT = 4
 
 
 @triton.jit
+def _fp16_bits_to_fp32(bits):
+    """The low 16 bits of an int32 tensor read as an fp16, in fp32 (exact)."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _decode(packed, FORMAT: tl.constexpr):
     """Code bytes [rows, H] -> fp32 [rows, 2H] in K order (each byte's low nibble first), by
     bit placement alone (no conversion of an integer, no table), exactly:
@@ -101,7 +107,7 @@ def _decode(packed, FORMAT: tl.constexpr):
     if FORMAT >= _MXFP4:
         low = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
         high = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
-        v = tl.join(low, high).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        v = _fp16_bits_to_fp32(tl.join(low, high))
     else:
         low = ((b << 19) & 0x780000) | 0x3F800000
         high = ((b << 15) & 0x780000) | 0x3F800000
@@ -125,7 +131,7 @@ def _group_scale(s_ptr, z_ptr, offs, mask, FORMAT: tl.constexpr):
         # clamps to 448 and loading refuses NaN), exactly, then * 2**8.
         b = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.int32)
         bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-        scale = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        scale = _fp16_bits_to_fp32(bits) * 256.0
         return scale, scale
     else:
         scale = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -346,9 +352,7 @@ def _halves_to_fp32(pair):
     together first (a PRMT per value; docs/kernels/w4a16.md, v7). The interpreter, which runs
     no PTX, converts with Triton's casts (the same values)."""
     if _INTERPRETED:
-        low = pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        high = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return low, high
+        return _fp16_bits_to_fp32(pair), _fp16_bits_to_fp32(pair >> 16)
     else:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
