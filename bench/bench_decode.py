@@ -8,9 +8,11 @@ tokens per second for bf16 and each qshard layout (and torchao's), compiled, at 
 Each layout: the model built on the GPU in bf16, every linear quantized (the output head
 included), sharded by `qshard.models.TP_PLAN` under torchrun, KV caches for prompt + new tokens
 (a rank's heads); the prompt prefilled (eager), then `new` tokens decoded by `decode_one_token`
-compiled with mode="reduce-overhead" (CUDA graphs) and, at TP 1, inductor freezing (the weights
+compiled with mode="reduce-overhead" (CUDA graphs) and inductor freezing (the weights
 constants of the graph; without it each call unwraps every quantized weight in Python and the
-int4 decode was CPU-bound, docs/decode.md), after a warm-up that compiles it. Reported:
+int4 decode was CPU-bound, docs/decode.md; under TP the sharded linears are made local first,
+`qshard.tp.to_local`, since a graph over DTensor weights cannot be frozen), after a warm-up that
+compiles it. Reported:
 decode tokens/s (batch x new / decode time), the speedup over bf16 in the same run, and the
 peak GPU memory of rank 0 while decoding. Each (layout, batch) runs in a fresh process, so no
 measurement depends on what ran before it (before freezing, the CPU-bound int4 decode at
@@ -134,7 +136,7 @@ def main() -> None:
         print(f"GPU: {torch.cuda.get_device_name()} x {args.tp}; torch {torch.__version__}, "
               f"triton {triton.__version__}, torchao {_version('torchao')}")  # fmt: skip
     print(f"{args.config}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
-          f"decode step (inductor freezing {'on' if args.freezing and args.tp == 1 else 'off'}), "
+          f"decode step (inductor freezing {'on' if args.freezing else 'off'}), "
           f"TP {args.tp}; each (layout, batch) in a fresh process\n")  # fmt: skip
     batches = args.batches.split(",")
     print("| layout | " + " | ".join(f"batch {b}" for b in batches) + " |")
@@ -192,12 +194,13 @@ def child(args) -> None:
         mesh = init_device_mesh(device.type, (world,))
     # Frozen weights are constants of the compiled graph. Without freezing, every call of the
     # compiled step unwraps each quantized weight (a tensor subclass) in Python: that made the
-    # int4 decode CPU-bound (docs/decode.md). Not under TP: with gloo, inductor could not freeze
-    # the graph's process group (TypeError: cannot assign a FakeScriptObject to buffer
-    # '_frozen_param'); NCCL not tried.
-    torch._inductor.config.freezing = args.freezing and world == 1
+    # int4 decode CPU-bound (docs/decode.md). Under TP the sharded linears are first made local
+    # (`qshard.tp.to_local`): a graph over DTensor weights cannot be frozen (their DeviceMesh).
+    torch._inductor.config.freezing = args.freezing
     config = LlamaConfig.llama_3_1_8b() if args.config == "llama-3.1-8b" else LlamaConfig.tiny()
     model = build(config, args.layouts, device, mesh)
+    if mesh is not None:
+        qshard.tp.to_local(model)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -109,3 +109,47 @@ def test_a_tp_size_that_would_split_a_kv_group_is_refused():
         model.setup_caches(batch=1, max_seq=8, tp_world=4)
     with pytest.raises(qshard.ConfigError, match="multiple of the gate/up unit"):
         Llama(dataclasses.replace(LlamaConfig.tiny(), hidden=200))
+
+
+def _to_local_worker(rank, world, mesh):
+    with torch.no_grad():
+        model = tiny()
+        qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=64), exclude=["output"])
+        qshard.tp.parallelize(model, mesh, TP_PLAN)
+        model.setup_caches(batch=2, max_seq=32, tp_world=world)
+        prompt = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(0))
+        sharded_logits = model(prompt, torch.arange(6))
+        sharded_tokens = generate(model, prompt, new_tokens=4)
+        qshard.tp.to_local(model)
+        wqkv, wo = model.layers[0].attention.wqkv, model.layers[0].attention.wo
+        assert isinstance(wqkv, qshard.tp.LocalLinear) and wqkv.reduce_group is None
+        assert isinstance(wo, qshard.tp.LocalLinear) and wo.reduce_group is not None
+        assert isinstance(wo.weight, qshard.Int4Tensor) and wo.weight.shape == (256, 256 // world)
+        # The same local products and the same all-reduce as the DTensor model.
+        torch.testing.assert_close(model(prompt, torch.arange(6)), sharded_logits, rtol=0, atol=0)
+        assert torch.equal(generate(model, prompt, new_tokens=4), sharded_tokens)
+        # What to_local is for: the compiled step freezes (over DTensor weights it cannot).
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(freezing=True):
+            step = torch.compile(decode_one_token, fullgraph=True)
+            frozen = generate(model, prompt, new_tokens=4, step=step)
+        assert torch.equal(frozen, sharded_tokens)
+
+
+def test_to_local_runs_a_tp_model_on_plain_shards_and_its_step_freezes():
+    spawn(_to_local_worker, 2)
+
+
+def _to_local_refusal_worker(rank, world, mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4))
+    qshard.tp.parallelize(model, mesh, {"0": ColwiseParallel(), "1": "colwise"})
+    before = model[1]
+    with pytest.raises(qshard.ConfigError, match=r"'0.weight' is a DTensor outside"):
+        qshard.tp.to_local(model)
+    assert model[1] is before  # checked first: nothing was swapped
+
+
+def test_to_local_refuses_a_dtensor_outside_a_linear_and_changes_nothing():
+    spawn(_to_local_refusal_worker, 2)
