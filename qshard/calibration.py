@@ -96,8 +96,7 @@ def gptq_(
             f"gptq_: no calibration input reached {unreached}; rounded to nearest",
             stacklevel=3,  # the caller's line (no_grad's wrapper is one frame)
         )
-    registered = {Int4WeightOnlyConfig: Int4Tensor, MXFP4WeightOnlyConfig: Mxfp4Tensor,
-                  NVFP4WeightOnlyConfig: Nvfp4Tensor}[type(config)]  # fmt: skip
+    registered = _format_class(config).tensor
     calibrated = {}
     for name, module in selected:
         key = _key(module.weight)
@@ -175,57 +174,76 @@ def _collect_hessians(model, selected, calibration, forward) -> dict:
 
 
 class _Format:
-    """What GPTQ needs of a layout, through the layout's reference functions."""
+    """What GPTQ needs of a layout, through the layout's reference functions; one subclass per
+    layout (`_format_for`)."""
+
+    group: int
+    tensor: type  # the layout's tensor class
 
     def __init__(self, weight: torch.Tensor, config):
         self.config, self.k = config, weight.shape[1]
-        if isinstance(config, Int4WeightOnlyConfig):
-            self.group = config.group_size
-            self.float_zero = config.zero_point_domain is ZeroPointDomain.FLOAT
-        else:
-            self.group = mxfp4.GROUP if isinstance(config, MXFP4WeightOnlyConfig) else nvfp4.GROUP
-        if isinstance(config, NVFP4WeightOnlyConfig):  # the whole weight's, as from_float's
-            self.global_scale = nvfp4.global_scale_of(weight)
 
-    def quantize(self, w: torch.Tensor, params: dict | None):
-        """(packed codes, params) of w [N, k'] (params: the groups' of those columns)."""
-        if isinstance(self.config, Int4WeightOnlyConfig):
-            given = (params["scale"], params["zero"]) if params else None
-            q, scale, zero = int4.quantize_int4(w, self.group, self.config.symmetric,
-                                                self.float_zero, given)  # fmt: skip
-            return q, {"scale": scale, "zero": zero}
-        given = params["scale"] if params else None
-        if isinstance(self.config, MXFP4WeightOnlyConfig):
-            q, scale = mxfp4.quantize_mxfp4(w, self.group, given)
-        else:
-            q, scale = nvfp4.quantize_nvfp4(w, self.global_scale, self.group, given)
-        return q, {"scale": scale}
+    def quantize(self, w: torch.Tensor, params: dict | None) -> tuple[torch.Tensor, dict]:
+        """(packed codes, params) of w [N, k'] (params: the groups' of those columns; None: the
+        layout's own rule)."""
+        raise NotImplementedError
 
     def dequantize(self, q: torch.Tensor, params: dict, k: int) -> torch.Tensor:
-        if isinstance(self.config, Int4WeightOnlyConfig):
-            return int4.dequantize_int4(q, params["scale"], params["zero"], self.group, k,
-                                        torch.float32, self.float_zero)  # fmt: skip
-        if isinstance(self.config, MXFP4WeightOnlyConfig):
-            return mxfp4.dequantize_mxfp4(q, params["scale"], self.group, k, torch.float32)
-        return nvfp4.dequantize_nvfp4(q, params["scale"], self.global_scale, self.group, k,
-                                      torch.float32)  # fmt: skip
+        raise NotImplementedError
 
     def column_rounder(self, params: dict, dtype: torch.dtype):
         """round(column [N], group g) -> the column's values on group g's grid: the layout's
         rounding (`int4_codes`, `e2m1_codes`) without packing, for GPTQ's column loop. (The
         stored tensor is made by the layout's quantizer at the end, from these values.)"""
-        scale = params["scale"].to(dtype)
-        if isinstance(self.config, NVFP4WeightOnlyConfig):
-            scale = scale * self.global_scale.to(dtype)
-        if not isinstance(self.config, Int4WeightOnlyConfig):
-            table = torch.tensor(mxfp4.E2M1_VALUES, dtype=dtype, device=scale.device)
+        raise NotImplementedError
 
-            def fp4(column: torch.Tensor, g: int) -> torch.Tensor:
-                s = scale[:, g]
-                return table[mxfp4.e2m1_codes((column / s).clamp(-6, 6).float()).long()] * s
+    def candidates(self, w: torch.Tensor) -> list[dict]:
+        """Group parameters to choose from, the layout's own rule first."""
+        raise NotImplementedError
 
-            return fp4
-        zero = params["zero"].to(dtype)
+    def build(self, w: torch.Tensor, params: dict) -> torch.Tensor:
+        """The layout tensor of w (on the groups' grid, in the weight's dtype: rounding it there
+        moves no value by half a step, so the codes stay) with these group parameters."""
+        raise NotImplementedError
+
+    def rounded(self, w: torch.Tensor, params: dict) -> torch.Tensor:
+        q, _ = self.quantize(w, params)
+        return self.dequantize(q, params, w.shape[1]).to(w.dtype)
+
+    def best_params(self, w: torch.Tensor, importance: torch.Tensor, search: bool) -> dict:
+        """Per (row, group), the candidate whose rounded weights differ least from w, each
+        column's squared error weighted by `importance`."""
+        options = self.candidates(w) if search else [self.quantize(w, None)[1]]
+        if len(options) == 1:
+            return options[0]
+        errors = torch.stack([
+            group_reduce((self.rounded(w, p) - w) ** 2 * importance, self.group, torch.sum)
+            for p in options
+        ])  # fmt: skip
+        best = errors.argmin(0)  # [N, G]
+        return {name: _pick([p[name] for p in options], best) for name in options[0]}
+
+
+class _Int4Format(_Format):
+    tensor = Int4Tensor
+
+    def __init__(self, weight: torch.Tensor, config: Int4WeightOnlyConfig):
+        super().__init__(weight, config)
+        self.group = config.group_size
+        self.float_zero = config.zero_point_domain is ZeroPointDomain.FLOAT
+
+    def quantize(self, w, params):
+        given = (params["scale"], params["zero"]) if params else None
+        q, scale, zero = int4.quantize_int4(w, self.group, self.config.symmetric, self.float_zero,
+                                            given)  # fmt: skip
+        return q, {"scale": scale, "zero": zero}
+
+    def dequantize(self, q, params, k):
+        return int4.dequantize_int4(q, params["scale"], params["zero"], self.group, k,
+                                    torch.float32, self.float_zero)  # fmt: skip
+
+    def column_rounder(self, params, dtype):
+        scale, zero = params["scale"].to(dtype), params["zero"].to(dtype)
         symmetric, float_zero = self.config.symmetric, self.float_zero
 
         def int4_round(column: torch.Tensor, g: int) -> torch.Tensor:
@@ -241,56 +259,105 @@ class _Format:
 
         return int4_round
 
-    def rounded(self, w: torch.Tensor, params: dict) -> torch.Tensor:
-        q, _ = self.quantize(w, params)
-        return self.dequantize(q, params, w.shape[1]).to(w.dtype)
+    def candidates(self, w):
+        """The layout's range, then the range clipped to INT4_CLIPS of it."""
+        high = expand_groups(group_reduce(w, self.group, torch.amax), self.group, self.k)
+        low = expand_groups(group_reduce(w, self.group, torch.amin), self.group, self.k)
+        high, low = high.clamp(min=0), low.clamp(max=0)
+        amax = torch.maximum(high, -low)
+        options = [self.quantize(w, None)[1]]
+        for clip in INT4_CLIPS[1:]:
+            if self.config.symmetric:
+                clipped = w.clamp(-clip * amax, clip * amax)
+            else:
+                clipped = w.clamp(clip * low, clip * high)
+            options.append(self.quantize(clipped, None)[1])
+        return options
 
-    def candidates(self, w: torch.Tensor) -> list[dict]:
-        """Group parameters to choose from, the layout's own rule first."""
+    def build(self, w, params):
+        return self.tensor.from_float(w, self.config, params)
+
+
+class _Fp4Format(_Format):
+    """MXFP4 and NVFP4: e2m1 codes times a group scale (times NVFP4's global scale)."""
+
+    def scales(self, params: dict, dtype: torch.dtype) -> torch.Tensor:
+        """Each group's multiplier of its e2m1 values [N, G]."""
+        raise NotImplementedError
+
+    def column_rounder(self, params, dtype):
+        scale = self.scales(params, dtype)
+        table = torch.tensor(mxfp4.E2M1_VALUES, dtype=dtype, device=scale.device)
+
+        def fp4_round(column: torch.Tensor, g: int) -> torch.Tensor:
+            s = scale[:, g]
+            return table[mxfp4.e2m1_codes((column / s).clamp(-6, 6).float()).long()] * s
+
+        return fp4_round
+
+
+class _Mxfp4Format(_Fp4Format):
+    group, tensor = mxfp4.GROUP, Mxfp4Tensor
+
+    def quantize(self, w, params):
+        q, scale = mxfp4.quantize_mxfp4(w, self.group, params["scale"] if params else None)
+        return q, {"scale": scale}
+
+    def dequantize(self, q, params, k):
+        return mxfp4.dequantize_mxfp4(q, params["scale"], self.group, k, torch.float32)
+
+    def scales(self, params, dtype):
+        return params["scale"].to(dtype)
+
+    def candidates(self, w):
+        """The spec's e8m0 exponent, and one lower and one higher."""
         own = self.quantize(w, None)[1]
-        if isinstance(self.config, Int4WeightOnlyConfig):
-            high = expand_groups(group_reduce(w, self.group, torch.amax), self.group, self.k)
-            low = expand_groups(group_reduce(w, self.group, torch.amin), self.group, self.k)
-            high, low = high.clamp(min=0), low.clamp(max=0)
-            amax = torch.maximum(high, -low)
-            options = [own]
-            for clip in INT4_CLIPS[1:]:
-                if self.config.symmetric:
-                    clipped = w.clamp(-clip * amax, clip * amax)
-                else:
-                    clipped = w.clamp(clip * low, clip * high)
-                options.append(self.quantize(clipped, None)[1])
-            return options
-        if isinstance(self.config, MXFP4WeightOnlyConfig):
-            e = own["scale"].float()
-            return [own] + [
-                {"scale": (e * f).clamp(2.0**-127, 2.0**127).to(own["scale"].dtype)}
-                for f in (0.5, 2.0)
-            ]
-        return [own] + [self.quantize(w * f, None)[1] for f in NVFP4_AMAX_FACTORS[1:]]
+        e = own["scale"].float()
+        return [own] + [
+            {"scale": (e * f).clamp(2.0**-127, 2.0**127).to(own["scale"].dtype)} for f in (0.5, 2.0)
+        ]
 
-    def best_params(self, w: torch.Tensor, importance: torch.Tensor, search: bool) -> dict:
-        """Per (row, group), the candidate whose rounded weights differ least from w, each
-        column's squared error weighted by `importance`."""
-        options = self.candidates(w) if search else self.candidates(w)[:1]
-        if len(options) == 1:
-            return options[0]
-        errors = torch.stack([
-            group_reduce((self.rounded(w, p) - w) ** 2 * importance, self.group, torch.sum)
-            for p in options
-        ])  # fmt: skip
-        best = errors.argmin(0)  # [N, G]
-        return {name: _pick([p[name] for p in options], best) for name in options[0]}
+    def build(self, w, params):
+        return self.tensor.from_float(w, self.config, params)
 
-    def build(self, w: torch.Tensor, params: dict, dtype: torch.dtype) -> torch.Tensor:
-        """The layout tensor of w (on the groups' grid) with these group parameters. w in the
-        weight's dtype: rounding it there moves no value by half a step, so the codes stay."""
-        weight = w.to(dtype)
-        if isinstance(self.config, Int4WeightOnlyConfig):
-            return Int4Tensor.from_float(weight, self.config, params)
-        if isinstance(self.config, MXFP4WeightOnlyConfig):
-            return Mxfp4Tensor.from_float(weight, self.config, params)
-        return Nvfp4Tensor.from_float(weight, self.config, self.global_scale, params)
+
+class _Nvfp4Format(_Fp4Format):
+    group, tensor = nvfp4.GROUP, Nvfp4Tensor
+
+    def __init__(self, weight: torch.Tensor, config: NVFP4WeightOnlyConfig):
+        super().__init__(weight, config)
+        self.global_scale = nvfp4.global_scale_of(weight)  # the whole weight's, as from_float's
+
+    def quantize(self, w, params):
+        given = params["scale"] if params else None
+        q, scale = nvfp4.quantize_nvfp4(w, self.global_scale, self.group, given)
+        return q, {"scale": scale}
+
+    def dequantize(self, q, params, k):
+        return nvfp4.dequantize_nvfp4(q, params["scale"], self.global_scale, self.group, k,
+                                      torch.float32)  # fmt: skip
+
+    def scales(self, params, dtype):
+        return params["scale"].to(dtype) * self.global_scale.to(dtype)
+
+    def candidates(self, w):
+        """The e4m3 scales of the group's amax times NVFP4_AMAX_FACTORS."""
+        return [self.quantize(w * f, None)[1] for f in NVFP4_AMAX_FACTORS]
+
+    def build(self, w, params):
+        return self.tensor.from_float(w, self.config, self.global_scale, params)
+
+
+_FORMATS = {Int4WeightOnlyConfig: _Int4Format, MXFP4WeightOnlyConfig: _Mxfp4Format,
+            NVFP4WeightOnlyConfig: _Nvfp4Format}  # fmt: skip
+
+
+def _format_class(config) -> type[_Format]:
+    return next(cls for kind, cls in _FORMATS.items() if isinstance(config, kind))
+
+
+def _format_for(weight: torch.Tensor, config) -> _Format:
+    return _format_class(config)(weight, config)
 
 
 def _pick(options: list[torch.Tensor], best: torch.Tensor) -> torch.Tensor:
@@ -308,7 +375,7 @@ def _gptq_weight(weight, hessian, config, damp: float, scale_search: bool) -> to
     dtype = weight.dtype
     w = weight.double() if weight.device.type == "cpu" else weight.float()
     h = hessian.to(w.device, w.dtype).clone()
-    fmt = _Format(w, config)
+    fmt = _format_for(w, config)
     k = w.shape[1]
     dead = torch.diag(h) == 0  # inputs the calibration never used: no error moves through them
     h[dead, dead] = 1
@@ -331,4 +398,4 @@ def _gptq_weight(weight, hessian, config, damp: float, scale_search: bool) -> to
         w[:, end:] -= errors @ upper[start:end, end:]
     result = torch.empty_like(rounded)
     result[:, order] = rounded
-    return fmt.build(result, params, dtype)
+    return fmt.build(result.to(dtype), params)
