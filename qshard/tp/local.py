@@ -57,8 +57,9 @@ class LocalLinear(nn.Linear):
 
 def to_local(model: nn.Module) -> nn.Module:
     """Swap every `nn.Linear` whose weight is a DTensor (what `qshard.tp.parallelize` made) for a
-    `LocalLinear` on its shard; return the model. Everything is checked before anything
-    changes: a DTensor anywhere else (a sharded embedding or norm, a 2-D mesh) is refused."""
+    `LocalLinear` on its shard; return the model (the new `LocalLinear` when `model` itself is
+    the sharded linear). Everything is checked before anything changes: a DTensor anywhere else
+    (a sharded embedding or norm, a 2-D mesh) is refused."""
     swaps = []
     for name, module in model.named_modules():
         local = _local_linear(name, module)
@@ -72,6 +73,8 @@ def to_local(model: nn.Module) -> nn.Module:
                 f"to_local makes only linears local (shard embeddings and norms no further, or "
                 f"keep the DTensor model)"
             )
+    if swaps and swaps[0][0] == "":  # the model is the linear
+        return swaps[0][1]
     for name, local in swaps:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, local)

@@ -149,6 +149,14 @@ def _to_local_refusal_worker(rank, world, mesh):
     with pytest.raises(qshard.ConfigError, match=r"'0.weight' is a DTensor outside"):
         qshard.tp.to_local(model)
     assert model[1] is before  # checked first: nothing was swapped
+    # A sharded linear that is the whole model: the LocalLinear is returned.
+    linear = torch.nn.Linear(4, 6)
+    x = torch.randn(3, 4)
+    expected = linear(x)
+    qshard.tp.parallelize(linear, mesh, "colwise")
+    local = qshard.tp.to_local(linear)
+    assert isinstance(local, qshard.tp.LocalLinear) and local.weight.shape == (3, 4)
+    torch.testing.assert_close(local(x), expected.chunk(world, -1)[rank])
 
 
 def test_to_local_refuses_a_dtensor_outside_a_linear_and_changes_nothing():
