@@ -180,6 +180,10 @@ FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages)
     (64, 128, 4, 4, 4),
     (128, 256, 2, 8, 3),
     (64, 64, 4, 4, 4),
+    # 8 programs per SM: the only ones that split K for gate_up (448 tiles of 64 rows) at 16-64
+    # tokens, where the kernel waits on latency (docs/decode.md, session 9). Not yet measured.
+    (64, 128, 8, 4, 3),
+    (64, 64, 8, 4, 4),
 ]
 
 
