@@ -71,9 +71,10 @@ def gptq_(
     all-or-nothing rule are `quantize_`'s.
 
     calibration: batches; each runs as `forward(model, batch)`, by default `model(*batch)` for
-    a tuple and `model(batch)` otherwise: text like the model's use, and more tokens than the
-    widest linear has inputs (all-MiniLM-L6-v2, 1536: 305 tokens left MXFP4 at 0.9668 embedding
-    cosine, 1230 reach 0.9733; bench/README.md). A selected linear that no batch reaches is
+    a tuple and `model(batch)` otherwise: text like the model's use, and enough of it: with
+    fewer tokens than a linear has inputs, its x^T x is rank-deficient (all-MiniLM-L6-v2's
+    MXFP4 embedding cosine rose from 0.9668 with 305 tokens to 0.9733 with 1230;
+    bench/README.md). A selected linear that no batch reaches is
     rounded to nearest (with a warning naming it). Run it before `qshard.tp.parallelize`.
     """
     if isinstance(config, type):

@@ -120,8 +120,8 @@ def _minilm_inputs(model_dir, sentences=None) -> tuple[torch.Tensor, torch.Tenso
 
 
 # GPTQ's calibration text for the demo (`qshard.gptq_`): 96 sentences (1230 tokens), none of
-# them the ones it is measured on. 24 (305 tokens, fewer than the 1536 inputs of the MLP's
-# second linear) left MXFP4 at 0.9668; 48 gave 0.9693 and 96 0.9733 (bench/README.md).
+# them the ones it is measured on. More text helped: 24 sentences (305 tokens) left MXFP4 at
+# 0.9668, 48 gave 0.9693 and 96 0.9733 (bench/README.md).
 MINILM_CALIBRATION = (
     importlib.resources.files("qshard").joinpath("data/minilm_calibration.txt").read_text()
 ).splitlines()

@@ -2,7 +2,7 @@
 
 qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
 qshard.tp.parallelize(model, mesh, {"*.qkv": "colwise", "*.o": "rowwise"})
-qshard.tp.to_local(model)  # for compiled inference: plain local shards, a graph that freezes
+model = qshard.tp.to_local(model)  # compiled inference: plain local shards, a graph that freezes
 model = torch.compile(model, fullgraph=True)
 """
 

@@ -4,7 +4,7 @@ for compiled inference (decode).
 `parallelize` leaves DTensor weights behind torch's ParallelStyle hooks. That is what sharding,
 saving and loading need, but a compiled graph over DTensor weights cannot be frozen: inductor's
 freezing makes every graph input a constant, and the DeviceMesh that each DTensor carries is
-an input it cannot hold (torch 2.11 and 2.13: "cannot assign ... FakeScriptObject ... to buffer
+an input it cannot hold (torch 2.13 with gloo: "cannot assign ... FakeScriptObject ... to buffer
 '_frozen_param'", docs/decode.md). Unfrozen, every call of the graph unwraps each quantized
 weight in Python, which made the TP 1 int4 decode CPU-bound (docs/decode.md, session 7).
 
@@ -27,8 +27,10 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from ..errors import ConfigError
+from .plan import APPLIED_STYLES
 
 __all__ = ["LocalLinear", "to_local"]
 
@@ -48,6 +50,7 @@ class LocalLinear(nn.Linear):
         if self.reduce_group is None:
             return F.linear(x, self.weight, self.bias)
         out = funcol.all_reduce(F.linear(x, self.weight), "sum", self.reduce_group)
+        out = funcol.wait_tensor(out)  # eager: an AsyncCollectiveTensor; compiled: a no-op
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
@@ -56,48 +59,78 @@ class LocalLinear(nn.Linear):
 
 
 def to_local(model: nn.Module) -> nn.Module:
-    """Swap every `nn.Linear` whose weight is a DTensor (what `qshard.tp.parallelize` made) for a
+    """Swap every `nn.Linear` that `qshard.tp.parallelize` sharded column- or row-wise for a
     `LocalLinear` on its shard; return the model (the new `LocalLinear` when `model` itself is
-    the sharded linear). Everything is checked before anything changes: a DTensor anywhere else
-    (a sharded embedding or norm, a 2-D mesh) is refused."""
-    swaps = []
-    for name, module in model.named_modules():
-        local = _local_linear(name, module)
-        if local is not None:
-            swaps.append((name, local))
-    swapped = {name for name, _ in swaps}
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if isinstance(tensor, DTensor) and name.rpartition(".")[0] not in swapped:
-            raise ConfigError(
-                f"qshard.tp.to_local: {name!r} is a DTensor outside a sharded nn.Linear; "
-                f"to_local makes only linears local (shard embeddings and norms no further, or "
-                f"keep the DTensor model)"
-            )
-    if swaps and swaps[0][0] == "":  # the model is the linear
-        return swaps[0][1]
-    for name, local in swaps:
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, local)
+    the sharded linear: write `model = qshard.tp.to_local(model)`). Everything is checked before
+    anything changes: a DTensor anywhere else (a sharded embedding or norm), a style with other
+    than its default input / output layouts, or a subclass of nn.Linear is refused."""
+    locals_: dict[int, LocalLinear] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if id(module) not in locals_ and _is_sharded_linear(module):
+            locals_[id(module)] = _local_linear(name, module)
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        if id(module) in locals_:
+            continue
+        for name, tensor in [*module.named_parameters(recurse=False),
+                             *module.named_buffers(recurse=False)]:  # fmt: skip
+            if isinstance(tensor, DTensor):
+                where = f"{module_name}.{name}" if module_name else name
+                raise ConfigError(
+                    f"qshard.tp.to_local: {where!r} is a DTensor outside a column- or row-wise "
+                    f"sharded nn.Linear; to_local makes only those local (keep the DTensor model, "
+                    f"or shard only linears)"
+                )
+    if id(model) in locals_:  # the model is the linear
+        return locals_[id(model)]
+    for _, module in list(model.named_modules(remove_duplicate=False)):
+        for child_name, child in list(module._modules.items()):  # every name, shared ones too
+            if child is not None and id(child) in locals_:
+                setattr(module, child_name, locals_[id(child)])
     return model
 
 
-def _local_linear(name: str, module: nn.Module) -> LocalLinear | None:
-    if not isinstance(module, nn.Linear) or not isinstance(module.weight, DTensor):
-        return None
-    weight = module.weight
-    if weight.device_mesh.ndim != 1:
+def _is_sharded_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and isinstance(module.weight, DTensor)
+
+
+def _local_linear(name: str, module: nn.Linear) -> LocalLinear:
+    """The LocalLinear of a sharded linear, after checking that it was sharded the way
+    LocalLinear computes: `qshard.tp.parallelize`'s column- or row-wise style with its default
+    layouts (replicated input, local output columns; local input columns, replicated output)."""
+    where = f"qshard.tp.to_local: {name or 'the model'!r}"
+    if type(module) is not nn.Linear:
         raise ConfigError(
-            f"qshard.tp.to_local: {name!r} is sharded over a {weight.device_mesh.ndim}-D mesh; "
-            f"to_local takes the 1-D tensor-parallel mesh of qshard.tp.parallelize"
+            f"{where} is a {type(module).__name__}, a subclass of nn.Linear whose forward "
+            f"LocalLinear would drop; to_local swaps plain nn.Linear modules only"
         )
-    (placement,) = weight.placements
-    bias = module.bias
+    style = APPLIED_STYLES.get(module)
+    colwise, rowwise = isinstance(style, ColwiseParallel), isinstance(style, RowwiseParallel)
+    if not (colwise or rowwise):
+        raise ConfigError(
+            f"{where} was not sharded column- or row-wise by qshard.tp.parallelize (style "
+            f"{type(style).__name__ if style else None}); to_local takes models sharded by it "
+            f"with 'colwise' / 'rowwise'"
+        )
+    default = _COLWISE_LAYOUTS if colwise else _ROWWISE_LAYOUTS
+    layouts = (tuple(style.input_layouts), tuple(style.output_layouts), style.use_local_output)
+    if layouts != default:
+        raise ConfigError(
+            f"{where}: its style has input / output layouts {layouts[0]} / {layouts[1]} and "
+            f"use_local_output={layouts[2]}; LocalLinear computes only the defaults "
+            f"{default[0]} / {default[1]}, use_local_output=True (keep the DTensor model for "
+            f"other layouts)"
+        )
+    weight, bias = module.weight, module.bias
+    expected_bias = Shard(0) if colwise else Replicate()
+    if isinstance(bias, DTensor) and bias.placements != (expected_bias,):
+        raise ConfigError(
+            f"{where}: its bias is placed as {bias.placements}; a "
+            f"{'column' if colwise else 'row'}-wise linear's bias must be {expected_bias}"
+        )
     local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
-    if isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0):
-        return LocalLinear(weight.to_local(), local_bias, None)
-    if isinstance(placement, Shard) and placement.dim in (1, -1):
-        if isinstance(bias, DTensor) and not isinstance(bias.placements[0], Replicate):
-            raise ConfigError(f"qshard.tp.to_local: {name!r}: a row-wise bias must be replicated")
-        group = weight.device_mesh.get_group().group_name
-        return LocalLinear(weight.to_local(), local_bias, group)
-    raise ConfigError(f"qshard.tp.to_local: {name!r}: weight placed as {placement}")
+    group = None if colwise else weight.device_mesh.get_group().group_name
+    return LocalLinear(weight.to_local(), local_bias, group)
+
+
+_COLWISE_LAYOUTS = ((Replicate(),), (Shard(-1),), True)
+_ROWWISE_LAYOUTS = ((Shard(-1),), (Replicate(),), True)

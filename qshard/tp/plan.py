@@ -17,6 +17,7 @@ slices the quantized weight; `quantize_` on an already sharded model quantizes e
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -211,9 +212,15 @@ def checked_placements(
     return resolved, placements
 
 
+# The style each module was sharded with, for `to_local` (weak: a module's entry goes with it).
+APPLIED_STYLES: weakref.WeakKeyDictionary[nn.Module, ParallelStyle] = weakref.WeakKeyDictionary()
+
+
 def apply_styles(model: nn.Module, mesh: DeviceMesh, resolved: Mapping[str, ParallelStyle]):
     """Run the resolved styles (torch's parallelize_module): parameters that are DTensors
     already are kept, the input/output hooks are installed."""
+    for name, style in resolved.items():
+        APPLIED_STYLES[model.get_submodule(name)] = style
     resolved = dict(resolved)
     root = resolved.pop("", None)
     if root is not None:

@@ -149,6 +149,20 @@ def _to_local_refusal_worker(rank, world, mesh):
     with pytest.raises(qshard.ConfigError, match=r"'0.weight' is a DTensor outside"):
         qshard.tp.to_local(model)
     assert model[1] is before  # checked first: nothing was swapped
+    # A style with other layouts than LocalLinear computes (here a gathered output): refused.
+    from torch.distributed.tensor import Replicate
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6))
+    qshard.tp.parallelize(model, mesh, {"0": ColwiseParallel(output_layouts=Replicate())})
+    with pytest.raises(qshard.ConfigError, match=r"'0': its style has input / output layouts"):
+        qshard.tp.to_local(model)
+    # One linear under two names: swapped under both.
+    shared = torch.nn.Linear(4, 6)
+    model = torch.nn.Module()
+    model.a, model.b = shared, shared
+    qshard.tp.parallelize(model, mesh, {"a": "colwise"})
+    qshard.tp.to_local(model)
+    assert isinstance(model.a, qshard.tp.LocalLinear) and model.b is model.a
     # A sharded linear that is the whole model: the LocalLinear is returned.
     linear = torch.nn.Linear(4, 6)
     x = torch.randn(3, 4)
