@@ -200,7 +200,7 @@ def child(args) -> None:
     config = LlamaConfig.llama_3_1_8b() if args.config == "llama-3.1-8b" else LlamaConfig.tiny()
     model = build(config, args.layouts, device, mesh)
     if mesh is not None:
-        qshard.tp.to_local(model)
+        model = qshard.tp.to_local(model)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

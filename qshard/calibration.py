@@ -74,8 +74,8 @@ def gptq_(
     a tuple and `model(batch)` otherwise: text like the model's use, and enough of it: with
     fewer tokens than a linear has inputs, its x^T x is rank-deficient (all-MiniLM-L6-v2's
     MXFP4 embedding cosine rose from 0.9668 with 305 tokens to 0.9733 with 1230;
-    bench/README.md). A selected linear that no batch reaches is
-    rounded to nearest (with a warning naming it). Run it before `qshard.tp.parallelize`.
+    bench/README.md). A selected linear that no batch reaches is rounded to nearest (with a
+    warning naming it). Run it before `qshard.tp.parallelize`.
     """
     if isinstance(config, type):
         raise ConfigError(
@@ -205,7 +205,7 @@ class _Format:
     def build(self, w: torch.Tensor, params: dict) -> torch.Tensor:
         """The layout tensor of w (on the groups' grid, in the weight's dtype: rounding it there
         moves no value by half a step, so the codes stay) with these group parameters."""
-        raise NotImplementedError
+        return self.tensor.from_float(w, self.config, params)
 
     def rounded(self, w: torch.Tensor, params: dict) -> torch.Tensor:
         q, _ = self.quantize(w, params)
@@ -275,9 +275,6 @@ class _Int4Format(_Format):
             options.append(self.quantize(clipped, None)[1])
         return options
 
-    def build(self, w, params):
-        return self.tensor.from_float(w, self.config, params)
-
 
 class _Fp4Format(_Format):
     """MXFP4 and NVFP4: e2m1 codes times a group scale (times NVFP4's global scale)."""
@@ -317,9 +314,6 @@ class _Mxfp4Format(_Fp4Format):
         return [own] + [
             {"scale": (e * f).clamp(2.0**-127, 2.0**127).to(own["scale"].dtype)} for f in (0.5, 2.0)
         ]
-
-    def build(self, w, params):
-        return self.tensor.from_float(w, self.config, params)
 
 
 class _Nvfp4Format(_Fp4Format):

@@ -68,7 +68,7 @@ def to_local(model: nn.Module) -> nn.Module:
     for name, module in model.named_modules(remove_duplicate=False):
         if id(module) not in locals_ and _is_sharded_linear(module):
             locals_[id(module)] = _local_linear(name, module)
-    for module_name, module in model.named_modules(remove_duplicate=False):
+    for module_name, module in model.named_modules():
         if id(module) in locals_:
             continue
         for name, tensor in [*module.named_parameters(recurse=False),
@@ -82,7 +82,7 @@ def to_local(model: nn.Module) -> nn.Module:
                 )
     if id(model) in locals_:  # the model is the linear
         return locals_[id(model)]
-    for _, module in list(model.named_modules(remove_duplicate=False)):
+    for module in list(model.modules()):
         for child_name, child in list(module._modules.items()):  # every name, shared ones too
             if child is not None and id(child) in locals_:
                 setattr(module, child_name, locals_[id(child)])
