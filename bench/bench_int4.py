@@ -173,17 +173,22 @@ WORDS_SWEEP = [  # (weight rows, 32-bit words (8 codes) per step, warps)
     (16, 256, 8),
     (32, 128, 8),
 ]
-FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages)
-    (64, 128, 2, 4, 3),
-    (128, 128, 2, 8, 3),
-    (64, 256, 2, 4, 3),
-    (64, 128, 4, 4, 4),
-    (128, 256, 2, 8, 3),
-    (64, 64, 4, 4, 4),
+FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages, prefetch depth)
+    (64, 128, 2, 4, 3, 1),
+    (128, 128, 2, 8, 3, 1),
+    (64, 256, 2, 4, 3, 1),
+    (64, 128, 4, 4, 4, 1),
+    (128, 256, 2, 8, 3, 1),
+    (64, 64, 4, 4, 4, 1),
     # 8 programs per SM: the only ones that split K for gate_up (448 tiles of 64 rows) at 16-64
-    # tokens, where the kernel waits on latency (docs/decode.md, session 9). Not yet measured.
-    (64, 128, 8, 4, 3),
-    (64, 64, 8, 4, 4),
+    # tokens, where the kernel waits on latency (docs/decode.md, session 9).
+    (64, 128, 8, 4, 3, 1),
+    (64, 64, 8, 4, 4, 1),
+    # Codes loaded two steps ahead (docs/kernels/w4a16.md, v8), on the configs that won before.
+    (64, 128, 2, 4, 3, 2),
+    (64, 128, 4, 4, 4, 2),
+    (64, 64, 4, 4, 4, 2),
+    (64, 128, 8, 4, 3, 2),
 ]
 
 
@@ -200,16 +205,18 @@ def sweep_candidates(m: int):
             yield f"gemv {bn}x{bk} {warps}w", lambda n, k, c=(bn, bk, warps): dict(
                 BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2])  # fmt: skip
     if m <= 256:
-        for bn, bk, waves, warps, stages in FUSED_SWEEP:
+        for bn, bk, waves, warps, stages, prefetch in FUSED_SWEEP:
 
-            def config(n, k, bn=bn, bk=bk, waves=waves, warps=warps, stages=stages):
+            def config(n, k, bn=bn, bk=bk, waves=waves, warps=warps, stages=stages,
+                       prefetch=prefetch):  # fmt: skip
                 block_m = min(128, max(16, triton.next_power_of_2(m)))
                 tiles = triton.cdiv(n, bn) * triton.cdiv(m, block_m)
                 split = split_count(tiles, triton.cdiv(k, bk), 4, waves, device)
                 return dict(BLOCK_N=bn, BLOCK_M=block_m, BLOCK_K=bk, SPLIT_K=split,
-                            num_warps=warps, num_stages=stages)  # fmt: skip
+                            PREFETCH=prefetch, num_warps=warps, num_stages=stages)  # fmt: skip
 
-            yield f"small-m {bn}x{bk} {waves}/SM {warps}w {stages}s", config
+            depth = f" prefetch {prefetch}" if prefetch > 1 else ""
+            yield f"small-m {bn}x{bk} {waves}/SM {warps}w {stages}s{depth}", config
     if m >= 16:
         from qshard.kernels.w4a16_triton import DEQUANTIZE
 

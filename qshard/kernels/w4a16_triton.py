@@ -201,28 +201,46 @@ def _step_weights(packed, scale, zero, global_scale, FORMAT: tl.constexpr, GROUP
 
 
 @triton.jit
-def _step_words(q_ptr, s_ptr, offs_n, k0, N, K, stride_qw, stride_sn, FORMAT: tl.constexpr,
-                GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """`_step_codes` for e2m1 with K a multiple of the step: the codes as 32-bit words
-    [rows, BLOCK_K / 8] (q_ptr an int32 view) and each group's scale [rows, G]."""
+def _step_words(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qw, stride_sn,
+                FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """`_step_codes` with K a multiple of the step: the codes as 32-bit words [rows, BLOCK_K / 8]
+    (q_ptr an int32 view; code 8w + j in bits 4j..4j+3 of word w) and each group's (scale,
+    zero) [rows, G]."""
     GK: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
     n_ok = offs_n < N * (k0 < K)  # (no rows at all past K)
     word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(q_ptr + offs_n[:, None] * stride_qw + word[None, :], mask=n_ok[:, None],
                     other=0)  # fmt: skip
     group = (k0 + tl.arange(0, BLOCK_K // GK) * GK) // GROUP
-    scale, _ = _group_scale(s_ptr, s_ptr, offs_n[:, None] * stride_sn + group[None, :],
-                            n_ok[:, None], FORMAT)  # fmt: skip
-    return words, scale
+    scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
+                               n_ok[:, None], FORMAT)  # fmt: skip
+    return words, scale, zero
 
 
 @triton.jit
-def _word_pair_weights(words, j: tl.constexpr, per_word, global_scale, FORMAT: tl.constexpr,
-                       dtype: tl.constexpr):  # fmt: skip
+def _int4_nibble(words, j: tl.constexpr):
+    """Nibble j of every word as `_decode`'s int4 value 1 + u/16 (u in fp32's top mantissa
+    bits): one shift and one and-or, exactly."""
+    if 4 * j <= 19:  # noqa: SIM108 (a constexpr branch: one shift direction each)
+        bits = (words << (19 - 4 * j)) & 0x780000
+    else:
+        bits = (words >> (4 * j - 19)) & 0x780000
+    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _word_pair_weights(words, j: tl.constexpr, per_word, zero_word, global_scale,
+                       FORMAT: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
     """Nibbles j and j + 4 of every word as weights [rows, words, 2] in `dtype`, each the
-    reference's fp32 value rounded once. Two exact products and one rounded: MXFP4 (value) *
-    scale, the value being the decoded value * 2**-14 times 2**14 (a huge e8m0 scale times
-    2**14 could overflow); NVFP4 value * (2**14 scale) (at most 448 * 2**14: exact) * global."""
+    reference's fp32 value rounded once. int4: `_dequantize` of `_int4_nibble`. e2m1: both
+    nibbles decoded at once (`_word_pair`), then two exact products and one rounded: MXFP4
+    (value) * scale, the value being the decoded value * 2**-14 times 2**14 (a huge e8m0 scale
+    times 2**14 could overflow); NVFP4 value * (2**14 scale) (at most 448 * 2**14: exact) *
+    global."""
+    if FORMAT < _MXFP4:
+        low = _dequantize(_int4_nibble(words, j), per_word, zero_word, FORMAT).to(dtype)
+        high = _dequantize(_int4_nibble(words, j + 4), per_word, zero_word, FORMAT).to(dtype)
+        return tl.join(low, high)
     low, high = _halves_to_fp32(_word_pair(words, j))
     if FORMAT == _NVFP4:
         low = ((low * per_word) * global_scale).to(dtype)
@@ -234,26 +252,34 @@ def _word_pair_weights(words, j: tl.constexpr, per_word, global_scale, FORMAT: t
 
 
 @triton.jit
-def _word_weights(words, scale, global_scale, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+def _per_word(group_values, BLOCK_K: tl.constexpr, GK: tl.constexpr):
+    """[rows, G] per group -> [rows, BLOCK_K / 8] per word (GK values of a group in a step)."""
+    ROWS: tl.constexpr = group_values.shape[0]
+    return tl.reshape(tl.broadcast_to(group_values[:, :, None], (ROWS, BLOCK_K // GK, GK // 8)),
+                      (ROWS, BLOCK_K // 8))  # fmt: skip
+
+
+@triton.jit
+def _word_weights(words, scale, zero, global_scale, FORMAT: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_K: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
-    """One step's e2m1 weights [rows, BLOCK_K] in `dtype`, in K order, from its words
-    (`_step_words`): each pair of nibbles decoded at once (`_word_pair`), scaled in fp32 (exactly
-    the reference's fp32 value, as `_step_weights`) and rounded once; the eight [rows, words]
-    planes joined so that plane j lands at 8w + j."""
+    """One step's weights [rows, BLOCK_K] in `dtype`, in K order, from its words
+    (`_step_words`): each word's nibbles decoded in place (`_word_pair_weights`), scaled in fp32
+    (exactly the reference's fp32 value, as `_step_weights`) and rounded once; the eight
+    [rows, words] planes joined so that plane j lands at 8w + j. No byte is unpacked: a byte
+    tensor carried from one step to the next costs a byte permute per code (SASS for sm_90)."""
     ROWS: tl.constexpr = words.shape[0]
-    BLOCK_W: tl.constexpr = BLOCK_K // 8
     GK: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
     if FORMAT == _NVFP4:
         scale = scale * 16384.0
-    per_word = tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, BLOCK_K // GK, GK // 8)),
-                          (ROWS, BLOCK_W))  # fmt: skip
+    per_word = _per_word(scale, BLOCK_K, GK)
+    zero_word = _per_word(zero, BLOCK_K, GK) if FORMAT < _MXFP4 else per_word
     # tl.join adds a minor dimension, so the joins' leaves go in bit-reversed order of the
-    # position in the word: the pair (j, j + 4) of `_word_pair` is one innermost join.
+    # position in the word: the pair (j, j + 4) is one innermost join.
     w = tl.join(
-        tl.join(_word_pair_weights(words, 0, per_word, global_scale, FORMAT, dtype),
-                _word_pair_weights(words, 2, per_word, global_scale, FORMAT, dtype)),
-        tl.join(_word_pair_weights(words, 1, per_word, global_scale, FORMAT, dtype),
-                _word_pair_weights(words, 3, per_word, global_scale, FORMAT, dtype)),
+        tl.join(_word_pair_weights(words, 0, per_word, zero_word, global_scale, FORMAT, dtype),
+                _word_pair_weights(words, 2, per_word, zero_word, global_scale, FORMAT, dtype)),
+        tl.join(_word_pair_weights(words, 1, per_word, zero_word, global_scale, FORMAT, dtype),
+                _word_pair_weights(words, 3, per_word, zero_word, global_scale, FORMAT, dtype)),
     )  # fmt: skip
     return tl.reshape(w, (ROWS, BLOCK_K))
 
@@ -262,12 +288,12 @@ def _word_weights(words, scale, global_scale, FORMAT: tl.constexpr, GROUP: tl.co
 def _small_m_step(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_sn,
                   FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
                   EVEN_K: tl.constexpr):  # fmt: skip
-    """The small-M kernel's loads of one step: e2m1 codes as words when K is a multiple of the
-    step (`_step_words`, decoded by `_word_weights`), else as bytes (`_step_codes`)."""
-    if FORMAT >= _MXFP4 and EVEN_K:
-        words, scale = _step_words(q_ptr.to(tl.pointer_type(tl.int32)), s_ptr, offs_n, k0, N, K,
-                                   stride_qn // 4, stride_sn, FORMAT, GROUP, BLOCK_K)  # fmt: skip
-        return words, scale, scale
+    """The small-M kernel's loads of one step (N: the rows to load, 0 for none): the codes as
+    words when K is a multiple of the step (`_step_words`, decoded by `_word_weights`), else as
+    bytes (`_step_codes`)."""
+    if EVEN_K:
+        return _step_words(q_ptr.to(tl.pointer_type(tl.int32)), s_ptr, z_ptr, offs_n, k0, N, K,
+                           stride_qn // 4, stride_sn, FORMAT, GROUP, BLOCK_K)  # fmt: skip
     else:
         return _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_sn,
                            FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
@@ -409,12 +435,7 @@ def _gemv_words_kernel(
             x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
             for j in tl.static_range(8):
                 xj = tl.load(x_ptrs + j).to(tl.float32)
-                if 4 * j <= 19:  # a constexpr branch: one shift direction each
-                    bits = (words << (19 - 4 * j)) & 0x780000
-                else:
-                    bits = (words >> (4 * j - 19)) & 0x780000
-                v = (bits | 0x3F800000).to(tl.float32, bitcast=True)
-                partial += v * xj[None, :]
+                partial += _int4_nibble(words, j) * xj[None, :]
                 x_sum += xj
             group_sum = tl.sum(tl.reshape(partial, (BLOCK_N, G, WG)), axis=2)
             group_x = tl.sum(tl.reshape(x_sum, (G, WG)), axis=1)[None, :]
@@ -428,14 +449,36 @@ def _gemv_words_kernel(
 
 
 @triton.jit
+def _small_m_mma(acc, codes, scale, zero, x, global_scale, FORMAT: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 X_FP32: tl.constexpr):  # fmt: skip
+    """acc + one step's weights (rounded to the activation dtype, as the reference) @ x."""
+    if EVEN_K:
+        w = _word_weights(codes, scale, zero, global_scale, FORMAT, GROUP, BLOCK_K, x.dtype)
+    else:
+        w = _step_weights(codes, scale, zero, global_scale, FORMAT, GROUP, BLOCK_K).to(x.dtype)
+    if X_FP32:  # fp32 activations: a true fp32 product, not TF32
+        return tl.dot(w, x, acc, input_precision="ieee")
+    return tl.dot(w, x, acc)
+
+
+@triton.jit
 def _small_m_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, partials_ptr, arrived_ptr,
     M, N, K, KH, steps_per_split, stride_xm, stride_qn, stride_sn, stride_om,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    X_FP32: tl.constexpr, SPLIT: tl.constexpr,
+    X_FP32: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """out.T[n-tile, m-tile] = W[n-tile] @ x[m-tile].T over this program's K steps."""
+    """out.T[n-tile, m-tile] = W[n-tile] @ x[m-tile].T over this program's K steps.
+
+    The codes and scales are loaded PREFETCH (1 or 2, a tuned choice) steps ahead of their
+    decoding. The compiler places a load whose value the next iteration uses at the end of the
+    loop body, next to the MMA (SASS for sm_90), so one step ahead leaves the loads only the MMA's
+    time; two steps ahead costs registers and moves. Neither wins everywhere (measured:
+    docs/kernels/w4a16.md, v8). With 1 the activations are loaded by hand a step ahead too; with
+    2 at the top of their step (hidden behind the decoding). A load past this program's last
+    step loads nothing with 2, and the next split's first step (not used) with 1."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     first_step = tl.program_id(1) * steps_per_split
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -443,34 +486,41 @@ def _small_m_kernel(
     global_scale = _global_scale(g_ptr, FORMAT)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x.T: [BLOCK_K, BLOCK_M]
+    m_ok = (offs_m < M)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k0 = first_step * BLOCK_K
     codes, scale, zero = _small_m_step(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn,
                                        stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
-    x = tl.load(x_ptrs + k0, mask=(offs_m < M)[None, :] & (k0 + offs_k < K)[:, None], other=0.0)
-    for step in range(first_step, last_step):
-        # The next step's loads first (the last program's step past K loads nothing; the
-        # others' is the next split's first step, read and not used).
-        k0 = step * BLOCK_K
-        next_codes, next_scale, next_zero = _small_m_step(
-            q_ptr, s_ptr, z_ptr, offs_n, k0 + BLOCK_K, N, K, KH, stride_qn, stride_sn,
-            FORMAT, GROUP, BLOCK_K, EVEN_K,
-        )  # fmt: skip
-        next_x = tl.load(x_ptrs + k0 + BLOCK_K,
-                         mask=(offs_m < M)[None, :] & (k0 + BLOCK_K + offs_k < K)[:, None],
-                         other=0.0)  # fmt: skip
-        # Rounded to the activation dtype, as the reference.
-        if FORMAT >= _MXFP4 and EVEN_K:
-            w = _word_weights(codes, scale, global_scale, FORMAT, GROUP, BLOCK_K,
-                              x_ptr.dtype.element_ty)  # fmt: skip
-        else:
-            w = _step_weights(codes, scale, zero, global_scale, FORMAT, GROUP, BLOCK_K)
-            w = w.to(x_ptr.dtype.element_ty)
-        if X_FP32:  # noqa: SIM108 (fp32 activations: a true fp32 product, not TF32)
-            acc = tl.dot(w, x, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, x, acc)
-        codes, scale, zero, x = next_codes, next_scale, next_zero, next_x
+    if PREFETCH == 2:
+        k_end = last_step * BLOCK_K  # (`N * (k < k_end)` rows: none past the last step)
+        k1 = k0 + BLOCK_K
+        codes1, scale1, zero1 = _small_m_step(q_ptr, s_ptr, z_ptr, offs_n, k1, N * (k1 < k_end),
+                                              K, KH, stride_qn, stride_sn, FORMAT, GROUP,
+                                              BLOCK_K, EVEN_K)  # fmt: skip
+        for step in range(first_step, last_step):
+            k2 = (step + 2) * BLOCK_K
+            codes2, scale2, zero2 = _small_m_step(
+                q_ptr, s_ptr, z_ptr, offs_n, k2, N * (k2 < k_end), K, KH, stride_qn, stride_sn,
+                FORMAT, GROUP, BLOCK_K, EVEN_K,
+            )  # fmt: skip
+            k0 = step * BLOCK_K
+            x = tl.load(x_ptrs + k0, mask=m_ok & (k0 + offs_k < K)[:, None], other=0.0)
+            acc = _small_m_mma(acc, codes, scale, zero, x, global_scale, FORMAT, GROUP, BLOCK_K,
+                               EVEN_K, X_FP32)  # fmt: skip
+            codes, scale, zero = codes1, scale1, zero1
+            codes1, scale1, zero1 = codes2, scale2, zero2
+    else:
+        x = tl.load(x_ptrs + k0, mask=m_ok & (k0 + offs_k < K)[:, None], other=0.0)
+        for step in range(first_step, last_step):
+            k1 = (step + 1) * BLOCK_K
+            next_codes, next_scale, next_zero = _small_m_step(
+                q_ptr, s_ptr, z_ptr, offs_n, k1, N, K, KH, stride_qn, stride_sn, FORMAT, GROUP,
+                BLOCK_K, EVEN_K,
+            )  # fmt: skip
+            next_x = tl.load(x_ptrs + k1, mask=m_ok & (k1 + offs_k < K)[:, None], other=0.0)
+            acc = _small_m_mma(acc, codes, scale, zero, x, global_scale, FORMAT, GROUP, BLOCK_K,
+                               EVEN_K, X_FP32)  # fmt: skip
+            codes, scale, zero, x = next_codes, next_scale, next_zero, next_x
     finish_tile(acc, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, offs_n < N,
                 offs_m < M, M, N, stride_om, HAS_BIAS, SPLIT)  # fmt: skip
 
@@ -519,7 +569,7 @@ def small_m_config(m: int, n: int, k: int, device: torch.device) -> dict:
     waves = 4 if m <= 64 else 2
     split = split_count(tiles, triton.cdiv(k, block_k), MIN_STEPS_PER_SPLIT, waves, device)
     return {"BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split,
-            "num_warps": 4, "num_stages": 3}  # fmt: skip
+            "PREFETCH": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
 
 
 DEQUANTIZE = {"KERNEL": "dequantize"}  # a config that forces dequantize + cuBLAS
@@ -616,7 +666,7 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
                            scale.stride(0), out.stride(0), EVEN_K=k % config["BLOCK_K"] == 0,
                            **common, **config)  # fmt: skip
         return out
-    config = dict(config)
+    config = {"PREFETCH": 1, **config}  # (tuned files before v8 have no PREFETCH: 1)
     if INTERPRETED:  # the interpreter runs one program at a time, sequentially
         config.update(num_stages=1)
     steps = triton.cdiv(k, config["BLOCK_K"])

@@ -115,6 +115,10 @@ CONFIGS = {
     "whole-k": dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=1, num_warps=4),
     "split3": dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=3, num_warps=4),
     "token-tiles": dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4),
+    # codes loaded two steps ahead, split three ways (the loads stop at each split's end)
+    "split3-prefetch2": dict(
+        BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=3, PREFETCH=2, num_warps=4
+    ),
     "dequantize": {"KERNEL": "dequantize"},
 }
 
@@ -267,6 +271,24 @@ def test_the_word_decoding_gives_every_weight_exactly(fmt_name):
         expected = nvfp4.dequantize_nvfp4(packed, scale, one, group, k, torch.float32)
     differ = (out.t() != expected).nonzero().tolist()  # (-0.0 comes out as +0.0: a sum)
     assert not differ, f"{len(differ)} weights differ, first (scale index, column): {differ[:4]}"
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("name", ["int4-asym", "int4-sym", "int4-fzero"])
+def test_the_int4_word_decoding_gives_every_weight_exactly(name, prefetch):
+    """The small-M kernel reads int4 codes as words when K is a multiple of its step
+    (`_int4_nibble`, `_word_weights`): every weight, of every code, exactly the reference's,
+    through fp32 identity activations (an IEEE fp32 dot: each output is one weight), over a
+    split K (the loads two steps ahead stop at each split's end)."""
+    load_w4a16_ops()
+    n, k, group = 72, 512, 64
+    weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
+    codes = weight.inner[0]  # every byte, so every code in both nibbles (in place: the
+    codes.copy_(torch.randperm(n * k // 2, device=DEVICE).view_as(codes) % 256)  # reference's)
+    config = dict(BLOCK_N=64, BLOCK_M=64, BLOCK_K=128, SPLIT_K=2, PREFETCH=prefetch, num_warps=4)
+    out = weight.launch(torch.eye(k, device=DEVICE), None, config)  # [k, n]
+    differ = (out.t() != weight.dequantized(torch.float32)).nonzero().tolist()
+    assert not differ, f"{len(differ)} weights differ, first (row, column): {differ[:4]}"
 
 
 @pytest.mark.parametrize("layout", ["int4", "mxfp4", "nvfp4"])
