@@ -5,8 +5,10 @@ scale become a weight (`_decode`, `_group_scale`, `_dequantize`); the loops are 
 Codes are packed two per byte along K, the even index in the low nibble (every layout's
 canonical packing). `_decode` turns a tile of bytes into values in K order by bit placement
 alone: int4 as 1 + u/16 (u in fp32's top mantissa bits), e2m1 as fp16 bits (value * 2**-14),
-so no integer-to-float conversion and no table. Every step's loads (codes, scales, activations)
-are issued a step ahead by hand: Triton pipelines only loads that feed a dot.
+so no integer-to-float conversion and no table; with K a multiple of the step, the GEMV and the
+small-M kernel decode whole 32-bit words in place instead (`_int4_nibble`, `_word_pair`). Every
+step's loads (codes, scales, activations) are issued ahead by hand (one step, or two for the
+small-M kernel's `PREFETCH` = 2): Triton pipelines only loads that feed a dot.
 
 - M = 1 (decode): a GEMV. For int4 with K a multiple of its step, `_gemv_words_kernel`, which
   decodes whole 32-bit words and never rebuilds the K order (fewer instructions per weight);
@@ -20,6 +22,7 @@ are issued a step ahead by hand: Triton pipelines only loads that feed a dot.
 - 2 <= M <= FUSED_MAX_M: a tensor-core kernel, "swap AB" (weight rows on the MMA's M side, the
   tokens on its N side), K split over programs so a 4096-wide layer fills the GPU (`split_k.py`).
   The weight tile is dequantized in fp32 and rounded to the activation dtype, as the reference.
+  On the H100 (v8) the Llama layer at M = 32 takes int4 129 us, MXFP4 146 us, NVFP4 176 us.
 - Above: the weight is dequantized once into the activation dtype (bit-exact vs the reference)
   and cuBLAS multiplies (`F.linear`): compute-bound there.
 Configs: a tuned one for this GPU, shape and M bucket where a shipped (or loaded) tuned file has
