@@ -7,8 +7,9 @@ canonical packing). `_decode` turns a tile of bytes into values in K order by bi
 alone: int4 as 1 + u/16 (u in fp32's top mantissa bits), e2m1 as fp16 bits (value * 2**-14),
 so no integer-to-float conversion and no table; with K a multiple of the step, the GEMV and the
 small-M kernel decode whole 32-bit words in place instead (`_int4_nibble`, `_word_pair`). Every
-step's loads (codes, scales, activations) are issued ahead by hand (one step, or two for the
-small-M kernel's `PREFETCH` = 2): Triton pipelines only loads that feed a dot.
+step's codes and scales are loaded ahead by hand (one step, or two with the small-M kernel's
+`PREFETCH` = 2), and so are the activations where they are carried (the GEMVs; the small-M
+kernel with 1): Triton pipelines only loads that feed a dot.
 
 - M = 1 (decode): a GEMV. For int4 with K a multiple of its step, `_gemv_words_kernel`, which
   decodes whole 32-bit words and never rebuilds the K order (fewer instructions per weight);
@@ -174,8 +175,9 @@ def _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_sn,
                 FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_K: tl.constexpr):  # fmt: skip
     """The loads of the K step at k0: code bytes [rows, BLOCK_K / 2] (KH per row) and each
-    group's (scale, zero) [rows, G]. Issued a step ahead of their use (Triton pipelines only
-    loads that feed a dot, and these feed the decoding); a step at k0 >= K loads nothing.
+    group's (scale, zero) [rows, G]. Issued one or two steps ahead of their use (Triton
+    pipelines only loads that feed a dot, and these feed the decoding); a step at k0 >= K loads
+    nothing.
     EVEN_K (K a multiple of BLOCK_K): no mask along K, so the loads stay 16 bytes wide."""
     GK: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # values of one group in a step
     byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -299,7 +301,7 @@ def _small_m_step(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_s
                            stride_qn // 4, stride_sn, FORMAT, GROUP, BLOCK_K)  # fmt: skip
     else:
         return _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_sn,
-                           FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
+                           FORMAT, GROUP, BLOCK_K, False)  # fmt: skip
 
 
 @triton.jit
@@ -566,13 +568,17 @@ def gemv_config(fmt: Format) -> dict:
 
 def small_m_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """64 weight rows x the tokens (16..128) x 128 K per step, K split so that ~4 programs run
-    per SM up to 64 tokens (~2 above): the best of the H200 sweep at M = 16 and 128."""
+    per SM up to 64 tokens (~2 above): the best of the H200 sweep at M = 16 and 128. The codes
+    are loaded two steps ahead for 128-token tiles: with PREFETCH 2 this config took 11-19 %
+    less time than with 1 on the H100 on each shape where both were timed (o and down at
+    M = 128, every format; docs/kernels/w4a16.md, v8); at 16-64 tokens neither depth wins
+    everywhere."""
     block_n, block_m, block_k = 64, min(128, max(16, triton.next_power_of_2(m))), 128
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     waves = 4 if m <= 64 else 2
     split = split_count(tiles, triton.cdiv(k, block_k), MIN_STEPS_PER_SPLIT, waves, device)
     return {"BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split,
-            "PREFETCH": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
+            "PREFETCH": 2 if block_m == 128 else 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
 
 
 DEQUANTIZE = {"KERNEL": "dequantize"}  # a config that forces dequantize + cuBLAS
@@ -670,6 +676,9 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
                            **common, **config)  # fmt: skip
         return out
     config = {"PREFETCH": 1, **config}  # (tuned files before v8 have no PREFETCH: 1)
+    if config["PREFETCH"] not in (1, 2):
+        raise ValueError(f"small-M config PREFETCH={config['PREFETCH']!r}: the codes are loaded "
+                         "1 or 2 steps ahead; give 1 or 2 (or leave it out for 1)")  # fmt: skip
     if INTERPRETED:  # the interpreter runs one program at a time, sequentially
         config.update(num_stages=1)
     steps = triton.cdiv(k, config["BLOCK_K"])

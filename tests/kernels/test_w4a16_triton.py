@@ -115,7 +115,7 @@ CONFIGS = {
     "whole-k": dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=1, num_warps=4),
     "split3": dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=3, num_warps=4),
     "token-tiles": dict(BLOCK_N=32, BLOCK_M=16, BLOCK_K=64, SPLIT_K=2, num_warps=4),
-    # codes loaded two steps ahead, split three ways (the loads stop at each split's end)
+    # codes loaded two steps ahead, across the boundaries of three splits
     "split3-prefetch2": dict(
         BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=3, PREFETCH=2, num_warps=4
     ),
@@ -187,6 +187,26 @@ def test_the_default_gemv_is_the_word_gemv_with_k_a_multiple_of_its_step():
     assert default_config(Format.NVFP4, 1, 6144, 4096, cpu)["KERNEL"] == "gemv_words"
     assert "KERNEL" not in default_config(Format.NVFP4, 1, 4096, 4080, cpu)  # byte GEMV
     assert "SPLIT_K" in default_config(Format.INT4_ASYM, 2, 4096, 4096, cpu)
+
+
+def test_the_default_small_m_config_prefetches_two_steps_for_128_token_tiles():
+    from qshard.kernels.w4a16_triton import Format, default_config
+
+    cpu = torch.device("cpu")
+    for fmt in (Format.INT4_ASYM, Format.MXFP4, Format.NVFP4):
+        assert default_config(fmt, 32, 4096, 4096, cpu)["PREFETCH"] == 1
+        assert default_config(fmt, 64, 4096, 4096, cpu)["PREFETCH"] == 1
+        assert default_config(fmt, 65, 4096, 4096, cpu)["PREFETCH"] == 2  # a 128-token tile
+        assert default_config(fmt, 128, 4096, 4096, cpu)["PREFETCH"] == 2
+
+
+def test_a_prefetch_depth_other_than_one_or_two_is_refused():
+    load_w4a16_ops()
+    weight = quantized("int4-asym", torch.randn(64, 256, device=DEVICE) * 0.02, 64)
+    x = torch.randn(4, 256, dtype=ACT_DTYPE, device=DEVICE)
+    config = dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=1, PREFETCH=3, num_warps=4)
+    with pytest.raises(ValueError, match=r"PREFETCH=3.*1 or 2"):
+        weight.launch(x, None, config)
 
 
 @pytest.mark.parametrize(("name", "group", "n", "k"), CASES)
@@ -273,19 +293,26 @@ def test_the_word_decoding_gives_every_weight_exactly(fmt_name):
     assert not differ, f"{len(differ)} weights differ, first (scale index, column): {differ[:4]}"
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
+# (prefetch depth, group, K per step): groups of several steps, of one, and several per step.
+WORD_STEPS = [(1, 64, 128), (2, 16, 64), (2, 256, 128)]
+
+
+@pytest.mark.parametrize(("prefetch", "group", "block_k"), WORD_STEPS)
 @pytest.mark.parametrize("name", ["int4-asym", "int4-sym", "int4-fzero"])
-def test_the_int4_word_decoding_gives_every_weight_exactly(name, prefetch):
+def test_the_int4_word_decoding_gives_every_weight_exactly(name, prefetch, group, block_k):
     """The small-M kernel reads int4 codes as words when K is a multiple of its step
     (`_int4_nibble`, `_word_weights`): every weight, of every code, exactly the reference's,
-    through fp32 identity activations (an IEEE fp32 dot: each output is one weight), over a
-    split K (the loads two steps ahead stop at each split's end)."""
+    through fp32 identity activations (an IEEE fp32 dot: each output is one weight), with K
+    split over programs (codes loaded ahead across the splits' boundaries) and a partial tile
+    of rows."""
     load_w4a16_ops()
-    n, k, group = 72, 512, 64
+    n, k = 72, 512
     weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
-    codes = weight.inner[0]  # every byte, so every code in both nibbles (in place: the
-    codes.copy_(torch.randperm(n * k // 2, device=DEVICE).view_as(codes) % 256)  # reference's)
-    config = dict(BLOCK_N=64, BLOCK_M=64, BLOCK_K=128, SPLIT_K=2, PREFETCH=prefetch, num_warps=4)
+    # Every byte, so every code in both nibbles; in place, so the reference decodes them too.
+    codes = weight.inner[0]
+    codes.copy_(torch.randperm(n * k // 2, device=DEVICE).view_as(codes) % 256)
+    config = dict(BLOCK_N=64, BLOCK_M=64, BLOCK_K=block_k, SPLIT_K=3, PREFETCH=prefetch,
+                  num_warps=4)  # fmt: skip
     out = weight.launch(torch.eye(k, device=DEVICE), None, config)  # [k, n]
     differ = (out.t() != weight.dequantized(torch.float32)).nonzero().tolist()
     assert not differ, f"{len(differ)} weights differ, first (row, column): {differ[:4]}"
