@@ -173,22 +173,19 @@ WORDS_SWEEP = [  # (weight rows, 32-bit words (8 codes) per step, warps)
     (16, 256, 8),
     (32, 128, 8),
 ]
-FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages, prefetch depth)
-    (64, 128, 2, 4, 3, 1),
-    (128, 128, 2, 8, 3, 1),
-    (64, 256, 2, 4, 3, 1),
-    (64, 128, 4, 4, 4, 1),
-    (128, 256, 2, 8, 3, 1),
-    (64, 64, 4, 4, 4, 1),
+FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages, prefetch depths)
+    # Depth 2 (codes loaded two steps ahead, docs/kernels/w4a16.md, v8) on the configs that
+    # won before it.
+    (64, 128, 2, 4, 3, (1, 2)),
+    (128, 128, 2, 8, 3, (1,)),
+    (64, 256, 2, 4, 3, (1,)),
+    (64, 128, 4, 4, 4, (1, 2)),
+    (128, 256, 2, 8, 3, (1,)),
+    (64, 64, 4, 4, 4, (1, 2)),
     # 8 programs per SM: the only ones that split K for gate_up (448 tiles of 64 rows) at 16-64
     # tokens, where the kernel waits on latency (docs/decode.md, session 9).
-    (64, 128, 8, 4, 3, 1),
-    (64, 64, 8, 4, 4, 1),
-    # Codes loaded two steps ahead (docs/kernels/w4a16.md, v8), on the configs that won before.
-    (64, 128, 2, 4, 3, 2),
-    (64, 128, 4, 4, 4, 2),
-    (64, 64, 4, 4, 4, 2),
-    (64, 128, 8, 4, 3, 2),
+    (64, 128, 8, 4, 3, (1, 2)),
+    (64, 64, 8, 4, 4, (1,)),
 ]
 
 
@@ -205,7 +202,8 @@ def sweep_candidates(m: int):
             yield f"gemv {bn}x{bk} {warps}w", lambda n, k, c=(bn, bk, warps): dict(
                 BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2])  # fmt: skip
     if m <= 256:
-        for bn, bk, waves, warps, stages, prefetch in FUSED_SWEEP:
+        fused = [(*c[:5], depth) for c in FUSED_SWEEP for depth in c[5]]
+        for bn, bk, waves, warps, stages, prefetch in fused:
 
             def config(n, k, bn=bn, bk=bk, waves=waves, warps=warps, stages=stages,
                        prefetch=prefetch):  # fmt: skip

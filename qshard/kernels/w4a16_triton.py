@@ -101,6 +101,17 @@ def _fp16_bits_to_fp32(bits):
 
 
 @triton.jit
+def _int4_nibble(words, j: tl.constexpr):
+    """Nibble j of every word as `_decode`'s int4 value 1 + u/16 (u in fp32's top mantissa
+    bits): one shift and one and-or, exactly."""
+    if 4 * j <= 19:  # noqa: SIM108 (a constexpr branch: one shift direction each)
+        bits = (words << (19 - 4 * j)) & 0x780000
+    else:
+        bits = (words >> (4 * j - 19)) & 0x780000
+    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _decode(packed, FORMAT: tl.constexpr):
     """Code bytes [rows, H] -> fp32 [rows, 2H] in K order (each byte's low nibble first), by
     bit placement alone (no conversion of an integer, no table), exactly:
@@ -113,9 +124,7 @@ def _decode(packed, FORMAT: tl.constexpr):
         high = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
         v = _fp16_bits_to_fp32(tl.join(low, high))
     else:
-        low = ((b << 19) & 0x780000) | 0x3F800000
-        high = ((b << 15) & 0x780000) | 0x3F800000
-        v = tl.join(low, high).to(tl.float32, bitcast=True)
+        v = tl.join(_int4_nibble(b, 0), _int4_nibble(b, 1))
     return tl.reshape(v, (packed.shape[0], 2 * packed.shape[1]))
 
 
@@ -220,17 +229,6 @@ def _step_words(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qw, stride_sn,
     scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
                                n_ok[:, None], FORMAT)  # fmt: skip
     return words, scale, zero
-
-
-@triton.jit
-def _int4_nibble(words, j: tl.constexpr):
-    """Nibble j of every word as `_decode`'s int4 value 1 + u/16 (u in fp32's top mantissa
-    bits): one shift and one and-or, exactly."""
-    if 4 * j <= 19:  # noqa: SIM108 (a constexpr branch: one shift direction each)
-        bits = (words << (19 - 4 * j)) & 0x780000
-    else:
-        bits = (words >> (4 * j - 19)) & 0x780000
-    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
