@@ -26,7 +26,7 @@ def parse_json(text: str | bytes, where: str) -> Any:
         raise CheckpointError(f"{where}: the JSON is nested too deeply to parse; the file is "
                               f"damaged or not what it claims to be") from None  # fmt: skip
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, huge integers
-        raise CheckpointError(f"{where}: not valid JSON ({e})") from None
+        raise CheckpointError(f"{where}: is not JSON ({e})") from None
 
 
 def read_json_file(path: str | os.PathLike, expect: type = dict) -> Any:

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, QShardError
+from ..layouts.validation import check_qtensor
+from ..qtensor import QTensor
 from . import (
     compressed_tensors,
     deepseek_fp8,
@@ -50,7 +52,8 @@ def detect_format(model_dir: str | os.PathLike) -> str:
     config, hf_quant = _configs(directory)
     found = [name for name, fmt in FORMATS.items() if fmt.detect(config, hf_quant)]
     if not found:
-        method = (config.get("quantization_config") or {}).get("quant_method")
+        qc = config.get("quantization_config")
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise CheckpointError(
             f"{directory}: no quantized format qshard reads (config.json quant_method "
             f"{method!r}, hf_quant_config.json {'present' if hf_quant else 'absent'}); known: "
@@ -84,8 +87,15 @@ def load_pretrained(
     directory = pathlib.Path(model_dir)
     name = detect_format(directory)
     config, hf_quant = _configs(directory)
-    dtype = DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.bfloat16)
+    dtype_name = config.get("torch_dtype") or config.get("dtype")
+    dtype = DTYPES.get(dtype_name or "bfloat16")  # bf16 when config.json names none
+    if dtype is None and isinstance(dtype_name, str):
+        dtype = torch.bfloat16  # e.g. "auto": the dtype quantized checkpoints run in
+    if dtype is None:
+        raise CheckpointError(f"{directory / 'config.json'}: torch_dtype {dtype_name!r} is not "
+                              f"one of {list(DTYPES)}")  # fmt: skip
     state = FORMATS[name].load(SafetensorsDir(directory), config, hf_quant, dtype)
+    check_state(state, directory, name)
     if model is None:
         if mesh is not None or plan is not None:
             raise QShardError("qshard.load_pretrained: mesh and plan shard a model; pass model=")
@@ -96,6 +106,41 @@ def load_pretrained(
     from ..io.loading import _load_into
 
     return _load_into(MemorySource(state), model, device, mesh, plan, strict=True)
+
+
+# Tensors a format stores beside its quantized weights: left in a loaded state_dict as plain
+# tensors, they would be quantized codes or scales read as numbers (issue 21).
+QUANTIZATION_SUFFIXES = (
+    ".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".weight_packed",
+    ".weight_zero_point", ".weight_global_scale", ".weight_shape", ".weight_g_idx",
+    ".qdata", "_blocks", "_scales",
+)  # fmt: skip
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+
+
+def check_state(state: dict, directory: pathlib.Path, name: str) -> None:
+    """The one validation every reader runs (design.md invariant 9) on a format's state_dict:
+    each QTensor through `check_qtensor` (attributes, inner shapes and dtypes, finite scales and
+    codes, zero points, finite dequantized values), and no plain tensor that is quantized data
+    the format did not map to a layout (float8 or integer weights, scale or packed tensors)."""
+    for key, value in state.items():
+        where = f"{directory}: {key}"
+        if isinstance(value, QTensor):
+            check_qtensor(value, where)
+            continue
+        if value.dtype in FLOAT8_DTYPES:
+            why = f"a {value.dtype} tensor"
+        elif key.endswith(".weight") and not value.dtype.is_floating_point:
+            why = f"an integer ({value.dtype}) weight"
+        elif key.endswith(QUANTIZATION_SUFFIXES):
+            why = "a quantization tensor (by its name)"
+        else:
+            continue
+        raise CheckpointError(
+            f"{where}: {why} {list(value.shape)} that the {name} reader did not map to a qshard "
+            f"layout, so it would load as raw codes or scales. The checkpoint uses a scheme "
+            f"qshard does not read, or the tensors that go with it are missing"
+        )
 
 
 def export(

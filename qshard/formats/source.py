@@ -13,13 +13,21 @@ import shutil
 from collections.abc import Iterable, Mapping
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import Backend
 from ..errors import CheckpointError, QShardError
+from ..io.checkpoint import (
+    INDEX_NAME,
+    FileHeader,
+    check_index,
+    checkpoint_files,
+    read_header,
+    read_tensor,
+)
 from ..layouts import Fp8RowwiseTensor
 from ..qtensor import QTensor
+from ..safejson import read_json_file
 from ..tp.styles import chunk_bounds, shard_cuts
 
 __all__ = [
@@ -32,67 +40,70 @@ __all__ = [
     "write_directory",
 ]
 
-INDEX_NAME = "model.safetensors.index.json"
-
 
 def read_json(path: pathlib.Path) -> dict | None:
-    """The JSON object in `path`, None if there is no such file."""
+    """The JSON object in `path`, None if there is no such file; CheckpointError if it is not a
+    readable JSON object (nesting bombs and huge integers included: qshard/safejson.py)."""
     if not path.exists():
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: not readable JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: a JSON {type(data).__name__}, expected an object")
-    return data
+    return read_json_file(path)
 
 
 class SafetensorsDir:
     """The tensors of a Hugging Face model directory (`model.safetensors`, or the shards an
-    index lists, or every `*.safetensors`), read one at a time."""
+    index lists, or every `*.safetensors`), read one at a time.
+
+    The same rules as `qshard.load` (io/checkpoint.py): every header is parsed and checked by
+    qshard's own reader before any tensor is read; an index names plain `.safetensors` files in
+    the directory (no `../x`, no absolute path) and lists exactly the tensors each file holds;
+    without an index, a tensor name found in two files is refused (which one would load?).
+    Reads are plain reads of the checked byte ranges (no mmap)."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = pathlib.Path(directory)
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a directory (a model directory holds "
                                   f"config.json and *.safetensors)")  # fmt: skip
-        index = read_json(self.directory / INDEX_NAME)
-        if index is not None:
-            weight_map = index.get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{self.directory / INDEX_NAME}: no 'weight_map' object")
-            self.file_of = {k: self.directory / v for k, v in weight_map.items()}
+        index_path = self.directory / INDEX_NAME
+        if index_path.exists():
+            files, weight_map = checkpoint_files(index_path)
         else:
-            self.file_of = {}
-            for path in sorted(self.directory.glob("*.safetensors")):
-                with safe_open(path, "pt") as f:
-                    self.file_of.update({key: path for key in f.keys()})  # noqa: SIM118
-        if not self.file_of:
+            files, weight_map = sorted(self.directory.glob("*.safetensors")), None
+        if not files:
             raise CheckpointError(f"{self.directory}: no *.safetensors files")
-        missing = sorted({str(p) for p in self.file_of.values() if not p.exists()})
-        if missing:
-            raise CheckpointError(f"{self.directory}: the index lists missing files {missing}")
+        self.header_of: dict[str, FileHeader] = {}
+        for path in files:
+            header = read_header(path)
+            if weight_map is not None:
+                check_index(weight_map, header)
+            for key in header.stored:
+                if key in self.header_of:
+                    raise CheckpointError(
+                        f"{self.directory}: tensor {key!r} is in both "
+                        f"{self.header_of[key].path.name} and {path.name}; remove the stale "
+                        f"file (which copy is meant cannot be told)"
+                    )
+                self.header_of[key] = header
 
     def names(self) -> list[str]:
-        return list(self.file_of)
+        return list(self.header_of)
 
     def metadata(self) -> dict[str, str]:
         """The safetensors header metadata of every file, merged."""
         merged: dict[str, str] = {}
-        for path in sorted(set(self.file_of.values())):
-            with safe_open(path, "pt") as f:
-                merged.update(f.metadata() or {})
+        headers = {header.path: header for header in self.header_of.values()}
+        for path in sorted(headers):
+            merged.update(headers[path].metadata or {})
         return merged
 
     def __contains__(self, key: str) -> bool:
-        return key in self.file_of
+        return key in self.header_of
 
     def get(self, key: str) -> torch.Tensor:
-        if key not in self.file_of:
+        if key not in self.header_of:
             raise CheckpointError(f"{self.directory}: no tensor {key!r}")
-        with safe_open(self.file_of[key], "pt") as f:
-            return f.get_tensor(key)
+        header = self.header_of[key]
+        return read_tensor(header, header.stored[key])
 
 
 def exact_bf16(values: torch.Tensor, where: str) -> torch.Tensor:

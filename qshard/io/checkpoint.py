@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import pathlib
@@ -22,15 +21,25 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..layouts.validation import check_qtensor
 from ..qtensor import spans_dim
+from ..safejson import parse_json, read_json_file
 from ..tp.styles import chunk_bounds, shard_cuts
 from .format import SAFETENSORS_DTYPES, Record, StoredTensor, crc32, decode_metadata, dtype_name
 
-__all__ = ["INDEX_NAME", "SINGLE_FILE_NAME", "Checkpoint"]
+__all__ = [
+    "INDEX_NAME",
+    "SINGLE_FILE_NAME",
+    "Checkpoint",
+    "check_index",
+    "read_header",
+    "read_tensor",
+]
 
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+# Shard i of n; `qshard.save` adds its save id where the index it replaces lists the plain names
+SHARD_NAME = re.compile(r"model-(\d{5})-of-(\d{5})(?:-[0-9a-f]{16})?\.safetensors")
 MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 
 
@@ -46,20 +55,20 @@ def read_header(path: pathlib.Path) -> FileHeader:
     """Parse and check a safetensors header against the file it heads (the safetensors spec:
     8-byte little-endian length, JSON header, tensor data covering the rest with no gaps)."""
     where = str(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
-            raise CheckpointError(
-                f"{where}: a {size}-byte file whose header length field reads {length}; the "
-                f"file is truncated or not safetensors"
-            )
-        text = f.read(length)
     try:
-        header = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{where}: the safetensors header is not JSON ({e})") from None
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
+                raise CheckpointError(
+                    f"{where}: a {size}-byte file whose header length field reads {length}; "
+                    f"the file is truncated or not safetensors"
+                )
+            text = f.read(length)
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot be read ({e.strerror or e})") from None
+    header = parse_json(text, f"{where}: the safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{where}: the safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None)
@@ -144,11 +153,8 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[list[pathlib.Path], dict[
                 f"that did not finish, or a missing file); load the checkpoint's index"
             )
         return [path], None
-    try:
-        index = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: the index is not JSON ({e})") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    index = read_json_file(path)
+    weight_map = index.get("weight_map")
     valid = isinstance(weight_map, dict) and all(
         isinstance(f, str) and f == pathlib.PurePath(f).name and f.endswith(".safetensors")
         for f in weight_map.values()
@@ -176,7 +182,7 @@ class Checkpoint:
         save_ids = {}
         for header in self.headers.values():
             if weight_map is not None:
-                _check_index(weight_map, header)
+                check_index(weight_map, header)
             records, save_ids[header.path.name] = decode_metadata(
                 header.metadata, header.stored, str(header.path)
             )
@@ -222,12 +228,9 @@ class Checkpoint:
         header = self.file_of[record.key]
         if record.tensor is not None:
             return self._read_stored(header, record.tensor).to(device)
-        inner = {}
-        for name, stored in record.inner.items():
-            tensor = self._read_stored(header, stored)
-            _check_finite(tensor, f"{header.path}: {record.key}.{name}")
-            inner[name] = tensor.to(device)
-        return record.build(inner).repack_for_device()
+        inner = {name: self._read_stored(header, s) for name, s in record.inner.items()}
+        check_qtensor(record.build(inner), f"{header.path}: {record.key}")  # before moving it
+        return record.build({n: t.to(device) for n, t in inner.items()}).repack_for_device()
 
     def read_shard(
         self, key: str, dim: int, world: int, rank: int, device: torch.device | str = "cpu"
@@ -255,11 +258,11 @@ class Checkpoint:
             else:
                 p = packing[logical]
                 tensor = self._read_slice(header, stored, logical, first // p, -(-last // p))
-            _check_finite(tensor, f"{header.path}: {record.key}.{name}")
             inner[name] = tensor
         shape = list(record.shape)
         shape[logical] = last - first
         part = record.build(inner, shape=tuple(shape))
+        check_qtensor(part, f"{header.path}: {record.key} (rows/columns {first}..{last})")
         # Offsets of all the full weight's cuts, relative to this part: realign packs the part
         # exactly as it packs the whole weight for those cuts.
         part = part.realign(logical, [c - first for c in shard_cuts(size, world)])
@@ -269,22 +272,7 @@ class Checkpoint:
     # ---- raw reads ------------------------------------------------------------------------
 
     def _read_stored(self, header: FileHeader, stored: StoredTensor) -> torch.Tensor:
-        """A stored tensor, whole, by plain reads (no mmap), checksum verified."""
-        buffer = torch.empty(stored.nbytes, dtype=torch.uint8)
-        with open(header.path, "rb") as f:
-            f.seek(header.offsets[stored.key])
-            count = f.readinto(buffer.numpy()) if stored.nbytes else 0
-        if count != stored.nbytes:
-            raise CheckpointError(
-                f"{header.path}: tensor {stored.key!r} is cut short ({count} of "
-                f"{stored.nbytes} bytes); the file changed while loading"
-            )
-        if stored.crc32 is not None and crc32(buffer) != stored.crc32:
-            raise CheckpointError(
-                f"{header.path}: tensor {stored.key!r} does not match its checksum; the file "
-                f"is damaged, save it again"
-            )
-        return buffer.view(stored.dtype).reshape(stored.shape)
+        return read_tensor(header, stored)
 
     def _read_slice(
         self, header: FileHeader, stored: StoredTensor, dim: int, start: int, end: int
@@ -319,7 +307,31 @@ class Checkpoint:
         return self._open[path]
 
 
-def _check_index(weight_map: Mapping[str, str], header: FileHeader) -> None:
+def read_tensor(header: FileHeader, stored: StoredTensor) -> torch.Tensor:
+    """A stored tensor, whole, by plain reads (no mmap: the tensor never changes with the file),
+    its checksum verified where the file has one. The header checks bound its size by the
+    file's."""
+    buffer = torch.empty(stored.nbytes, dtype=torch.uint8)
+    try:
+        with open(header.path, "rb") as f:
+            f.seek(header.offsets[stored.key])
+            count = f.readinto(buffer.numpy()) if stored.nbytes else 0
+    except OSError as e:
+        raise CheckpointError(f"{header.path}: cannot read {stored.key!r} ({e})") from None
+    if count != stored.nbytes:
+        raise CheckpointError(
+            f"{header.path}: tensor {stored.key!r} is cut short ({count} of "
+            f"{stored.nbytes} bytes); the file changed while loading"
+        )
+    if stored.crc32 is not None and crc32(buffer) != stored.crc32:
+        raise CheckpointError(
+            f"{header.path}: tensor {stored.key!r} does not match its checksum; the file "
+            f"is damaged, save it again"
+        )
+    return buffer.view(stored.dtype).reshape(stored.shape)
+
+
+def check_index(weight_map: Mapping[str, str], header: FileHeader) -> None:
     listed = {k for k, f in weight_map.items() if f == header.path.name}
     if listed != set(header.stored):
         diff = sorted(listed ^ set(header.stored))[:5]
@@ -327,38 +339,3 @@ def _check_index(weight_map: Mapping[str, str], header: FileHeader) -> None:
             f"{header.path}: the index lists other tensors for this file than it holds "
             f"(e.g. {diff}); the index and the shards are from different saves"
         )
-
-
-FINITE_CHECK_CHUNK = 1 << 20  # elements per pass: no weight-sized temporaries (peak memory)
-
-
-def _check_finite(tensor: torch.Tensor, where: str) -> None:
-    """Quantized data and scales must be finite: a NaN scale would silently poison a layer."""
-    flat, count, first = tensor.reshape(-1), 0, None
-    for start in range(0, flat.numel(), FINITE_CHECK_CHUNK):
-        bad = _non_finite(flat[start : start + FINITE_CHECK_CHUNK])
-        if bad is None:
-            return
-        found = int(bad.sum())
-        if found and first is None:
-            first = start + int(bad.nonzero()[0, 0])
-        count += found
-    if count:
-        index = [int(i) for i in torch.unravel_index(torch.tensor(first), tensor.shape)]
-        raise CheckpointError(
-            f"{where}: {count} NaN/Inf values (first at {index}); the checkpoint is corrupt, "
-            f"re-quantize from the float weights"
-        )
-
-
-def _non_finite(values: torch.Tensor) -> torch.Tensor | None:
-    """A mask of the NaN/Inf elements, or None for a dtype that has none."""
-    if values.dtype == torch.float8_e4m3fn:
-        return (values.view(torch.uint8) & 0x7F) == 0x7F  # no Inf; S.1111.111 is NaN
-    if values.dtype == torch.float8_e5m2:
-        return (values.view(torch.uint8) & 0x7C) == 0x7C  # exponent all ones: Inf or NaN
-    if values.dtype == getattr(torch, "float8_e8m0fnu", None):
-        return values.view(torch.uint8) == 0xFF
-    if values.is_floating_point():
-        return ~torch.isfinite(values)
-    return None

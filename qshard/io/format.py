@@ -45,7 +45,9 @@ import torch
 
 from ..errors import CheckpointError, QShardError
 from ..layouts.registry import attr_types, layout_by_name, registered_layouts
+from ..layouts.validation import MAX_SIZE
 from ..qtensor import FLOAT_DTYPES, QTensor
+from ..safejson import parse_json
 
 __all__ = [
     "FORMAT_VERSION",
@@ -227,10 +229,7 @@ def decode_metadata(
             f"{where}: the qshard header metadata does not match its checksum {crc}; the file "
             f"is damaged, save it again"
         )
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{where}: qshard header metadata is not JSON ({e})") from None
+    data = parse_json(text, f"{where}: the qshard header metadata")
     _check_version(data, where)
     entries = _expect(data.get("entries"), dict, "entries", where)
     records = {key: _decode_record(key, raw, stored, where) for key, raw in entries.items()}
@@ -278,6 +277,8 @@ def _decode_record(key: str, raw: Any, stored: Mapping[str, StoredTensor], where
             f"upgrade qshard or import the package that registers it"
         )
     shape = _expect_ints(raw.get("shape"), 2, "shape", at)
+    if max(shape) > MAX_SIZE:
+        raise CheckpointError(f"{at}: shape {list(shape)} has a size above {MAX_SIZE}")
     dtype = _decode_dtype(raw.get("dtype"), at)
     if dtype not in FLOAT_DTYPES:
         raise CheckpointError(

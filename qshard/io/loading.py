@@ -23,7 +23,8 @@ from torch import nn
 
 from ..api import _is_dtensor, _local
 from ..errors import CheckpointError, QShardError
-from ..qtensor import QTensor
+from ..layouts.validation import check_magnitude
+from ..qtensor import FLOAT_DTYPES, QTensor
 from .checkpoint import Checkpoint
 
 __all__ = ["load"]
@@ -85,6 +86,14 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
             raise CheckpointError(
                 f"qshard.load: {key!r} is {stored} in the checkpoint and {wanted} in the model"
             )
+        quantized = isinstance(checkpoint.record(key).meta(), QTensor)
+        if quantized and wanted not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"qshard.load into {type(model).__name__}: {key!r} is a quantized weight, and "
+                f"the model's {key!r} is {wanted}; quantized weights stand for one of "
+                f"{[str(d) for d in FLOAT_DTYPES]}. Build the model in one of those dtypes "
+                f"(e.g. model.to(torch.bfloat16)) before loading"
+            )
         dtypes[key] = wanted
     placements, resolved = {}, None
     if mesh is not None:
@@ -144,7 +153,10 @@ def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is None or tensor.dtype == dtype:
         return tensor
     if isinstance(tensor, QTensor):
-        return tensor.with_changes(dtype=dtype, fresh=True).repack_for_device()
+        changed = tensor.with_changes(dtype=dtype, fresh=True)
+        # e.g. a float32 checkpoint's scales may dequantize beyond float16's range
+        check_magnitude(changed, f"qshard.load as {dtype}")
+        return changed.repack_for_device()
     return tensor.to(dtype)
 
 

@@ -41,7 +41,11 @@ def global_scale_of(weight: torch.Tensor) -> torch.Tensor:
     amax = weight.detach().abs().amax()
     if hasattr(amax, "full_tensor"):  # a DTensor: a max all-reduce over the mesh
         amax = amax.full_tensor()
-    scale = amax.float() / (E2M1_MAX * E4M3_MAX)
+    # A tensor divisor, not a Python scalar: CUDA multiplies by the reciprocal of a scalar
+    # divisor (one ulp off for some amax), and a weight must get the same global scale on
+    # every device (tests/test_cuda.py; issue 21 saw 2 runs in 5 differ on an H100).
+    amax = amax.float()
+    scale = amax / torch.full_like(amax, E2M1_MAX * E4M3_MAX)
     return torch.where(scale > 0, scale, torch.ones_like(scale)).reshape(1, 1)
 
 
@@ -56,7 +60,8 @@ def quantize_nvfp4(
     global_scale = global_scale.float()
     if scale is None:
         amax = group_reduce(w.abs(), group, lambda t, d: t.amax(d))
-        block = (amax / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(SCALE_DTYPE).float()
+        six = torch.full_like(amax, E2M1_MAX)  # a tensor divisor: see global_scale_of
+        block = (amax / six / global_scale).clamp(max=E4M3_MAX).to(SCALE_DTYPE).float()
         block = torch.where(amax > 0, block.clamp(min=E4M3_MIN_STEP), torch.ones_like(block))
         scale = block.to(SCALE_DTYPE)
     divisor = expand_groups(scale.float() * global_scale, group, k)

@@ -17,7 +17,23 @@ from ..errors import (
 from ..kernels.availability import triton_unavailable_reason
 from ..qtensor import FLOAT_DTYPES, QTensor
 
-__all__ = ["check_activation", "check_float_weight", "checked_config", "weight_only_backend"]
+__all__ = [
+    "abs_max",
+    "check_activation",
+    "check_float_weight",
+    "checked_config",
+    "weight_only_backend",
+]
+
+
+def abs_max(tensor: torch.Tensor) -> float:
+    """max |tensor| as a Python float (float64), 0.0 for an empty tensor: the scale factor of a
+    layout's `max_magnitude` bound."""
+    if not tensor.numel():
+        return 0.0
+    values = tensor.detach()
+    values = values if values.dtype == torch.float64 else values.float()
+    return float(values.abs().amax())
 
 
 def check_float_weight(layout: str, weight: Any) -> None:

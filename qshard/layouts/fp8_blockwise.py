@@ -39,23 +39,28 @@ from ..kernels.availability import (
     triton_unavailable_reason,
 )
 from ..kernels.fp8_blockwise import (
+    E4M3_MAX,
     dequantize_blockwise,
     fp8_blockwise_linear_reference,
     quantize_weight_blockwise,
 )
 from ..qtensor import QTensor
-from .checks import check_activation, check_float_weight, checked_config
+from .checks import abs_max, check_activation, check_float_weight, checked_config
 from .registry import register_layout
 
-__all__ = ["FP8_MIN_SQNR_DB", "MIN_BLOCK", "Fp8BlockwiseConfig", "Fp8BlockwiseTensor"]
+__all__ = ["FP8_MIN_SQNR_DB", "MAX_BLOCK", "MIN_BLOCK", "Fp8BlockwiseConfig", "Fp8BlockwiseTensor"]
 
 MIN_BLOCK = 16  # smallest block side: the K tile of an fp8 MMA instruction is 32, of tl.dot 16
+# Largest block side: far above any model's (DeepSeek-V3: 128), and a bound on the sizes a
+# checkpoint may declare (a side of 2**100 would overflow the index arithmetic; issue 21).
+MAX_BLOCK = 2**16
 FP8_MIN_SQNR_DB = 25.0  # F.linear vs float on Gaussian weights; e4m3's 3 mantissa bits give ~29
 AVAILABLE_BACKENDS = (Backend.AUTO, Backend.REFERENCE, Backend.TRITON, Backend.CUBLAS)
 
 
 def _is_block_side(n: Any) -> bool:
-    return isinstance(n, int) and n >= MIN_BLOCK and n & (n - 1) == 0
+    integer = isinstance(n, int) and not isinstance(n, bool)
+    return integer and MIN_BLOCK <= n <= MAX_BLOCK and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +78,8 @@ class Fp8BlockwiseConfig(QuantConfig):
         block = tuple(self.block_size) if isinstance(self.block_size, list | tuple) else ()
         if len(block) != 2 or not all(_is_block_side(b) for b in block):
             raise ConfigError(
-                f"{name}: block_size={self.block_size!r}; each side must be a power of two "
-                f">= {MIN_BLOCK}, e.g. (128, 128) (DeepSeek-V3) or (64, 64)"
+                f"{name}: block_size={self.block_size!r}; each side must be a power of two in "
+                f"{MIN_BLOCK}..{MAX_BLOCK}, e.g. (128, 128) (DeepSeek-V3) or (64, 64)"
             )
         self._set("block_size", block)
         group = block[1] if self.act_group_size is None else self.act_group_size
@@ -202,6 +207,16 @@ class Fp8BlockwiseTensor(QTensor):
                 f"into the original at multiples of its blocks, or clone() this one first"
             )
         return out
+
+    def max_magnitude(self) -> float:
+        return E4M3_MAX * abs_max(self.scale)
+
+    def value_problem(self) -> str | None:
+        if self.scale_format is ScaleFormat.UE8M0 and self.scale.numel():
+            mantissa = torch.frexp(self.scale).mantissa.abs()
+            if not bool((mantissa == 0.5).all()):
+                return "scale_format 'ue8m0' but not every scale is a power of two"
+        return None
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = dequantize_blockwise(self.qdata, self.scale, self.block_size, dtype or self.dtype)

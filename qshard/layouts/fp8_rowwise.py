@@ -29,7 +29,7 @@ import torch
 
 from ..config import Backend, QuantConfig, ScaleFormat, parse_backend
 from ..errors import BackendUnavailableError, ConfigError
-from ..kernels.fp8_blockwise import scales_from_amax
+from ..kernels.fp8_blockwise import E4M3_MAX, scales_from_amax
 from ..kernels.fp8_rowwise import (
     cublas_rowwise_unavailable_reason,
     dequantize_rowwise,
@@ -40,7 +40,7 @@ from ..kernels.fp8_rowwise import (
     row_scales,
 )
 from ..qtensor import WHOLE, QTensor
-from .checks import check_activation, check_float_weight, checked_config
+from .checks import abs_max, check_activation, check_float_weight, checked_config
 from .registry import register_layout
 
 __all__ = ["FP8_ROWWISE_MIN_SQNR_DB", "Fp8RowwiseConfig", "Fp8RowwiseTensor"]
@@ -135,6 +135,9 @@ class Fp8RowwiseTensor(QTensor):
     def inner_specs(cls, shape, attrs):
         n, k = shape
         return {"qdata": ((n, k), torch.float8_e4m3fn), "scale": ((n, 1), torch.float32)}
+
+    def max_magnitude(self) -> float:
+        return E4M3_MAX * abs_max(self.scale)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = dequantize_rowwise(self.qdata, self.scale, dtype or self.dtype)

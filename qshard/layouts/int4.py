@@ -47,7 +47,13 @@ from ..kernels.int4_tinygemm import (
     tinygemm_problem,
 )
 from ..qtensor import DeviceForm, QTensor
-from .checks import check_activation, check_float_weight, checked_config, weight_only_backend
+from .checks import (
+    abs_max,
+    check_activation,
+    check_float_weight,
+    checked_config,
+    weight_only_backend,
+)
 from .registry import register_layout
 
 __all__ = ["INT4_MIN_SQNR_DB", "Int4Tensor", "Int4WeightOnlyConfig", "ZeroPointDomain"]
@@ -219,6 +225,29 @@ class Int4Tensor(QTensor):
             f"into the original at multiples of its groups, or clone() this one first"
         )
         return out
+
+    def max_magnitude(self) -> float:
+        scale = self.scale.double().abs()
+        if self.symmetric:  # codes q = u - 8 in -8..7
+            return 8.0 * abs_max(scale)
+        zero = self.zero.double()
+        if self.float_zero:  # (u - 8) * scale + zero, u in 0..15: the ends of the range
+            ends = torch.maximum((zero - 8.0 * scale).abs(), (zero + 7.0 * scale).abs())
+        else:  # (u - zero) * scale, u in 0..15
+            ends = torch.maximum(zero.abs(), (15.0 - zero).abs()) * scale
+        return abs_max(ends)
+
+    def value_problem(self) -> str | None:
+        if self.symmetric or self.float_zero or not self.zero.numel():
+            return None
+        zero = self.zero.float()
+        bad = (zero < 0) | (zero > 15) | (zero != zero.round())
+        if bool(bad.any()):
+            first = [int(i) for i in bad.nonzero()[0]]
+            return (f"{int(bad.sum())} zero points are not integer codes in 0..15 (first at "
+                    f"{first}: {float(zero[tuple(first)])}); integer zero points "
+                    f"(zero_point_domain='int') are codes of the 4-bit range")  # fmt: skip
+        return None
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = dequantize_int4(

@@ -26,6 +26,7 @@ from ..config import Backend, QuantConfig, parse_backend
 from ..errors import ConfigError, MisalignedSliceError
 from ..kernels.availability import load_w4a16_ops
 from ..kernels.mxfp4 import (
+    E2M1_MAX,
     GROUP,
     SCALE_DTYPE,
     dequantize_mxfp4,
@@ -33,7 +34,13 @@ from ..kernels.mxfp4 import (
     quantize_mxfp4,
 )
 from ..qtensor import QTensor
-from .checks import check_activation, check_float_weight, checked_config, weight_only_backend
+from .checks import (
+    abs_max,
+    check_activation,
+    check_float_weight,
+    checked_config,
+    weight_only_backend,
+)
 from .registry import register_layout
 
 __all__ = ["MXFP4_MIN_SQNR_DB", "MXFP4WeightOnlyConfig", "Mxfp4Tensor"]
@@ -135,6 +142,9 @@ class Mxfp4Tensor(QTensor):
             f"into the original at multiples of its blocks, or clone() this one first"
         )
         return out
+
+    def max_magnitude(self) -> float:
+        return E2M1_MAX * abs_max(self.scale)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         k = self.logical_shape[1]

@@ -26,6 +26,7 @@ import torch
 from ..config import Backend, QuantConfig, parse_backend
 from ..kernels.availability import load_w4a16_ops
 from ..kernels.nvfp4 import (
+    E2M1_MAX,
     GROUP,
     SCALE_DTYPE,
     dequantize_nvfp4,
@@ -34,7 +35,13 @@ from ..kernels.nvfp4 import (
     quantize_nvfp4,
 )
 from ..qtensor import QTensor
-from .checks import check_activation, check_float_weight, checked_config, weight_only_backend
+from .checks import (
+    abs_max,
+    check_activation,
+    check_float_weight,
+    checked_config,
+    weight_only_backend,
+)
 from .registry import register_layout
 
 __all__ = ["NVFP4_MIN_SQNR_DB", "NVFP4WeightOnlyConfig", "Nvfp4Tensor"]
@@ -121,6 +128,16 @@ class Nvfp4Tensor(QTensor):
             "scale": ((n, groups), SCALE_DTYPE),
             "global_scale": ((1, 1), torch.float32),
         }
+
+    def max_magnitude(self) -> float:
+        return E2M1_MAX * abs_max(self.scale) * abs_max(self.global_scale)
+
+    def value_problem(self) -> str | None:
+        if self.global_scale.numel() and not float(self.global_scale.reshape(-1)[0]) > 0:
+            return (f"global_scale {float(self.global_scale.reshape(-1)[0])} is not positive "
+                    f"(a multiplier, amax / (6 * 448): ModelOpt's weight_scale_2, or 1 / "
+                    f"compressed-tensors' weight_global_scale)")  # fmt: skip
+        return None
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         k = self.logical_shape[1]

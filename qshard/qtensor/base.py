@@ -38,7 +38,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import InvalidDimError, LayoutMismatchError, MisalignedSliceError, UnsupportedOpError
+from ..errors import (
+    CheckpointError,
+    InvalidDimError,
+    LayoutMismatchError,
+    MisalignedSliceError,
+    UnsupportedOpError,
+)
 
 __all__ = ["WHOLE", "DeviceForm", "QTensor", "spans_dim", "stored_nbytes"]
 
@@ -184,6 +190,17 @@ class QTensor(torch.Tensor):
         """x @ W.T + bias for the untransposed weight W."""
         raise NotImplementedError
 
+    def max_magnitude(self) -> float:
+        """An upper bound of |W| over every code each group's scales can dequantize (not only
+        the stored codes), in float64: the validation (layouts/validation.py) refuses a tensor
+        whose bound exceeds its dtype's largest finite value, so no code becomes Inf."""
+        raise NotImplementedError
+
+    def value_problem(self) -> str | None:
+        """What breaks the layout's value rules beyond finiteness (e.g. an int4 zero code
+        outside 0..15), or None. Run on every tensor a reader builds."""
+        return None
+
     def activation_scale_spans_k(self) -> bool:
         """Whether the matmul quantizes activations with scales taken over the whole of K (per-row
         FP8 W8A8: one scale per token). A row-parallel shard then quantizes its own slice of K,
@@ -282,8 +299,25 @@ class QTensor(torch.Tensor):
         return state
 
     def __setstate__(self, state):
-        # A tensor pickled before an attribute was added gets the attribute's default.
+        # What torch.load (weights_only=True included) calls on a rebuilt tensor: the state is
+        # outside data, checked as every reader checks a QTensor (design.md invariant 9), so a
+        # crafted pickle cannot declare a shape its data does not hold, shadow a method, or
+        # carry NaN scales. A tensor pickled before an attribute was added gets its default.
+        from ..layouts.validation import check_pickled_state, check_qtensor
+
+        where = f"torch.load: a pickled {type(self).__name__}"
+        state = check_pickled_state(type(self), state, where)
         self.__dict__.update({**self.attr_defaults, **state})
+        check_qtensor(self, where)
+        expected = (self.logical_shape[::-1] if self.transposed else self.logical_shape)
+        strides = (1, expected[1]) if self.transposed else (expected[1], 1)
+        if tuple(self.shape) != expected or self.stride() != strides or self.requires_grad:
+            raise CheckpointError(
+                f"{where}: the pickled outer tensor is {list(self.shape)} with strides "
+                f"{list(self.stride())} (requires_grad={self.requires_grad}); its logical shape "
+                f"{list(self.logical_shape)} (transposed={self.transposed}) makes it "
+                f"{list(expected)} with strides {list(strides)}, without grad"
+            )
 
     # ---- the device form --------------------------------------------------------------------
 
