@@ -1,12 +1,16 @@
 """compressed-tensors checkpoints (llm-compressor; facts.md §5) <-> Int4Tensor / Nvfp4Tensor /
-Fp8RowwiseTensor / Fp8BlockwiseTensor.
+Mxfp4Tensor / Fp8RowwiseTensor / Fp8BlockwiseTensor.
 
-config.json `quantization_config`: quant_method "compressed-tensors", format (for the model or
-per config group) "pack-quantized", "nvfp4-pack-quantized" or "float-quantized", config_groups
-with the weights' and input activations' args, `ignore` (modules left unquantized). Per
-quantized linear `<p>`:
+config.json `quantization_config`: quant_method "compressed-tensors", `config_groups` ({name:
+{targets, weights, input_activations, format}}), the model's `format` (one format, or
+"mixed-precision" when each group names its own), `ignore`. A quantized linear's scheme is the
+first config group that targets it (by module name, "re:" regex, or "Linear") and whose format
+stores the tensors it has, as compressed-tensors' own model-free dequantizer picks it
+(entrypoints/convert/converters/ct_dequantizer.py); a group without a format gets the one
+compressed-tensors infers from its args (compressors/format.py, `_inferred_format` here). Read
+against compressed-tensors 0.20.0. Per quantized linear `<p>`, by format:
 
-pack-quantized int4 (num_bits 4, type int, strategy group): `weight_packed` int32
+pack-quantized int4 (num_bits 4, type int, strategy group; W4A16): `weight_packed` int32
 [N, ceil(K/8)], each value q in -8..7 stored as q + 8, element i of a word at bits 4i (LSB
 first); `weight_scale` [N, G]; `weight_shape` int64 [2]; asymmetric: `weight_zero_point` int32
 [ceil(N/8), G], zero points z in -8..7 stored the same way but packed along the *output* dim.
@@ -14,29 +18,43 @@ W = (q - z) * scale = (u - (z + 8)) * scale with u = q + 8: the int4 layout with
 zero code z + 8 (symmetric: zero code 8). On a little-endian machine the int32 words are the
 layout's bytes (two codes per byte, the even index low), so the data maps as it is. The
 layout keeps bf16 scales: fp16 scales load when each is exactly a bf16 value, else
-CheckpointError (converting would re-quantize).
+CheckpointError (converting would re-quantize). compressed-tensors' group dequantization
+refuses a K that is not a multiple of the group (forward_helpers._process_group), so export
+refuses it too; load takes a partial last group (older writers).
 
-nvfp4-pack-quantized: `weight_packed` uint8 [N, K/2] (the NVFP4 layout's bytes),
-`weight_scale` float8_e4m3fn [N, K/16], `weight_global_scale` float32, a *divisor*:
-W = e2m1 * (weight_scale / weight_global_scale). The layout's global scale is a multiplier,
-1 / weight_global_scale rounded to fp32, so its dequantized values are within one fp32 ulp of
-the format's. Export picks, among the fp32 neighbours of 1 / multiplier, the divisor whose
-reciprocal is nearest the multiplier: export -> load gives codes and block scales bit for bit,
-and the global scale exactly where an fp32 divisor can (about 83 % of fp32 values; the
+nvfp4-pack-quantized (NVFP4A16; NVFP4 with activations): `weight_packed` uint8 [N, K/2] (the
+NVFP4 layout's bytes), `weight_scale` float8_e4m3fn [N, K/16], `weight_global_scale` float32
+[1], a *divisor*: W = e2m1 * (weight_scale / weight_global_scale). The layout's global scale is
+a multiplier, 1 / weight_global_scale rounded to fp32, so its dequantized values are within one
+fp32 ulp of the format's. Export picks, among the fp32 neighbours of 1 / multiplier, the divisor
+whose reciprocal is nearest the multiplier: export -> load gives codes and block scales bit for
+bit, and the global scale exactly where an fp32 divisor can (about 83 % of fp32 values; the
 reciprocal skips the others) and within one fp32 ulp elsewhere.
 
-float-quantized FP8 (num_bits 8, type float; llm-compressor's FP8 and FP8-Dynamic schemes):
-`weight` float8_e4m3fn [N, K] and `weight_scale` (fp32 or bf16, a multiplier: W = weight *
-weight_scale): strategy "channel" [N, 1] -> Fp8RowwiseTensor; "tensor" (one value) ->
-Fp8RowwiseTensor with that scale on every row; "block" [ceil(N/bn), ceil(K/bk)] with the
-group's `block_structure` [bn, bk] -> Fp8BlockwiseTensor. Input activations: none -> weight-only;
-dynamic (per token, or per group for blocks) -> qshard's dynamic activation quantization; static
-(an `input_scale` per tensor) -> dynamic per token too, which is finer (the input_scale is
-dropped). Export writes channel (per-row) and block FP8 with dynamic activations.
+mxfp4-pack-quantized (MXFP4A16; MXFP4 with activations): `weight_packed` uint8 [N, K/2] (the
+MXFP4 layout's bytes), `weight_scale` uint8 [N, K/32], e8m0 exponents: 2**(s - 127)
+(compressors/mx_utils.py): the layout's scale bytes. Both map as they are.
+
+float-quantized / naive-quantized FP8 (num_bits 8, type float; llm-compressor's FP8 and
+FP8-Dynamic schemes): `weight` float8_e4m3fn [N, K] and `weight_scale` (fp32, bf16 or fp16, a
+multiplier: W = weight * weight_scale): strategy "channel" [N, 1] -> Fp8RowwiseTensor; "tensor"
+(one value) -> Fp8RowwiseTensor with that scale on every row; "block" [ceil(N/bn), ceil(K/bk)]
+with the group's `block_structure` [bn, bk] -> Fp8BlockwiseTensor.
+
+Activations: none -> weight-only. Float activation quantization is replaced by finer: FP8
+dynamic (per token, or per group for blocks) -> qshard's dynamic activation quantization; FP8
+static (an `input_scale` per tensor) -> dynamic per token (the input_scale is dropped); NVFP4 or
+MXFP4 activations (W4A4; `input_global_scale` dropped) -> weight-only, activations in bf16/fp16.
+Refused, naming the scheme (CheckpointError): int activation quantization (W8A8 and W4A8 int,
+format int-quantized: int8 weights per element), int weights of other than 4 bits (W8A16) or
+not in groups of 32..256, MXFP6/MXFP8, the sparse formats, act-order (`weight_g_idx`).
+Export writes int4, NVFP4, MXFP4, and FP8 per channel or in blocks with dynamic activations.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import sys
 
 import torch
@@ -44,18 +62,164 @@ import torch
 from ..config import Backend, ScaleFormat
 from ..errors import CheckpointError, QShardError
 from ..kernels.packing import unpack_nibbles
-from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor, Nvfp4Tensor
+from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor, Mxfp4Tensor, Nvfp4Tensor
+from ..layouts.int4 import GROUP_SIZES
 from ..qtensor import QTensor
+from .configs import MAX_SIZE, Fields, check_stored, quantization_config, unquantized_modules
 from .source import exact_bf16, fp8_rows
 
 NAME = "compressed-tensors"
-INT4_FORMAT, NVFP4_FORMAT, FP8_FORMAT = "pack-quantized", "nvfp4-pack-quantized", "float-quantized"
-NVFP4_GROUP = 16
+INT4_FORMAT, NVFP4_FORMAT = "pack-quantized", "nvfp4-pack-quantized"
+MXFP4_FORMAT, FP8_FORMAT, NAIVE_FORMAT = (
+    "mxfp4-pack-quantized",
+    "float-quantized",
+    "naive-quantized",
+)
+INT_FORMAT, MIXED = "int-quantized", "mixed-precision"
+# Formats whose first tensor is `weight_packed` (the others store `weight` and `weight_scale`).
+PACKED_FORMATS = (INT4_FORMAT, NVFP4_FORMAT, MXFP4_FORMAT, "mxfp6-pack-quantized")
+NVFP4_GROUP, MX_GROUP = 16, 32
+STRATEGIES = ("tensor", "channel", "group", "tensor_group", "block", "token", "attn_head")
+SCALES = (torch.bfloat16, torch.float16, torch.float32)  # float scales as writers store them
+# The tensors of one linear each format stores (compression_param_names in compressed-tensors'
+# compressors); the input scales are dropped (activations run finer, the module docstring).
+TENSORS = {
+    INT4_FORMAT: ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
+    NVFP4_FORMAT: ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
+    MXFP4_FORMAT: ("weight_packed", "weight_scale", "input_global_scale"),
+    FP8_FORMAT: ("weight", "weight_scale", "input_scale"),
+    NAIVE_FORMAT: ("weight", "weight_scale"),
+}
 
 
 def detect(config: dict, hf_quant: dict | None) -> bool:
-    qc = config.get("quantization_config") or {}
-    return qc.get("quant_method") == "compressed-tensors"
+    qc = quantization_config(config)
+    return qc is not None and qc.raw("quant_method") == "compressed-tensors"
+
+
+# ---- the config: one Scheme per config group --------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    """A group's `weights` or `input_activations` (compressed-tensors' QuantizationArgs)."""
+
+    num_bits: int
+    type: str  # "int" or "float"
+    symmetric: bool
+    strategy: str
+    group_size: int | None
+    block_structure: tuple[int, int] | None
+    scale_dtype: str | None
+
+    def describe(self) -> str:
+        """E.g. "4-bit int in groups of 128"."""
+        how = {
+            "group": f" in groups of {self.group_size}",
+            "tensor_group": f" in groups of {self.group_size} with a global scale",
+            "block": " in {}x{} blocks".format(*(self.block_structure or (0, 0))),
+        }.get(self.strategy, f" per {self.strategy.replace('attn_head', 'attention head')}")
+        return f"{self.num_bits}-bit {self.type}{how}"
+
+
+def _args(fields: Fields) -> Args:
+    """QuantizationArgs read as compressed-tensors reads them (quant_args.py): enums in any
+    case, the strategy inferred from group_size when absent (None: tensor, -1: channel, > 0:
+    group)."""
+    group = fields.get("group_size", int, None)
+    if group is not None and group != -1 and not 1 <= group <= MAX_SIZE:
+        rule = f"it must be -1 (per channel) or an integer in 1..{MAX_SIZE} (values along K)"
+        raise fields.error("group_size", group, rule)
+    inferred = "tensor" if group is None else "channel" if group == -1 else "group"
+    strategy = fields.choice("strategy", STRATEGIES, inferred, casefold=True)
+    if strategy in ("group", "tensor_group") and (group is None or group < 1):
+        raise fields.error("group_size", group, f"strategy {strategy!r} needs a positive group "
+                                                f"size")  # fmt: skip
+    block = fields.sizes("block_structure", 2, None)
+    if strategy == "block" and block is None:
+        raise fields.error("block_structure", None, "strategy 'block' needs [rows, cols]")
+    dynamic = fields.raw("dynamic", False)
+    if not isinstance(dynamic, bool) and not (
+        isinstance(dynamic, str) and dynamic.lower() == "local"
+    ):
+        raise fields.error("dynamic", dynamic, 'it must be true, false or "local"')
+    return Args(
+        num_bits=fields.size("num_bits", 8, maximum=64),
+        type=fields.choice("type", ("int", "float"), "int", casefold=True),
+        symmetric=fields.get("symmetric", bool, True),
+        strategy=strategy,
+        group_size=group,
+        block_structure=block,
+        scale_dtype=(fields.get("scale_dtype", str, None) or "").removeprefix("torch.") or None,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """One config group: its name, format, targets, weights' and input activations' args."""
+
+    name: str
+    format: str
+    targets: tuple[str, ...]
+    weights: Args
+    inputs: Args | None
+
+    def targets_module(self, module: str) -> bool:
+        """compressed-tensors' model-free matching (utils/match.py: match_quantizable_tensors):
+        no targets or "Linear" targets every module; "re:" targets are regexes (re.match);
+        others are module names."""
+        return (
+            not self.targets
+            or "Linear" in self.targets
+            or any(
+                re.match(t[3:], module) if t.startswith("re:") else t == module
+                for t in self.targets
+            )
+        )
+
+    def describe(self) -> str:
+        acts = self.inputs
+        label = f"W{self.weights.num_bits}A{acts.num_bits if acts else 16}"
+        detail = f"{self.weights.describe()} weights"
+        if acts:
+            detail += f", {acts.describe()} activations"
+        return f"compressed-tensors format {self.format!r} ({label}: {detail}; group {self.name!r})"
+
+
+def _inferred_format(w: Args, acts: Args | None) -> str:
+    """The format compressed-tensors gives a Linear with these args (compressors/format.py:
+    the first compressor, in its priority order, whose can_compress accepts them)."""
+    if w.type == "float" and w.group_size == MX_GROUP and w.num_bits in (4, 6):
+        return MXFP4_FORMAT if w.num_bits == 4 else "mxfp6-pack-quantized"
+    if w.type == "float" and w.num_bits == 8 and w.group_size == MX_GROUP \
+            and w.scale_dtype == "uint8":  # fmt: skip
+        return "mxfp8-quantized"
+    if w.type == "float" and w.num_bits == 4 and w.group_size == NVFP4_GROUP:
+        return NVFP4_FORMAT
+    if w.type == "int":
+        return INT_FORMAT if acts is not None else INT4_FORMAT
+    return FP8_FORMAT if acts is not None else NAIVE_FORMAT
+
+
+def schemes(config: dict, where: str) -> list[Scheme]:
+    """The config groups that quantize weights, in the config's order."""
+    qc = quantization_config(config, where)
+    model_format = qc.get("format", str, None)
+    out = []
+    for name, group in qc.children("config_groups", {}).items():
+        weights = group.child("weights", None)
+        if weights is None:
+            continue  # activations or the KV cache only: no weight tensors
+        weights = _args(weights)
+        acts = group.child("input_activations", None)
+        acts = None if acts is None else _args(acts)
+        fmt = group.get("format", str, None) or (model_format if model_format != MIXED else None)
+        fmt = fmt or _inferred_format(weights, acts)
+        out.append(Scheme(name, fmt, tuple(group.strings("targets", [])), weights, acts))
+    return out
+
+
+# ---- load -------------------------------------------------------------------------------------
 
 
 def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dict:
@@ -68,29 +232,78 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
             f"{reader.directory}: {act_order[0]!r}: an act-order (g_idx) checkpoint, whose "
             f"groups are permuted columns; the int4 layout's groups are contiguous"
         )
+    groups = schemes(config, str(reader.directory / "config.json"))
     state, consumed = {}, set()
     for key in reader.names():
         if key.endswith(".weight_packed"):
-            prefix = key.removesuffix(".weight_packed")
-            packed = reader.get(key)
-            if packed.dtype == torch.int32:
-                groups = _group_sizes(config)
-                state[prefix + ".weight"] = _int4(reader, prefix, packed, dtype, groups)
-            else:
-                state[prefix + ".weight"] = _nvfp4(reader, prefix, packed, dtype)
-            consumed.update(f"{prefix}.{n}" for n in (
-                "weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
-                "weight_global_scale", "input_global_scale"))  # fmt: skip
-        elif key.endswith(".weight") and key.removesuffix("weight") + "weight_scale" in reader:
-            prefix = key.removesuffix(".weight")
-            qdata = reader.get(key)
-            if qdata.dtype == torch.float8_e4m3fn:
-                state[key] = _fp8(reader, prefix, qdata, config, dtype)
-                consumed.update(f"{prefix}.{n}" for n in ("weight", "weight_scale", "input_scale"))
+            prefix, first = key.removesuffix(".weight_packed"), "weight_packed"
+        elif key.endswith(".weight") and key + "_scale" in reader:
+            prefix, first = key.removesuffix(".weight"), "weight"
+        else:
+            continue
+        scheme = _scheme_of(reader, prefix, first, groups)
+        state[prefix + ".weight"] = LOADERS[scheme.format](reader, prefix, scheme, dtype)
+        consumed.update(f"{prefix}.{n}" for n in TENSORS[scheme.format])
     for key in reader.names():
         if key not in consumed:
             state[key] = reader.get(key)
     return state
+
+
+def _scheme_of(reader, prefix: str, first: str, groups: list[Scheme]) -> Scheme:
+    """The first group that targets `prefix` and whose format stores `first` first; refused
+    with the reason if qshard cannot hold that format's weights."""
+    packed = first == "weight_packed"
+    fitting = [
+        s for s in groups if s.targets_module(prefix) and (s.format in PACKED_FORMATS) == packed
+    ]
+    if not fitting:
+        raise CheckpointError(
+            f"{reader.directory}: {prefix}.{first} is stored, but no config group that targets "
+            f"{prefix!r} has a format storing it (groups: "
+            f"{[(s.name, s.format, list(s.targets)) for s in groups]}); the config does not "
+            f"describe these tensors: fix config.json's quantization_config.config_groups"
+        )
+    scheme = fitting[0]
+    why = _why_not(scheme)
+    if why:
+        raise CheckpointError(f"{reader.directory}: {prefix}: {scheme.describe()}: {why}")
+    return scheme
+
+
+# What qshard holds, per format: weights' (type, bits), strategies, group sizes (None: any),
+# whether they must be symmetric, and the rule a refusal states.
+HOLDS = {
+    INT4_FORMAT: (("int", 4), ("group",), GROUP_SIZES, False,
+                  f"qshard's int layout holds 4-bit weights in groups of {list(GROUP_SIZES)} "
+                  f"along K (no int8 or other widths, no scale per channel or tensor)"),
+    NVFP4_FORMAT: (("float", 4), ("tensor_group",), (NVFP4_GROUP,), True,
+                   "NVFP4 is symmetric 4-bit float in groups of 16 with a global scale"),
+    MXFP4_FORMAT: (("float", 4), ("group",), (MX_GROUP,), True,
+                   "MXFP4 is symmetric 4-bit float in groups of 32"),
+    FP8_FORMAT: (("float", 8), ("channel", "tensor", "block"), None, True,
+                 "qshard reads symmetric FP8 (e4m3) weights with a scale per channel, per "
+                 "tensor or per block from this format, and has no int8 layout"),
+}  # fmt: skip
+HOLDS[NAIVE_FORMAT] = HOLDS[FP8_FORMAT]
+INT_ACTIVATIONS = (
+    "qshard has no int activation quantization and no int8 layout: its int4 layout runs "
+    "4-bit weights with bf16/fp16 activations (W4A16)"
+)
+
+
+def _why_not(s: Scheme) -> str | None:
+    """Why qshard cannot hold the weights of scheme `s` as stored, or None if it can."""
+    fix = "; use a checkpoint quantized so, or quantize the float model with qshard.quantize_"
+    if s.inputs is not None and s.inputs.type == "int":
+        return INT_ACTIVATIONS + fix
+    if s.format not in HOLDS:
+        return f"qshard reads the formats {list(HOLDS)}" + fix
+    kind, strategies, groups, symmetric_only, rule = HOLDS[s.format]
+    w = s.weights
+    ok = (w.type, w.num_bits) == kind and w.strategy in strategies
+    ok = ok and (groups is None or w.group_size in groups) and (w.symmetric or not symmetric_only)
+    return None if ok else rule + fix
 
 
 def _unpack_words(words: torch.Tensor, count: int) -> torch.Tensor:
@@ -100,43 +313,43 @@ def _unpack_words(words: torch.Tensor, count: int) -> torch.Tensor:
     return codes[:, :count]
 
 
-def _group_sizes(config: dict) -> list[int]:
-    """The group sizes the config groups name for their 4-bit int weights."""
-    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
-    sizes = {(g.get("weights") or {}).get("group_size") for g in groups.values()}
-    return sorted(s for s in sizes if isinstance(s, int))
-
-
-def _int4(reader, prefix: str, packed: torch.Tensor, dtype: torch.dtype,
-          group_sizes: list[int]) -> QTensor:  # fmt: skip
+def _weight_shape(reader, prefix: str) -> tuple[int, int]:
     where = f"{reader.directory}: {prefix}"
-    n, k = (int(v) for v in reader.get(prefix + ".weight_shape"))
-    scale = exact_bf16(reader.get(prefix + ".weight_scale"), where + ".weight_scale")
-    groups = scale.shape[1]
-    if tuple(packed.shape) != (n, -(-k // 8)) or scale.shape[0] != n:
-        raise CheckpointError(f"{where}: weight_packed {list(packed.shape)} / weight_scale "
-                              f"{list(scale.shape)} do not fit weight_shape [{n}, {k}] in "
-                              f"4 bits")  # fmt: skip
-    # The config's group size that gives this many groups (the last may be partial).
-    fitting = [g for g in group_sizes if -(-k // g) == groups]
-    group = fitting[0] if fitting else -(-k // groups)
-    if group not in (32, 64, 128, 256) or -(-k // group) != groups:
-        raise CheckpointError(f"{where}: {groups} groups over K = {k} (config group sizes "
-                              f"{group_sizes}); the int4 layout takes groups of 32, 64, 128 "
-                              f"or 256")  # fmt: skip
+    shape = check_stored(where, "weight_shape", reader.get(prefix + ".weight_shape"),
+                         (torch.int64, torch.int32), (2,))  # fmt: skip
+    n, k = (int(v) for v in shape)
+    if not (1 <= n <= MAX_SIZE and 1 <= k <= MAX_SIZE):
+        raise CheckpointError(f"{where}: weight_shape is {[n, k]}; it must be two sizes in "
+                              f"1..{MAX_SIZE}. The file is damaged")  # fmt: skip
+    return n, k
+
+
+def _int4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
+    where = f"{reader.directory}: {prefix}"
+    n, k = _weight_shape(reader, prefix)
+    group = scheme.weights.group_size
+    groups = -(-k // group)
+    packed = check_stored(where, "weight_packed", reader.get(prefix + ".weight_packed"),
+                          torch.int32, (n, -(-k // 8)))  # fmt: skip
+    scale = check_stored(where, "weight_scale", reader.get(prefix + ".weight_scale"), SCALES,
+                         (n, groups))  # fmt: skip
+    scale = exact_bf16(scale, where + ".weight_scale")
     # Bytes of the words, little-endian: the layout's packing, cut to ceil(K/2) bytes.
     qdata = packed.contiguous().view(torch.uint8)[:, : -(-k // 2)].contiguous()
     if k % 2:
         qdata[:, -1] &= 15  # the layout leaves an odd K's last high nibble zero
     zero_key = prefix + ".weight_zero_point"
-    symmetric = zero_key not in reader
+    symmetric = scheme.weights.symmetric
+    if (zero_key in reader) == symmetric:
+        state = "has" if symmetric else "lacks"
+        raise CheckpointError(f"{where}: config group {scheme.name!r} says symmetric="
+                              f"{symmetric} but the linear {state} a weight_zero_point; the "
+                              f"file and its config disagree")  # fmt: skip
     if symmetric:
         zero = torch.zeros(0, 0, dtype=torch.bfloat16)
     else:
-        words = reader.get(zero_key)
-        if tuple(words.shape) != (-(-n // 8), groups):
-            raise CheckpointError(f"{where}: weight_zero_point {list(words.shape)}; expected "
-                                  f"[{-(-n // 8)}, {groups}] (packed along N)")  # fmt: skip
+        words = check_stored(where, "weight_zero_point", reader.get(zero_key), torch.int32,
+                             (-(-n // 8), groups))  # fmt: skip
         zero = _unpack_words(words.t(), n).t().to(torch.bfloat16)  # z + 8: the zero's code
     tensor = Int4Tensor(
         {"qdata": qdata, "scale": scale, "zero": zero.contiguous()},
@@ -146,56 +359,84 @@ def _int4(reader, prefix: str, packed: torch.Tensor, dtype: torch.dtype,
     return tensor.repack_for_device()
 
 
-def _nvfp4(reader, prefix: str, packed: torch.Tensor, dtype: torch.dtype) -> QTensor:
+def _fp4_codes(reader, prefix: str, group: int, scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight_packed` uint8 [N, K/2] and `weight_scale` [N, ceil(K/group)] of one of `scales`."""
     where = f"{reader.directory}: {prefix}"
-    scale = reader.get(prefix + ".weight_scale")
-    divisor = reader.get(prefix + ".weight_global_scale").float().reshape(1, 1)
+    packed = check_stored(where, "weight_packed", reader.get(prefix + ".weight_packed"),
+                          torch.uint8, (None, None))  # fmt: skip
     n, k = packed.shape[0], packed.shape[1] * 2
-    if packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
-        raise CheckpointError(f"{where}: weight_packed {packed.dtype} / weight_scale "
-                              f"{scale.dtype}; nvfp4-pack-quantized holds uint8 and "
-                              f"float8_e4m3fn")  # fmt: skip
-    inner = {"qdata": packed, "scale": scale, "global_scale": 1.0 / divisor}
+    scale = check_stored(where, "weight_scale", reader.get(prefix + ".weight_scale"), scales,
+                         (n, -(-k // group)))  # fmt: skip
+    return packed, scale
+
+
+def _nvfp4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
+    where = f"{reader.directory}: {prefix}"
+    packed, scale = _fp4_codes(reader, prefix, NVFP4_GROUP, torch.float8_e4m3fn)
+    divisor = check_stored(where, "weight_global_scale",
+                           reader.get(prefix + ".weight_global_scale"), torch.float32)  # fmt: skip
+    if divisor.numel() != 1:
+        raise CheckpointError(f"{where}: weight_global_scale has shape {list(divisor.shape)}; "
+                              f"the format stores one float32 value")  # fmt: skip
+    inner = {"qdata": packed, "scale": scale, "global_scale": 1.0 / divisor.reshape(1, 1)}
+    n, k = packed.shape[0], packed.shape[1] * 2
     tensor = Nvfp4Tensor(inner, shape=(n, k), dtype=dtype, backend=Backend.AUTO)
     tensor.validate()
     return tensor
 
 
-def _fp8_group(config: dict) -> dict:
-    """The config group of the FP8 weights (type float, 8 bits): its weights' and input
-    activations' args."""
-    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
-    for group in groups.values():
-        weights = group.get("weights") or {}
-        if weights.get("type") == "float" and weights.get("num_bits") == 8:
-            return group
-    return {}
-
-
-def _fp8(reader, prefix: str, qdata: torch.Tensor, config: dict, dtype: torch.dtype) -> QTensor:
-    where = f"{reader.directory}: {prefix}"
-    scale = reader.get(prefix + ".weight_scale").float()
-    n, k = qdata.shape
-    group = _fp8_group(config)
-    weight_only = not group.get("input_activations")
-    if scale.numel() == 1 or tuple(scale.shape) in ((n, 1), (n,)):  # tensor or channel
-        return fp8_rows(qdata, scale, dtype, weight_only)
-    bn, bk = (group.get("weights") or {}).get("block_structure") or (128, 128)
-    if tuple(scale.shape) != (-(-n // bn), -(-k // bk)):
-        raise CheckpointError(f"{where}: weight_scale {list(scale.shape)} fits neither a "
-                              f"scale per row ([{n}, 1]), one per tensor, nor {bn}x{bk} "
-                              f"blocks of [{n}, {k}]")  # fmt: skip
-    tensor = Fp8BlockwiseTensor(
-        {"qdata": qdata, "scale": scale}, shape=(n, k), dtype=dtype,
-        block_size=(bn, bk), act_group_size=bk, weight_only=weight_only,
-        scale_format=ScaleFormat.FP32, backend=Backend.AUTO,
-    )  # fmt: skip
-    try:
-        tensor.check_attrs(tensor.attrs())
-    except QShardError as e:  # e.g. a block_structure qshard's FP8 layout cannot take
-        raise CheckpointError(f"{where}: {e}") from None
+def _mxfp4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
+    packed, scale = _fp4_codes(reader, prefix, MX_GROUP, (torch.uint8, torch.float8_e8m0fnu))
+    n, k = packed.shape[0], packed.shape[1] * 2
+    inner = {"qdata": packed, "scale": scale.contiguous().view(torch.float8_e8m0fnu)}
+    tensor = Mxfp4Tensor(inner, shape=(n, k), dtype=dtype, group_size=MX_GROUP,
+                         backend=Backend.AUTO)  # fmt: skip
     tensor.validate()
     return tensor
+
+
+def _fp8(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
+    where = f"{reader.directory}: {prefix}"
+    qdata = check_stored(where, "weight", reader.get(prefix + ".weight"), torch.float8_e4m3fn,
+                         (None, None))  # fmt: skip
+    n, k = qdata.shape
+    w = scheme.weights
+    weight_only = scheme.inputs is None
+    scale = reader.get(prefix + ".weight_scale")
+    if w.strategy != "block":  # one scale per row ([N, 1] or [N]), or one in all
+        shape = ((n, 1) if scale.dim() == 2 else (n,)) if w.strategy == "channel" else None
+        if shape is None and scale.numel() != 1:
+            shape = (1,)
+        scale = check_stored(where, "weight_scale", scale, SCALES, shape).float()
+        return fp8_rows(qdata, scale, dtype, weight_only)
+    attrs = {"block_size": w.block_structure, "act_group_size": w.block_structure[1],
+             "weight_only": weight_only, "scale_format": ScaleFormat.FP32,
+             "backend": Backend.AUTO}  # fmt: skip
+    try:  # the layout's own rules, before any arithmetic with the block
+        Fp8BlockwiseTensor.check_attrs(attrs)
+    except QShardError as e:  # e.g. a block_structure qshard's FP8 layout cannot take
+        raise CheckpointError(f"{reader.directory / 'config.json'}: config group "
+                              f"{scheme.name!r} weights.block_structure "
+                              f"{list(w.block_structure)}: {e}") from None  # fmt: skip
+    bn, bk = w.block_structure
+    blocks = (-(-n // bn), -(-k // bk))
+    scale = check_stored(where, "weight_scale", scale, SCALES, blocks).float()
+    tensor = Fp8BlockwiseTensor({"qdata": qdata, "scale": scale}, shape=(n, k), dtype=dtype,
+                                **attrs)  # fmt: skip
+    tensor.validate()
+    return tensor
+
+
+LOADERS = {
+    INT4_FORMAT: _int4,
+    NVFP4_FORMAT: _nvfp4,
+    MXFP4_FORMAT: _mxfp4,
+    FP8_FORMAT: _fp8,
+    NAIVE_FORMAT: _fp8,
+}  # fmt: skip (the formats of HOLDS)
+
+
+# ---- export -----------------------------------------------------------------------------------
 
 
 def _fp8_export(w: QTensor, prefix: str, tensors: dict) -> tuple[dict, dict | None]:
@@ -244,6 +485,11 @@ def _group_config(args: tuple[dict, dict | None], fmt: str, targets: list[str]) 
             "output_activations": None, "format": fmt}  # fmt: skip
 
 
+def _refuse(key: str, value: QTensor, why: str) -> QShardError:
+    return QShardError(f"qshard.export(format='{NAME}'): {key!r} is a {type(value).__name__} "
+                       f"{list(value.shape)}; {why}")  # fmt: skip
+
+
 def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
     tensors, groups = {}, {}
 
@@ -258,14 +504,18 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
         w = value.t() if value.transposed else value
         prefix = key.removesuffix(".weight")
         n, k = w.logical_shape
-        if isinstance(w, Int4Tensor) and w.float_zero:
-            raise QShardError(
-                f"qshard.export(format='{NAME}'): {key!r} has float zero points "
-                f"(zero_point_domain='float'); compressed-tensors int4 zero points are integers"
-            )
         if isinstance(w, Fp8BlockwiseTensor | Fp8RowwiseTensor):
             add(FP8_FORMAT, *_fp8_export(w, prefix, tensors), prefix)
-        elif isinstance(w, Int4Tensor) and w.group_size in (32, 64, 128, 256):
+        elif isinstance(w, Int4Tensor):
+            if w.float_zero:
+                raise _refuse(key, value, "it has float zero points (zero_point_domain='float'); "
+                              "compressed-tensors int4 zero points are integers")  # fmt: skip
+            if w.group_size not in GROUP_SIZES or k % w.group_size:
+                raise _refuse(key, value, f"K = {k} in groups of {w.group_size}: compressed-"
+                              f"tensors reads int4 groups that divide K exactly (its group "
+                              f"dequantization refuses a partial last group); quantize with a "
+                              f"group size of {list(GROUP_SIZES)} that divides {k}, or leave "
+                              f"this linear unquantized")  # fmt: skip
             tensors[prefix + ".weight_packed"] = _pack_words(unpack_nibbles(w.qdata, k))
             tensors[prefix + ".weight_scale"] = w.scale
             tensors[prefix + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
@@ -283,12 +533,17 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
             args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
                     "group_size": NVFP4_GROUP, "dynamic": False}  # fmt: skip
             add(NVFP4_FORMAT, args, None, prefix)
+        elif isinstance(w, Mxfp4Tensor) and w.group_size == MX_GROUP and k % MX_GROUP == 0:
+            tensors[prefix + ".weight_packed"] = w.qdata
+            tensors[prefix + ".weight_scale"] = w.scale.view(torch.uint8)
+            args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
+                    "group_size": MX_GROUP, "dynamic": False,
+                    "scale_dtype": "torch.uint8"}  # fmt: skip
+            add(MXFP4_FORMAT, args, None, prefix)
         else:
-            raise QShardError(
-                f"qshard.export(format='{NAME}'): {key!r} is a {type(value).__name__} the "
-                f"format cannot hold (it holds FP8 per row or in blocks, int4 in groups of "
-                f"32..256 and NVFP4 with K a multiple of 16)"
-            )
+            raise _refuse(key, value, "the format holds FP8 per row or in blocks, int4 in "
+                          "groups of 32..256 dividing K, and NVFP4 / MXFP4 (32-blocks) with K a "
+                          "multiple of 16 / 32")  # fmt: skip
     config_groups = {
         f"group_{i}": _group_config(args, fmt, targets)
         for i, ((fmt, *_), (args, targets)) in enumerate(sorted(groups.items()))
@@ -297,9 +552,9 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
     quantized = {t for _, targets in groups.values() for t in targets}
     qc = {
         "quant_method": "compressed-tensors",
-        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "format": formats.pop() if len(formats) == 1 else MIXED,
         "quantization_status": "compressed",
         "config_groups": config_groups,
-        "ignore": [name for name in linear_names if name not in quantized],
+        "ignore": unquantized_modules(state, linear_names, quantized),
     }
     return tensors, {"quantization_config": qc}, {}

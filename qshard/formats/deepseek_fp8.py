@@ -17,25 +17,25 @@ from ..config import Backend, ScaleFormat
 from ..errors import CheckpointError, QShardError
 from ..layouts import Fp8BlockwiseTensor
 from ..qtensor import QTensor
+from .configs import quantization_config
 
 NAME = "deepseek-fp8"
 SCALE_SUFFIX = ".weight_scale_inv"
 
 
 def detect(config: dict, hf_quant: dict | None) -> bool:
-    qc = config.get("quantization_config") or {}
-    return qc.get("quant_method") == "fp8" and "weight_block_size" in qc
+    qc = quantization_config(config)
+    return qc is not None and qc.raw("quant_method") == "fp8"
 
 
 def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dict:
-    qc = config["quantization_config"]
-    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
-        raise CheckpointError(
-            f"{reader.directory}: quantization_config fmt {qc.get('fmt')!r} / activation_scheme "
-            f"{qc.get('activation_scheme')!r}; qshard reads e4m3 weights with dynamic activations"
-        )
-    block = tuple(qc["weight_block_size"])
-    ue8m0 = qc.get("scale_fmt") == "ue8m0"
+    qc = quantization_config(config, str(reader.directory / "config.json"))
+    qc.choice("fmt", ("e4m3",), "e4m3", note="qshard reads e4m3 weights (DeepSeek-V3, Qwen3-FP8)")
+    dynamic = "qshard quantizes activations dynamically and reads no static activation scales"
+    qc.choice("activation_scheme", ("dynamic",), "dynamic", note=dynamic)
+    blocks = "qshard reads FP8 in blocks, e.g. [128, 128] (DeepSeek-V3); not one scale per tensor"
+    block = qc.sizes("weight_block_size", 2, note=blocks)
+    ue8m0 = qc.choice("scale_fmt", ("float", "ue8m0"), "float") == "ue8m0"
     state = {}
     scaled = {k[: -len(SCALE_SUFFIX)] for k in reader.names() if k.endswith(SCALE_SUFFIX)}
     for key in reader.names():

@@ -19,6 +19,7 @@ import torch
 from ..errors import CheckpointError, QShardError
 from ..layouts import Fp8RowwiseTensor
 from ..qtensor import QTensor
+from .configs import quantization_config
 from .source import fp8_rows
 
 NAME = "fbgemm-fp8"
@@ -26,8 +27,8 @@ DEFAULT_SCALE_UB = 1200.0  # Hugging Face's FbgemmFp8Config default
 
 
 def detect(config: dict, hf_quant: dict | None) -> bool:
-    qc = config.get("quantization_config") or {}
-    return qc.get("quant_method") == "fbgemm_fp8"
+    qc = quantization_config(config)
+    return qc is not None and qc.raw("quant_method") == "fbgemm_fp8"
 
 
 def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dict:

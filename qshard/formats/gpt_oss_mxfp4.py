@@ -18,14 +18,15 @@ import torch
 from ..config import Backend
 from ..errors import CheckpointError
 from ..layouts import Mxfp4Tensor
+from .configs import quantization_config
 
 NAME = "gpt-oss-mxfp4"
 GROUP = 32
 
 
 def detect(config: dict, hf_quant: dict | None) -> bool:
-    qc = config.get("quantization_config") or {}
-    return qc.get("quant_method") == "mxfp4"
+    qc = quantization_config(config)
+    return qc is not None and qc.raw("quant_method") == "mxfp4"
 
 
 def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dict:

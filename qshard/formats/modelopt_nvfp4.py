@@ -20,29 +20,34 @@ from ..config import Backend
 from ..errors import CheckpointError, QShardError
 from ..layouts import Nvfp4Tensor
 from ..qtensor import QTensor
+from .configs import Fields, quantization_config
 
 NAME = "modelopt-nvfp4"
 GROUP = 16
 HF_QUANT_CONFIG = "hf_quant_config.json"
+QUANT_ALGOS = ("NVFP4",)
 
 
-def _quantization(config: dict, hf_quant: dict | None) -> dict | None:
-    if hf_quant is not None and isinstance(hf_quant.get("quantization"), dict):
-        return hf_quant["quantization"]
-    qc = config.get("quantization_config") or {}
-    return qc if qc.get("quant_method") == "modelopt" else None
+def _quantization(config: dict, hf_quant: dict | None, directory=None) -> Fields | None:
+    """The `quantization` object of hf_quant_config.json, or config.json's quantization_config
+    when its quant_method is "modelopt" (newer exports); None if neither."""
+    if hf_quant is not None and hf_quant.get("quantization") is not None:
+        where = HF_QUANT_CONFIG if directory is None else str(directory / HF_QUANT_CONFIG)
+        return Fields(hf_quant, where).child("quantization")
+    where = "config.json" if directory is None else str(directory / "config.json")
+    qc = quantization_config(config, where)
+    return qc if qc is not None and qc.raw("quant_method") == "modelopt" else None
 
 
 def detect(config: dict, hf_quant: dict | None) -> bool:
     quantization = _quantization(config, hf_quant)
-    return quantization is not None and quantization.get("quant_algo") == "NVFP4"
+    return quantization is not None and quantization.raw("quant_algo") in QUANT_ALGOS
 
 
 def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dict:
-    quantization = _quantization(config, hf_quant)
-    if quantization.get("group_size", GROUP) != GROUP:
-        raise CheckpointError(f"{reader.directory}: NVFP4 group_size "
-                              f"{quantization.get('group_size')}; NVFP4 blocks are 16")  # fmt: skip
+    quantization = _quantization(config, hf_quant, reader.directory)
+    quantization.choice("quant_algo", QUANT_ALGOS)
+    quantization.choice("group_size", (GROUP,), GROUP, note="NVFP4 blocks are 16 values")
     quantized = {k.removesuffix(".weight_scale_2") for k in reader.names()
                  if k.endswith(".weight_scale_2")}  # fmt: skip
     state = {}

@@ -31,8 +31,6 @@ torchao applies to the activations), and Int4TilePackedTo4dTensor (tinygemm's de
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from ..config import Backend, ScaleFormat
@@ -40,6 +38,8 @@ from ..errors import CheckpointError
 from ..layouts import Fp8BlockwiseTensor, Int4Tensor
 from ..layouts.fp8_blockwise import MIN_BLOCK
 from ..layouts.int4 import GROUP_SIZES, ZeroPointDomain
+from ..safejson import parse_json
+from .configs import Fields, quantization_config
 from .source import exact_bf16, fp8_rows
 
 NAME = "torchao"
@@ -50,20 +50,25 @@ WHY_NOT = {
 
 
 def detect(config: dict, hf_quant: dict | None) -> bool:
-    qc = config.get("quantization_config") or {}
-    return qc.get("quant_method") == "torchao"
+    qc = quantization_config(config)
+    return qc is not None and qc.raw("quant_method") == "torchao"
 
 
 def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dict:
     metadata = reader.metadata()
+    where = f"{reader.directory}: safetensors metadata"
     if "tensor_names" not in metadata:
         raise CheckpointError(f"{reader.directory}: a torchao checkpoint without 'tensor_names' "
                               f"in its safetensors metadata (torchao < 0.14 pickles; re-save "
                               f"it with torchao's safetensors support)")  # fmt: skip
+    names = parse_json(metadata["tensor_names"], f"{where} 'tensor_names'")
     state = {}
-    for name in json.loads(metadata["tensor_names"]):
-        entry = json.loads(metadata[name])
-        kind = entry.get("_type")
+    for name in Fields({"tensor_names": names}, where).strings("tensor_names"):
+        if name not in metadata:
+            raise CheckpointError(f"{where}: no entry for {name!r}, which tensor_names lists; "
+                                  f"the file is damaged, re-save it with torchao")  # fmt: skip
+        entry = Fields(parse_json(metadata[name], f"{where} {name!r}"), where, repr(name))
+        kind = entry.get("_type", str)
         if kind == "Tensor":
             state[name] = reader.get(name)
         elif kind == "Float8Tensor":
@@ -83,15 +88,15 @@ def _prefix(name: str) -> str:
     return f"{module}._{param}_" if module else f"_{param}_"
 
 
-def _int4(reader, name: str, entry: dict, dtype: torch.dtype) -> Int4Tensor:
-    data, prefix = entry.get("_data") or {}, _prefix(name)
+def _int4(reader, name: str, entry: Fields, dtype: torch.dtype) -> Int4Tensor:
+    data, prefix = entry.child("_data"), _prefix(name)
     where = f"{reader.directory}: {name}"
-    if "act_pre_scale" in (entry.get("_tensor_data_names") or ()):
+    if "act_pre_scale" in entry.strings("_tensor_data_names", []):
         raise CheckpointError(f"{where}: an Int4Tensor with act_pre_scale (activations "
                               f"scaled before the matmul, AWQ-style); qshard has none")  # fmt: skip
     qdata = reader.get(prefix + "qdata")
-    (n, k), block = data.get("shape") or (0, 0), data.get("block_size") or ()
-    group = block[-1] if len(block) == 2 and block[0] == 1 else 0
+    (n, k), block = data.sizes("shape", 2), data.sizes("block_size", 2)
+    group = block[-1] if block[0] == 1 else 0
     if qdata.dim() != 2 or group not in GROUP_SIZES or tuple(qdata.shape) != (n, -(-k // 2)):
         raise CheckpointError(f"{where}: qdata {list(qdata.shape)}, shape {[n, k]}, block "
                               f"{list(block)}; qshard reads 2-D Int4Tensors in groups of "
@@ -116,12 +121,12 @@ def _int4(reader, name: str, entry: dict, dtype: torch.dtype) -> Int4Tensor:
     return tensor.repack_for_device()
 
 
-def _float8(reader, name: str, entry: dict, dtype: torch.dtype):
+def _float8(reader, name: str, entry: Fields, dtype: torch.dtype):
     prefix = _prefix(name)
     qdata, scale = reader.get(prefix + "qdata"), reader.get(prefix + "scale")
-    data = entry.get("_data") or {}
-    block = tuple(data.get("block_size") or ())
-    weight_only = data.get("act_quant_kwargs") is None
+    data = entry.child("_data")
+    block = data.sizes("block_size", 2, note="qshard reads 2-D Float8Tensors")
+    weight_only = data.child("act_quant_kwargs", None) is None
     where = f"{reader.directory}: {name}"
     if qdata.dtype != torch.float8_e4m3fn or qdata.dim() != 2:
         raise CheckpointError(f"{where}: qdata {qdata.dtype}{list(qdata.shape)}; qshard reads "

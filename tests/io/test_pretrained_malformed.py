@@ -1,0 +1,203 @@
+"""Malformed and mismatched checkpoints of other producers (issue 21): every one is a
+CheckpointError that names the file, the field or tensor, the value and the rule, never a raw
+AttributeError / TypeError / KeyError / ZeroDivisionError / JSONDecodeError, and never a layout
+the layout itself refuses or tensors reinterpreted byte by byte."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from test_pretrained_formats import (
+    compressed_int4_checkpoint,
+    deepseek_checkpoint,
+    float8_entry,
+    random_bytes,
+    random_e4m3,
+    torchao_checkpoint,
+    write_checkpoint,
+)
+
+import qshard
+from qshard import CheckpointError
+
+
+def edit_config(directory, change) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config))
+
+
+def refused(directory, *fragments: str) -> str:
+    """load_pretrained's CheckpointError, whose message (the directory written DIR, since
+    pytest names it after the test) holds every fragment."""
+    with pytest.raises(CheckpointError) as info:
+        qshard.load_pretrained(directory)
+    message = str(info.value).replace(str(directory), "DIR")
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return message
+
+
+# ---- quantization_config itself -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["abc", 5, [1, 2], True])
+def test_a_quantization_config_that_is_not_an_object_is_a_checkpoint_error(tmp_path, value):
+    deepseek_checkpoint(tmp_path)
+    edit_config(tmp_path, lambda c: c.update(quantization_config=value))
+    with pytest.raises(CheckpointError, match="quantization_config is .* it must be a JSON obj"):
+        qshard.formats.detect_format(tmp_path)
+    # Format detection sees the parsed config.json, not its directory.
+    refused(tmp_path, "config.json: quantization_config", repr(value))
+
+
+# ---- DeepSeek block FP8 -----------------------------------------------------------------------
+
+DEEPSEEK_FIELDS = [
+    ("weight_block_size", "abc"),
+    ("weight_block_size", [0, 0]),
+    ("weight_block_size", [16]),
+    ("weight_block_size", [16.5, 16]),
+    ("weight_block_size", [2**100, 128]),
+    ("weight_block_size", None),
+    ("fmt", 5),
+    ("fmt", "e5m2"),
+    ("activation_scheme", ["dynamic"]),
+    ("scale_fmt", {}),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), DEEPSEEK_FIELDS, ids=[f"{f}={v!r}" for f, v in
+                                                                   DEEPSEEK_FIELDS])  # fmt: skip
+def test_deepseek_config_fields_are_checked(tmp_path, field, value):
+    deepseek_checkpoint(tmp_path)
+    edit_config(tmp_path, lambda c: c["quantization_config"].update({field: value}))
+    shown = "is missing" if value is None else repr(value)
+    refused(tmp_path, "DIR/config.json", f"quantization_config.{field}", shown)
+
+
+# ---- compressed-tensors -----------------------------------------------------------------------
+
+
+def set_path(config: dict, path: str, value) -> None:
+    *parents, last = path.split(".")
+    node = config["quantization_config"]
+    for name in parents:
+        node = node[name]
+    node[last] = value
+
+
+CT_FIELDS = [
+    ("config_groups", [{"weights": {}}], "config_groups"),
+    ("config_groups.group_0", "x", "config_groups.group_0"),
+    ("config_groups.group_0.weights", [4], "config_groups.group_0.weights"),
+    ("config_groups.group_0.weights.group_size", 0, "weights.group_size"),
+    ("config_groups.group_0.weights.group_size", "abc", "weights.group_size"),
+    ("config_groups.group_0.weights.group_size", -5, "weights.group_size"),
+    ("config_groups.group_0.weights.num_bits", "4", "weights.num_bits"),
+    ("config_groups.group_0.weights.num_bits", 0, "weights.num_bits"),
+    ("config_groups.group_0.weights.strategy", "rows", "weights.strategy"),
+    ("config_groups.group_0.weights.type", 5, "weights.type"),
+    ("config_groups.group_0.weights.symmetric", "yes", "weights.symmetric"),
+    ("config_groups.group_0.targets", "Linear", "group_0.targets"),
+    ("config_groups.group_0.format", 7, "group_0.format"),
+    ("format", ["pack-quantized"], "quantization_config.format"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "named"), CT_FIELDS,
+                         ids=[f"{p}={v!r}" for p, v, _ in CT_FIELDS])  # fmt: skip
+def test_compressed_tensors_config_fields_are_checked(tmp_path, path, value, named):
+    compressed_int4_checkpoint(tmp_path, symmetric=False)
+    edit_config(tmp_path, lambda c: set_path(c, path, value))
+    refused(tmp_path, "DIR/config.json", named, repr(value))
+
+
+# ---- ModelOpt ---------------------------------------------------------------------------------
+
+
+def modelopt_checkpoint(directory, quantization, config=None):
+    n, k = 32, 64
+    tensors = {"fc.weight": random_bytes(n, k // 2, seed=3),
+               "fc.weight_scale": random_e4m3(n, k // 16, seed=4),
+               "fc.weight_scale_2": torch.tensor(2e-4)}  # fmt: skip
+    hf_quant = {"producer": {"name": "modelopt"}, "quantization": quantization}
+    return write_checkpoint(directory, tensors, config or {}, hf_quant)
+
+
+def test_modelopt_config_fields_are_checked(tmp_path):
+    modelopt_checkpoint(tmp_path / "a", ["NVFP4"])
+    refused(tmp_path / "a", "hf_quant_config.json: quantization is ['NVFP4']")
+    modelopt_checkpoint(tmp_path / "b", {"quant_algo": "NVFP4", "group_size": "16"})
+    refused(tmp_path / "b", "DIR/hf_quant_config.json", "quantization.group_size", "'16'")
+    modelopt_checkpoint(tmp_path / "c", {"quant_algo": "NVFP4", "group_size": 32})
+    refused(tmp_path / "c", "quantization.group_size", "32", "16")
+
+
+# ---- torchao ----------------------------------------------------------------------------------
+
+
+def torchao_float8(directory, entries: dict | None = None, metadata: dict | None = None):
+    """A torchao checkpoint with one 256 x 384 128x128-block Float8Tensor, its entries or raw
+    metadata strings replaced as given."""
+    tensors = {"0._weight_qdata": random_e4m3(256, 384), "0._weight_scale": torch.ones(2, 3)}
+    torchao_checkpoint(directory, entries or {"0.weight": float8_entry([128, 128])}, tensors)
+    if metadata is not None:
+        from safetensors.torch import load_file, save_file
+
+        stored = load_file(directory / "model.safetensors")
+        save_file(stored, str(directory / "model.safetensors"), metadata=metadata)
+    return directory
+
+
+def float8_with(**data):
+    entry = float8_entry([128, 128])
+    entry["_data"].update(data)
+    return {"0.weight": entry}
+
+
+TORCHAO_METADATA = [
+    ({"tensor_names": "[abc"}, "tensor_names"),
+    ({"tensor_names": '{"a": 1}'}, "tensor_names"),
+    ({"tensor_names": "[1, 2]"}, "tensor_names"),
+    ({"tensor_names": '["0.weight"]'}, "no entry for '0.weight'"),
+    ({"tensor_names": '["0.weight"]', "0.weight": "{oops"}, "'0.weight'"),
+    ({"tensor_names": '["0.weight"]', "0.weight": "[1]"}, "'0.weight'"),
+    ({"tensor_names": '["0.weight"]', "0.weight": '{"_type": 5}'}, "_type"),
+    ({"tensor_names": '["0.weight"]', "0.weight": '{"_type": "Float8Tensor", "_data": "x"}'},
+     "_data"),
+    ({"tensor_names": '["0.weight"]', "0.weight": "[" * 100000}, "nested too deeply"),
+]
+
+
+@pytest.mark.parametrize(("metadata", "named"), TORCHAO_METADATA,
+                         ids=[str(i) for i in range(len(TORCHAO_METADATA))])  # fmt: skip
+def test_torchao_metadata_is_parsed_with_checks(tmp_path, metadata, named):
+    torchao_float8(tmp_path, metadata=metadata)
+    refused(tmp_path, "safetensors metadata", named)
+
+
+@pytest.mark.parametrize("block", ["abc", [1.5, 128], [1], [0, 128], None])
+def test_torchao_block_sizes_are_checked(tmp_path, block):
+    torchao_float8(tmp_path, entries=float8_with(block_size=block))
+    refused(tmp_path, "block_size", "is missing" if block is None else repr(block))
+
+
+def test_torchao_int4_shape_is_checked(tmp_path):
+    entry = {"_type": "Int4Tensor", "_data": {"block_size": [1, 128], "shape": "256x768"},
+             "_tensor_data_names": ["qdata", "scale", "zero_point"]}  # fmt: skip
+    tensors = {"0._weight_qdata": torch.zeros(256, 384, dtype=torch.int8)}
+    torchao_checkpoint(tmp_path, {"0.weight": entry}, tensors)
+    refused(tmp_path, "'0.weight'._data.shape", "'256x768'")
+
+
+def test_error_messages_give_the_rule_and_a_fix(tmp_path):
+    deepseek_checkpoint(tmp_path)
+    edit_config(tmp_path, lambda c: c["quantization_config"].update(weight_block_size=[0, 0]))
+    message = refused(tmp_path)
+    assert re.search(r"must be a list of 2 integers in 1\.\.\d+", message)
+    assert "re-export" in message or "fix" in message
