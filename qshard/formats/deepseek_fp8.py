@@ -36,6 +36,15 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
     blocks = "qshard reads FP8 in blocks, e.g. [128, 128] (DeepSeek-V3); not one scale per tensor"
     block = qc.sizes("weight_block_size", 2, note=blocks)
     ue8m0 = qc.choice("scale_fmt", ("float", "ue8m0"), "float") == "ue8m0"
+    attrs = {"block_size": block, "act_group_size": block[1], "weight_only": False,
+             "scale_format": ScaleFormat.UE8M0 if ue8m0 else ScaleFormat.FP32,
+             "backend": Backend.AUTO}  # fmt: skip
+    try:  # the layout's own rules, before any arithmetic with the block
+        Fp8BlockwiseTensor.check_attrs(attrs)
+    except QShardError as e:
+        raise qc.error(
+            "weight_block_size", list(block), f"the FP8 layout refuses it: {e}"
+        ) from None
     state = {}
     scaled = {k[: -len(SCALE_SUFFIX)] for k in reader.names() if k.endswith(SCALE_SUFFIX)}
     for key in reader.names():
@@ -43,14 +52,15 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
         if key.endswith(SCALE_SUFFIX):
             continue
         if key.endswith(".weight") and prefix in scaled:
-            state[key] = _tensor(reader, prefix, block, ue8m0, dtype)
+            state[key] = _tensor(reader, prefix, attrs, dtype)
         else:
             state[key] = reader.get(key)
     return state
 
 
-def _tensor(reader, prefix: str, block: tuple[int, int], ue8m0: bool, dtype) -> QTensor:
+def _tensor(reader, prefix: str, attrs: dict, dtype) -> QTensor:
     where = f"{reader.directory}: {prefix}"
+    block, ue8m0 = attrs["block_size"], attrs["scale_format"] is ScaleFormat.UE8M0
     weight, scale = reader.get(prefix + ".weight"), reader.get(prefix + SCALE_SUFFIX)
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise CheckpointError(f"{where}.weight is {weight.dtype}{list(weight.shape)}; "
@@ -66,16 +76,8 @@ def _tensor(reader, prefix: str, block: tuple[int, int], ue8m0: bool, dtype) -> 
     if ue8m0 and not bool((torch.frexp(scale).mantissa.abs() == 0.5).all()):
         raise CheckpointError(f"{where}{SCALE_SUFFIX}: scale_fmt 'ue8m0' but not every scale "
                               f"is a power of two")  # fmt: skip
-    tensor = Fp8BlockwiseTensor(
-        {"qdata": weight, "scale": scale},
-        shape=(n, k),
-        dtype=dtype,
-        block_size=block,
-        act_group_size=block[1],
-        weight_only=False,
-        scale_format=ScaleFormat.UE8M0 if ue8m0 else ScaleFormat.FP32,
-        backend=Backend.AUTO,
-    )
+    tensor = Fp8BlockwiseTensor({"qdata": weight, "scale": scale}, shape=(n, k), dtype=dtype,
+                                **attrs)  # fmt: skip
     tensor.validate()
     return tensor
 

@@ -201,3 +201,27 @@ def test_error_messages_give_the_rule_and_a_fix(tmp_path):
     message = refused(tmp_path)
     assert re.search(r"must be a list of 2 integers in 1\.\.\d+", message)
     assert "re-export" in message or "fix" in message
+
+
+# ---- a layout is built only from attributes the layout accepts (problem 10) --------------------
+
+
+@pytest.mark.parametrize("block", [[1, 1], [100, 100], [16, 24], [2**17, 128]])
+def test_deepseek_block_sizes_the_fp8_layout_refuses_are_a_checkpoint_error(tmp_path, block):
+    """The layout's own rules (power-of-two sides in 16..65536) run on the config's block size
+    before anything is built from it; they used to build Fp8BlockwiseTensors the layout's
+    config refuses (and qshard.save then refused to write)."""
+    deepseek_checkpoint(tmp_path)
+    edit_config(tmp_path, lambda c: c["quantization_config"].update(weight_block_size=block))
+    refused(tmp_path, "DIR/config.json", "quantization_config.weight_block_size", str(block),
+            "power of two")  # fmt: skip
+
+
+def test_compressed_tensors_fp8_block_structures_the_layout_refuses_name_the_field(tmp_path):
+    weights = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [1, 1]}
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    tensors = {"fc.weight": random_e4m3(20, 30), "fc.weight_scale": torch.ones(20, 30)}
+    write_checkpoint(tmp_path, {**tensors}, {"quantization_config": qc})
+    refused(tmp_path, "DIR/config.json", "'group_0' weights.block_structure [1, 1]",
+            "power of two")  # fmt: skip
