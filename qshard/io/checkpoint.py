@@ -9,12 +9,12 @@ so that a rank never reads the rest of the tensor).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import pathlib
 import re
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -137,12 +137,15 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[list[pathlib.Path], dict[
             path = path / SINGLE_FILE_NAME
         else:
             found = sorted(path.glob("*.safetensors"))
-            if len(found) != 1:
+            # Shards of n > 1 count only through an index, so that a lone file here still loads
+            # while a save puts its shards in place (it commits by writing the index).
+            alone = [f for f in found if not _one_of_several(f.name)] or found[:1]
+            if len(alone) != 1:
                 raise CheckpointError(
-                    f"{path}: no {INDEX_NAME} or {SINGLE_FILE_NAME}, and {len(found)} other "
+                    f"{path}: no {INDEX_NAME} or {SINGLE_FILE_NAME}, and {len(alone)} other "
                     f".safetensors files; pass the path of the file or index to load"
                 )
-            path = found[0]
+            path = alone[0]  # shards without their index: refused below
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file or directory")
     if path.suffix != ".json":
@@ -169,6 +172,12 @@ def checkpoint_files(path: str | os.PathLike) -> tuple[list[pathlib.Path], dict[
     if missing:
         raise CheckpointError(f"{path}: shard files {missing} listed in the index are missing")
     return files, weight_map
+
+
+def _one_of_several(name: str) -> bool:
+    """A shard i of n > 1 (which only its index makes part of a checkpoint)."""
+    shard = SHARD_NAME.fullmatch(name)
+    return shard is not None and int(shard.group(2)) > 1
 
 
 class Checkpoint:
@@ -204,15 +213,12 @@ class Checkpoint:
                     f"{self.file_of[key].path}: entry {key!r} is an alias of "
                     f"{record.alias_of!r}, which is not a stored entry of this checkpoint"
                 )
-        self._slicers = contextlib.ExitStack()
-        self._open: dict[pathlib.Path, Any] = {}
 
     def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._slicers.close()
-        self._open.clear()
+        pass
 
     def keys(self) -> list[str]:
         return list(self.records)
@@ -277,34 +283,8 @@ class Checkpoint:
     def _read_slice(
         self, header: FileHeader, stored: StoredTensor, dim: int, start: int, end: int
     ) -> torch.Tensor:
-        """Indices [start, end) of `dim` of a stored tensor, through safetensors' get_slice."""
-        index = (slice(None),) * dim + (slice(start, end),)
-        try:
-            tensor = self._safe_open(header.path).get_slice(stored.key)[index]
-        except BaseException as e:  # safetensors raises its own errors and Rust panics
-            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
-                raise
-            raise CheckpointError(
-                f"{header.path}: reading {stored.key!r}[{index}] failed: {e}"
-            ) from None
-        expected = list(stored.shape)
-        expected[dim] = end - start
-        # get_slice returns a view of safetensors' memory map of the file: copy it out, so that
-        # the tensor neither keeps the file mapped nor changes with it.
-        tensor = tensor.clone(memory_format=torch.contiguous_format)
-        if tensor.dtype != stored.dtype or list(tensor.shape) != expected:
-            raise CheckpointError(
-                f"{header.path}: slice of {stored.key!r} read as {tensor.dtype}"
-                f"{list(tensor.shape)}, expected {stored.dtype}{expected}"
-            )
-        return tensor
-
-    def _safe_open(self, path: pathlib.Path):
-        if path not in self._open:
-            from safetensors import safe_open
-
-            self._open[path] = self._slicers.enter_context(safe_open(str(path), "pt"))
-        return self._open[path]
+        """Indices [start, end) of `dim` of a stored tensor, every byte read verified."""
+        return read_slice(header, stored, dim, start, end)
 
 
 def read_tensor(header: FileHeader, stored: StoredTensor) -> torch.Tensor:
@@ -329,6 +309,72 @@ def read_tensor(header: FileHeader, stored: StoredTensor) -> torch.Tensor:
             f"is damaged, save it again"
         )
     return buffer.view(stored.dtype).reshape(stored.shape)
+
+
+SLICE_STEP_BYTES = 16 << 20  # rows read and verified per step of a sliced read (peak memory)
+
+
+def read_slice(
+    header: FileHeader, stored: StoredTensor, dim: int, start: int, end: int
+) -> torch.Tensor:
+    """Indices [start, end) of `dim` of a stored tensor, by plain reads, every byte read
+    verified (issue 21: a TP rank never loads a flipped byte).
+
+    The tensor's bytes are a [rows, row_bytes] matrix: for dim 0 its rows are the tensor's, and
+    [start, end) are rows; for dim d > 0 a row is everything from dim d on, and [start, end)
+    is a range of columns. Rows are read in steps of about SLICE_STEP_BYTES, each step widened
+    to whole checksum chunks (`chunk_crc32`) that are verified before their bytes are used. So
+    a row shard reads its rows and at most a chunk either side; a column shard reads the whole
+    tensor, a step at a time. A file without chunk checksums (written before them) is read
+    whole and verified by its tensor checksum."""
+    if stored.chunk_crc32 is None:
+        return read_tensor(header, stored).narrow(dim, start, end - start).clone()
+    shape, item = stored.shape, stored.dtype.itemsize
+    inner = math.prod(shape[dim + 1 :]) * item  # bytes of one index of `dim`
+    if dim == 0:
+        rows, row_bytes, first_row, last_row = shape[0], inner, start, end
+        columns = (0, inner)
+    else:
+        rows, row_bytes = math.prod(shape[:dim]), shape[dim] * inner
+        first_row, last_row, columns = 0, rows, (start * inner, end * inner)
+    out = torch.empty(last_row - first_row, columns[1] - columns[0], dtype=torch.uint8)
+    step = max(1, SLICE_STEP_BYTES // max(row_bytes, 1))
+    try:
+        with open(header.path, "rb") as f:
+            for row in range(first_row, last_row, step):
+                stop = min(row + step, last_row)
+                data = _verified_range(f, header, stored, row * row_bytes, stop * row_bytes)
+                block = data.view(stop - row, row_bytes)[:, columns[0] : columns[1]]
+                out[row - first_row : stop - first_row] = block
+    except OSError as e:
+        raise CheckpointError(f"{header.path}: cannot read {stored.key!r} ({e})") from None
+    sliced = list(shape)
+    sliced[dim] = end - start
+    return out.view(stored.dtype).reshape(sliced)
+
+
+def _verified_range(f, header: FileHeader, stored: StoredTensor, begin: int, end: int):
+    """Bytes [begin, end) of a stored tensor's data, read as the whole checksum chunks that
+    cover them, each verified."""
+    chunk, nbytes = stored.chunk_bytes, stored.nbytes
+    first, last = begin // chunk, -(-end // chunk)
+    low, high = first * chunk, min(last * chunk, nbytes)
+    buffer = torch.empty(high - low, dtype=torch.uint8)
+    f.seek(header.offsets[stored.key] + low)
+    count = f.readinto(buffer.numpy()) if high > low else 0
+    if count != high - low:
+        raise CheckpointError(f"{header.path}: tensor {stored.key!r} is cut short; the file "
+                              f"changed while loading")  # fmt: skip
+    data = buffer.numpy()
+    for index in range(first, last):
+        piece = data[index * chunk - low : (index + 1) * chunk - low]
+        if zlib.crc32(piece) != stored.chunk_crc32[index]:
+            raise CheckpointError(
+                f"{header.path}: tensor {stored.key!r} does not match the checksum of its "
+                f"bytes {index * chunk}..{index * chunk + len(piece)}; the file is damaged, "
+                f"save it again"
+            )
+    return buffer[begin - low : end - low]
 
 
 def check_index(weight_map: Mapping[str, str], header: FileHeader) -> None:

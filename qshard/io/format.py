@@ -21,7 +21,13 @@ with one record per entry:
     {"kind": "qtensor", "layout": "Fp8BlockwiseTensor", "shape": [N, K], "dtype": "bfloat16",
      "transposed": false, "attrs": {...}, "config": {...}, "inner": {"qdata": stored, ...}}
     {"kind": "alias", "of": other key}
-    stored = {"key": safetensors key, "dtype": "float8_e4m3fn", "shape": [...], "crc32": int}
+    stored = {"key": safetensors key, "dtype": "float8_e4m3fn", "shape": [...], "crc32": int,
+              "chunk_bytes": 1048576, "chunk_crc32": [int, ...]}
+
+`chunk_crc32` holds the CRC-32 of each `chunk_bytes` piece of the tensor's data (the last may
+be shorter), so that a tensor-parallel rank that reads only its slice verifies every byte it
+reads (`Checkpoint.read_shard`). Files written before it existed have only the whole-tensor
+`crc32`; a sliced read of them reads and verifies the whole tensor.
 
 Attributes are JSON values decoded by the layout's type annotations (enums by value, tuples as
 lists). Every stored tensor has its CRC-32 and the metadata has its own, so a corrupted byte
@@ -53,6 +59,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Record",
     "StoredTensor",
+    "chunk_crcs",
     "crc32",
     "decode_metadata",
     "encode_metadata",
@@ -83,9 +90,25 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+CHUNK_BYTES = 1 << 20  # the checksum granularity of sliced reads: 1 MiB
+MAX_CHUNK_BYTES = 1 << 30
+
+
 def crc32(tensor: torch.Tensor) -> int:
     """CRC-32 of a contiguous CPU tensor's bytes."""
     return zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def chunk_crcs(tensor: torch.Tensor, chunk: int = CHUNK_BYTES) -> tuple[int, tuple[int, ...]]:
+    """(CRC-32 of a contiguous CPU tensor's bytes, CRC-32 of each `chunk` bytes of them), in one
+    pass over the data."""
+    data = tensor.reshape(-1).view(torch.uint8).numpy()
+    whole, pieces = 0, []
+    for start in range(0, data.size, chunk):
+        piece = data[start : start + chunk]
+        pieces.append(zlib.crc32(piece))
+        whole = zlib.crc32(piece, whole)
+    return whole, tuple(pieces)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -100,14 +123,19 @@ class StoredTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     crc32: int | None = None  # None in files qshard did not write
+    chunk_bytes: int | None = None  # None in files qshard did not write, or wrote before them
+    chunk_crc32: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "key": self.key,
             "dtype": dtype_name(self.dtype),
             "shape": list(self.shape),
             "crc32": self.crc32,
         }
+        if self.chunk_crc32 is not None:
+            out.update(chunk_bytes=self.chunk_bytes, chunk_crc32=list(self.chunk_crc32))
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -314,6 +342,18 @@ def _decode_stored(raw: Any, stored: Mapping[str, StoredTensor], at: str) -> Sto
     dtype = _decode_dtype(raw.get("dtype"), at)
     shape = _expect_ints(raw.get("shape"), None, "shape", at)
     crc = _expect(raw.get("crc32"), int, "crc32", at)
+    chunk_bytes, chunks = raw.get("chunk_bytes"), raw.get("chunk_crc32")
+    if chunk_bytes is not None or chunks is not None:
+        chunk_bytes = _expect(chunk_bytes, int, "chunk_bytes", at)
+        if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+            raise CheckpointError(f"{at}: chunk_bytes {chunk_bytes} is not in 1..{MAX_CHUNK_BYTES}")
+        chunks = _expect_ints(chunks, None, "chunk_crc32", at)
+        count = -(-math.prod(shape) * dtype.itemsize // chunk_bytes)
+        if len(chunks) != count:
+            raise CheckpointError(
+                f"{at}: {len(chunks)} chunk checksums; {dtype_name(dtype)}{list(shape)} in "
+                f"{chunk_bytes}-byte chunks has {count}"
+            )
     actual = stored.get(key)
     if actual is None:
         raise CheckpointError(f"{at}: stored tensor {key!r} is not in the file")
@@ -322,7 +362,7 @@ def _decode_stored(raw: Any, stored: Mapping[str, StoredTensor], at: str) -> Sto
             f"{at}: stored tensor {key!r} is {dtype_name(actual.dtype)}{list(actual.shape)} in "
             f"the file, {dtype_name(dtype)}{list(shape)} in the qshard metadata"
         )
-    return StoredTensor(key, dtype, shape, crc)
+    return StoredTensor(key, dtype, shape, crc, chunk_bytes, chunks)
 
 
 def _decode_attrs(layout: type[QTensor], raw: dict, at: str) -> dict[str, Any]:

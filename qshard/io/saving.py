@@ -1,10 +1,13 @@
 """`qshard.save`: a model or state_dict to safetensors files, quantized tensors included.
 
 Writes into a directory, the Hugging Face way: `model.safetensors`, or above `max_shard_size`
-`model-00001-of-0000N.safetensors` shards and `model.safetensors.index.json`; beside them
+`model-00001-of-0000N.safetensors` shards (`model-00001-of-0000N-<save id>.safetensors` where the
+index being replaced lists those names) and `model.safetensors.index.json`; beside them
 `quantization_config.json` (each config's `to_dict()` and the tensors it quantized). The file
-layout is in `format.py`. Every file is written to a temporary name, synced, then renamed, so
-a crash never leaves a partial file under a final name.
+layout is in `format.py`. A save into a directory that holds a checkpoint never destroys it:
+whenever the save stops (an error, or a kill at any instant), the directory loads as the old
+checkpoint or, once one atomic rename or deletion has committed the new one, as the new one
+(the protocol is described above `_Writer`).
 
 A tensor-parallel model (DTensor parameters) saves as one full checkpoint: every rank calls
 `save`, sharded weights are gathered (quantized ones too, `qshard.tp.gather`), rank 0 writes,
@@ -14,6 +17,7 @@ is written by whichever process calls `save` (in a distributed job, usually rank
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -29,10 +33,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import _is_dtensor, _local
-from ..errors import QShardError
+from ..errors import CheckpointError, QShardError
+from ..layouts.validation import check_qtensor
 from ..qtensor import QTensor
-from .checkpoint import INDEX_NAME, SHARD_NAME, SINGLE_FILE_NAME
-from .format import SAFETENSORS_DTYPES, StoredTensor, crc32, encode_metadata, qtensor_record
+from .checkpoint import INDEX_NAME, SHARD_NAME, SINGLE_FILE_NAME, checkpoint_files
+from .format import (
+    CHUNK_BYTES,
+    SAFETENSORS_DTYPES,
+    StoredTensor,
+    chunk_crcs,
+    encode_metadata,
+    qtensor_record,
+)
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "QUANTIZATION_CONFIG_NAME", "parse_size", "save"]
 
@@ -110,6 +122,8 @@ def save(
     groups = _split(entries, limit)
     writer = _Writer(directory, len(groups))
     writing = not distributed or dist.get_rank() == 0
+    if writing:
+        writer.run(writer.begin)
     for group in groups:
         # One file's worth gathered at a time; every rank takes part even after a failure on
         # rank 0, so that no rank waits forever in a collective.
@@ -152,6 +166,8 @@ def _state_dict(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.
             raise QShardError(f"qshard.save: {key!r} is on the meta device and has no data")
         if isinstance(local, QTensor):  # checked before any file is written
             qtensor_record(key, local, {})
+            # What qshard.load would refuse is not written (design.md invariant 9).
+            check_qtensor(local, f"qshard.save: {key!r}", QShardError)
         inner = local.inner_tensors().values() if isinstance(local, QTensor) else [local]
         for t in inner:
             if t.dtype not in _SAFETENSORS_NAMES:
@@ -211,6 +227,20 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 
 
 # ---- writing ------------------------------------------------------------------------------
+#
+# The commit protocol (docs/checkpoints.md, "Atomic writes"). `qshard.load(directory)` gives the
+# previous checkpoint until one atomic step, the commit, and the new one from then on:
+#  1. Delete the temporary files of killed saves; note the files the directory loads from now.
+#  2. Write every new file to a temporary name and fsync it: the weights, then
+#     quantization_config.json and (with shards) the index.
+#  3. Rename the shards to names the current checkpoint does not read: model-0000i-of-0000n, or
+#     model-0000i-of-0000n-<save id> where the current index lists those names.
+#  4. Commit: rename the index over the old one. One file: rename model.safetensors over the old
+#     one, or, where an index is there (the reader prefers it), put model.safetensors in place
+#     (the index does not list it) and delete the index.
+#  5. Rename quantization_config.json into place, then delete the previous save's files.
+# A failure before 4 deletes this save's files. A kill leaves temporary files (deleted by the next
+# save's step 1) or shards no index lists (deleted by the next save's step 5).
 
 
 class _Writer:
@@ -220,13 +250,13 @@ class _Writer:
     def __init__(self, directory: pathlib.Path, count: int):
         import qshard
 
-        self.directory, self.version = directory, qshard.__version__
-        self.names = (
-            [SINGLE_FILE_NAME]
-            if count == 1
-            else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        )
+        self.directory, self.count, self.version = directory, count, qshard.__version__
         self.save_id = secrets.token_hex(8)
+        self.names: list[str] = []  # of the weight files, chosen by `begin`
+        self.files: list[tuple[pathlib.Path, pathlib.Path]] = []  # (temporary, final) per file
+        self.temporary: set[pathlib.Path] = set()  # written, not yet renamed
+        self.placed: list[pathlib.Path] = []  # renamed into place before the commit
+        self.committed = False
         self.written: list[pathlib.Path] = []
         self.weight_map: dict[str, str] = {}
         self.configs: dict[str, dict] = {}
@@ -238,16 +268,26 @@ class _Writer:
                 step(*args)
             except Exception as e:  # re-raised by save, after the other ranks hear of it
                 self.failure = e
+                self._discard()
+
+    def begin(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        _remove_temporary(self.directory)
+        in_use = _in_use(self.directory)
+        stems = [f"model-{i + 1:05d}-of-{self.count:05d}" for i in range(self.count)]
+        if self.count == 1 and not {SINGLE_FILE_NAME, INDEX_NAME} <= in_use:
+            self.names = [SINGLE_FILE_NAME]
+        elif in_use.isdisjoint(f"{stem}.safetensors" for stem in stems):
+            self.names = [f"{stem}.safetensors" for stem in stems]
+        else:  # the current index lists those names: these shards must not replace its files
+            self.names = [f"{stem}-{self.save_id}.safetensors" for stem in stems]
 
     def write_file(self, group: list[_Entry]) -> None:
-        name = self.names[len(self.written)]
-        self.directory.mkdir(parents=True, exist_ok=True)
+        name = self.names[len(self.files)]
         tensors, metadata = _file_contents(group, self.version, self.save_id)
-        _atomic_write(
-            self.directory / name, functools.partial(_write_safetensors, tensors, metadata)
-        )
+        write = functools.partial(_write_safetensors, tensors, metadata)
+        self.files.append((self._write(name, write), self.directory / name))
         self.weight_map.update(dict.fromkeys(tensors, name))
-        self.written.append(self.directory / name)
         for entry in group:
             if isinstance(entry.value, QTensor):
                 config = entry.value.config().to_dict()
@@ -256,19 +296,58 @@ class _Writer:
                 group_["targets"].append(entry.key)
 
     def finish(self, entries: list[_Entry]) -> None:
-        if len(self.names) > 1:
-            total = sum(entry.nbytes() for entry in entries)
-            index = {"metadata": {"total_size": total}, "weight_map": self.weight_map}
-            self._write_json(INDEX_NAME, index)
+        directory, index = self.directory, self.directory / INDEX_NAME
         groups = {f"group_{i}": g for i, g in enumerate(self.configs.values())}
         config = {"quant_method": "qshard", "qshard_version": self.version, "config_groups": groups}
-        self._write_json(QUANTIZATION_CONFIG_NAME, config)
-        _remove_stale(self.directory, {p.name for p in self.written})
+        config_file = self._write(QUANTIZATION_CONFIG_NAME, _json_writer(config))
+        if self.names != [SINGLE_FILE_NAME]:
+            total = sum(entry.nbytes() for entry in entries)
+            data = {"metadata": {"total_size": total}, "weight_map": self.weight_map}
+            index_file = self._write(INDEX_NAME, _json_writer(data))
+            for temporary, final in self.files:
+                self._place(temporary, final)
+            _fsync_directory(directory)  # the shards are there before the index names them
+            self._rename(index_file, index)  # the commit
+        elif index.is_file():  # read before model.safetensors, and does not list it
+            self._place(*self.files[0])
+            _fsync_directory(directory)
+            os.unlink(index)  # the commit
+        else:
+            self._rename(*self.files[0])  # the commit
+        self.committed = True
+        _fsync_directory(directory)
+        self._rename(config_file, directory / QUANTIZATION_CONFIG_NAME)
+        self.written = [final for _, final in self.files]
+        self.written += [index] * (self.names != [SINGLE_FILE_NAME])
+        self.written.append(directory / QUANTIZATION_CONFIG_NAME)
+        _remove_stale(directory, {path.name for path in self.written})
+        _fsync_directory(directory)
 
-    def _write_json(self, name: str, data) -> None:
-        text = (json.dumps(data, indent=2) + "\n").encode()
-        _atomic_write(self.directory / name, lambda f: f.write(text))
-        self.written.append(self.directory / name)
+    def _write(self, name: str, write) -> pathlib.Path:
+        temporary = _write_temporary(self.directory / name, write)
+        self.temporary.add(temporary)
+        return temporary
+
+    def _rename(self, temporary: pathlib.Path, final: pathlib.Path) -> None:
+        os.replace(temporary, final)
+        self.temporary.discard(temporary)
+
+    def _place(self, temporary: pathlib.Path, final: pathlib.Path) -> None:
+        self._rename(temporary, final)
+        self.placed.append(final)
+
+    def _discard(self) -> None:
+        """After a failure: this save's temporary files, and before the commit the files it put
+        in place (none of them one that the previous checkpoint reads)."""
+        for path in [*self.temporary, *([] if self.committed else self.placed)]:
+            with contextlib.suppress(OSError):  # the failure being reported matters more
+                path.unlink(missing_ok=True)
+        self.temporary.clear()
+
+
+def _json_writer(data):
+    text = (json.dumps(data, indent=2) + "\n").encode()
+    return lambda f: f.write(text)
 
 
 def _file_contents(group: list[_Entry], version: str, save_id: str):
@@ -281,7 +360,9 @@ def _file_contents(group: list[_Entry], version: str, save_id: str):
         stored = {}  # {inner name (or the key of a plain tensor): StoredTensor}
         for part, (key, tensor) in zip(entry.parts(), entry.stored().items(), strict=True):
             tensors[key] = cpu = tensor.detach().to("cpu").contiguous()
-            stored[part] = StoredTensor(key, cpu.dtype, tuple(cpu.shape), crc32(cpu))
+            whole, chunks = chunk_crcs(cpu)
+            stored[part] = StoredTensor(key, cpu.dtype, tuple(cpu.shape), whole, CHUNK_BYTES,
+                                        chunks)  # fmt: skip
         if isinstance(entry.value, QTensor):
             records[entry.key] = qtensor_record(entry.key, entry.value, stored)
         else:
@@ -333,18 +414,19 @@ def _write_safetensors(tensors: Mapping[str, torch.Tensor], metadata: dict[str, 
             f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def _atomic_write(final: pathlib.Path, write) -> None:
-    """`write(file)` into a temporary file beside `final`, fsync, then rename over `final`."""
+def _write_temporary(final: pathlib.Path, write) -> pathlib.Path:
+    """`write(file)` into a temporary file beside `final`, fsynced; returns its path (the caller
+    renames it). A failed write deletes it."""
     temporary = final.with_name(f".{final.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         with open(temporary, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temporary, final)
-    finally:
+    except BaseException:
         temporary.unlink(missing_ok=True)
-    _fsync_directory(final.parent)
+        raise
+    return temporary
 
 
 def _fsync_directory(directory: pathlib.Path) -> None:
@@ -361,9 +443,37 @@ def _fsync_directory(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _remove_stale(directory: pathlib.Path, keep: set[str]) -> None:
-    """Files of an earlier save into the same directory that this save did not replace."""
+def _in_use(directory: pathlib.Path) -> set[str]:
+    """The names of the files `qshard.load(directory)` reads now, its index included; none where
+    the directory holds no loadable checkpoint."""
+    try:
+        files, weight_map = checkpoint_files(directory)
+    except CheckpointError:
+        return set()
+    return {file.name for file in files} | ({INDEX_NAME} if weight_map is not None else set())
+
+
+def _is_ours(name: str) -> bool:
+    """A name that qshard.save writes (and so may delete)."""
+    names = (SINGLE_FILE_NAME, INDEX_NAME, QUANTIZATION_CONFIG_NAME)
+    return name in names or SHARD_NAME.fullmatch(name) is not None
+
+
+_TEMPORARY = re.compile(r"\.(.+)\.\d+-[0-9a-f]{8}\.tmp")  # `_write_temporary`'s names
+
+
+def _remove_temporary(directory: pathlib.Path) -> None:
+    """The temporary files of saves that were killed: `.<name>.<pid>-<hex>.tmp`, for names
+    qshard writes. (Two saves into one directory at the same time are not supported.)"""
     for path in directory.iterdir():
-        ours = path.name in (SINGLE_FILE_NAME, INDEX_NAME) or SHARD_NAME.fullmatch(path.name)
-        if ours and path.name not in keep:
-            path.unlink()
+        match = _TEMPORARY.fullmatch(path.name)
+        if match and _is_ours(match.group(1)) and not path.is_dir():
+            path.unlink(missing_ok=True)
+
+
+def _remove_stale(directory: pathlib.Path, keep: set[str]) -> None:
+    """Weight files and index of earlier saves into the same directory (or of killed ones) that
+    this save did not write; called once this save is committed."""
+    for path in directory.iterdir():
+        if path.name not in keep and _is_ours(path.name) and not path.is_dir():
+            path.unlink(missing_ok=True)

@@ -38,7 +38,9 @@ SCALE_DTYPE = torch.float8_e4m3fn
 def global_scale_of(weight: torch.Tensor) -> torch.Tensor:
     """amax(|W|) / (6 * 448) in fp32, as a [1, 1] tensor; 1.0 if that is 0. For a DTensor
     weight, the amax of the whole tensor (DTensor reduces it over the shards)."""
-    amax = weight.detach().abs().amax()
+    # An empty weight (a [0, K] shard, issue 21) has no amax: its scale is 1.0, like a zero one.
+    weight = weight.detach()
+    amax = weight.abs().amax() if weight.numel() else weight.new_zeros(())
     if hasattr(amax, "full_tensor"):  # a DTensor: a max all-reduce over the mesh
         amax = amax.full_tensor()
     # A tensor divisor, not a Python scalar: CUDA multiplies by the reciprocal of a scalar

@@ -16,14 +16,29 @@ from ..errors import (
 )
 from ..kernels.availability import triton_unavailable_reason
 from ..qtensor import FLOAT_DTYPES, QTensor
+from .validation import check_magnitude
 
 __all__ = [
     "abs_max",
     "check_activation",
     "check_float_weight",
     "checked_config",
+    "quantized",
     "weight_only_backend",
 ]
+
+
+def quantized(tensor: QTensor) -> QTensor:
+    """A layout's `from_float` result, or UnsupportedWeightError (quantize_ skips and reports the
+    weight) if some code of some group would dequantize beyond the weight dtype's largest finite
+    value: weights within about one quantization step of it (fp16 weights near +-65504, an FP8
+    UE8M0 scale rounded up past it). Such a weight would save, load and compute Inf."""
+    fix = (
+        f"The weight has values within about one quantization step of the largest "
+        f"{str(tensor.dtype).removeprefix('torch.')}; scale it down, or quantize a float32 copy"
+    )
+    check_magnitude(tensor, f"{type(tensor).__name__}.from_float", UnsupportedWeightError, fix)
+    return tensor
 
 
 def abs_max(tensor: torch.Tensor) -> float:

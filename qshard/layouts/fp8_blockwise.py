@@ -45,7 +45,7 @@ from ..kernels.fp8_blockwise import (
     quantize_weight_blockwise,
 )
 from ..qtensor import QTensor
-from .checks import abs_max, check_activation, check_float_weight, checked_config
+from .checks import abs_max, check_activation, check_float_weight, checked_config, quantized
 from .registry import register_layout
 
 __all__ = ["FP8_MIN_SQNR_DB", "MAX_BLOCK", "MIN_BLOCK", "Fp8BlockwiseConfig", "Fp8BlockwiseTensor"]
@@ -122,15 +122,17 @@ class Fp8BlockwiseTensor(QTensor):
         check_float_weight(cls.__name__, weight)
         weight = weight.detach()  # a quantized weight is a leaf: keep no autograd history
         qdata, scale = quantize_weight_blockwise(weight, config.block_size, config.scale_format)
-        return cls(
-            {"qdata": qdata, "scale": scale},
-            shape=tuple(weight.shape),
-            dtype=weight.dtype,
-            block_size=config.block_size,
-            act_group_size=config.act_group_size,
-            weight_only=config.weight_only,
-            scale_format=config.scale_format,
-            backend=config.backend,
+        return quantized(
+            cls(
+                {"qdata": qdata, "scale": scale},
+                shape=tuple(weight.shape),
+                dtype=weight.dtype,
+                block_size=config.block_size,
+                act_group_size=config.act_group_size,
+                weight_only=config.weight_only,
+                scale_format=config.scale_format,
+                backend=config.backend,
+            )
         )
 
     @classmethod

@@ -40,7 +40,7 @@ from ..kernels.fp8_rowwise import (
     row_scales,
 )
 from ..qtensor import WHOLE, QTensor
-from .checks import abs_max, check_activation, check_float_weight, checked_config
+from .checks import abs_max, check_activation, check_float_weight, checked_config, quantized
 from .registry import register_layout
 
 __all__ = ["FP8_ROWWISE_MIN_SQNR_DB", "Fp8RowwiseConfig", "Fp8RowwiseTensor"]
@@ -87,12 +87,14 @@ class Fp8RowwiseTensor(QTensor):
         check_float_weight(cls.__name__, weight)
         weight = weight.detach()
         scale = row_scales(weight) if scale is None else scale.to(weight.device, torch.float32)
-        return cls(
-            {"qdata": quantize_rows(weight, scale), "scale": scale.clone()},
-            shape=tuple(weight.shape),
-            dtype=weight.dtype,
-            weight_only=config.weight_only,
-            backend=config.backend,
+        return quantized(
+            cls(
+                {"qdata": quantize_rows(weight, scale), "scale": scale.clone()},
+                shape=tuple(weight.shape),
+                dtype=weight.dtype,
+                weight_only=config.weight_only,
+                backend=config.backend,
+            )
         )
 
     @classmethod

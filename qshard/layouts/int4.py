@@ -52,6 +52,7 @@ from .checks import (
     check_activation,
     check_float_weight,
     checked_config,
+    quantized,
     weight_only_backend,
 )
 from .registry import register_layout
@@ -138,14 +139,16 @@ class Int4Tensor(QTensor):
         params = (group_params["scale"], group_params["zero"]) if group_params else None
         qdata, scale, zero = quantize_int4(weight, config.group_size, config.symmetric, float_zero,
                                            params)  # fmt: skip
-        return cls(
-            {"qdata": qdata, "scale": scale, "zero": zero},
-            shape=tuple(weight.shape),
-            dtype=weight.dtype,
-            group_size=config.group_size,
-            symmetric=config.symmetric,
-            backend=config.backend,
-            zero_point_domain=config.zero_point_domain,
+        return quantized(
+            cls(
+                {"qdata": qdata, "scale": scale, "zero": zero},
+                shape=tuple(weight.shape),
+                dtype=weight.dtype,
+                group_size=config.group_size,
+                symmetric=config.symmetric,
+                backend=config.backend,
+                zero_point_domain=config.zero_point_domain,
+            )
         ).repack_for_device()
 
     @property

@@ -39,6 +39,7 @@ from .checks import (
     check_activation,
     check_float_weight,
     checked_config,
+    quantized,
     weight_only_backend,
 )
 from .registry import register_layout
@@ -86,12 +87,14 @@ class Mxfp4Tensor(QTensor):
         check_float_weight(cls.__name__, weight)
         scale = group_params["scale"] if group_params else None
         qdata, scale = quantize_mxfp4(weight.detach(), GROUP, scale)
-        return cls(
-            {"qdata": qdata, "scale": scale},
-            shape=tuple(weight.shape),
-            dtype=weight.dtype,
-            group_size=GROUP,
-            backend=config.backend,
+        return quantized(
+            cls(
+                {"qdata": qdata, "scale": scale},
+                shape=tuple(weight.shape),
+                dtype=weight.dtype,
+                group_size=GROUP,
+                backend=config.backend,
+            )
         )
 
     @classmethod

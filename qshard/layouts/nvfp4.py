@@ -40,6 +40,7 @@ from .checks import (
     check_activation,
     check_float_weight,
     checked_config,
+    quantized,
     weight_only_backend,
 )
 from .registry import register_layout
@@ -90,11 +91,13 @@ class Nvfp4Tensor(QTensor):
             global_scale = global_scale_of(weight)
         scale = group_params["scale"] if group_params else None
         qdata, scale = quantize_nvfp4(weight, global_scale, GROUP, scale)
-        return cls(
-            {"qdata": qdata, "scale": scale, "global_scale": global_scale.clone()},
-            shape=tuple(weight.shape),
-            dtype=weight.dtype,
-            backend=config.backend,
+        return quantized(
+            cls(
+                {"qdata": qdata, "scale": scale, "global_scale": global_scale.clone()},
+                shape=tuple(weight.shape),
+                dtype=weight.dtype,
+                backend=config.backend,
+            )
         )
 
     @classmethod

@@ -136,7 +136,7 @@ def check_values(tensor: QTensor, where: str, error: type[QShardError] = Checkpo
 
 
 def check_magnitude(
-    tensor: QTensor, where: str, error: type[QShardError] = CheckpointError
+    tensor: QTensor, where: str, error: type[QShardError] = CheckpointError, fix: str = ""
 ) -> None:
     """Every code of every group dequantizes to a finite value of the tensor's dtype (run again
     when a load changes the dtype a quantized weight stands for)."""
@@ -148,8 +148,12 @@ def check_magnitude(
         raise error(
             f"{at} {list(tensor.logical_shape)}: some codes dequantize to {bound:.4g} in "
             f"magnitude, beyond the largest finite {_dtype(tensor.dtype)} ({largest:.6g}): they "
-            f"would become Inf. The scales are too large for {_dtype(tensor.dtype)}; "
-            f"quantize from weights that fit it, or use float32"
+            f"would become Inf. "
+            + (
+                fix
+                or f"The scales are too large for {_dtype(tensor.dtype)}; the data is "
+                f"corrupt, or load it as float32"
+            )
         )
 
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import zlib
+from unittest import mock
 
 import pytest
 import torch
@@ -291,9 +292,19 @@ def snapshot(model: nn.Module) -> dict:
     return {k: (id(v), v.device) for k, v in model.state_dict(keep_vars=True).items()}
 
 
-def saved(tmp_path: pathlib.Path, state=None) -> pathlib.Path:
+def saved(tmp_path: pathlib.Path, state=None, invalid: bool = False) -> pathlib.Path:
+    """A checkpoint of `state` (a small quantized model by default). `invalid`: the state holds
+    a QTensor that qshard.save refuses (asserted); it is then written with that check switched
+    off, as a damaged file or another writer would leave it, for the reader's checks to see."""
     model = quantized_model(qshard.Fp8BlockwiseConfig(), seed=0)
-    qshard.save(state if state is not None else model, tmp_path)
+    if not invalid:
+        qshard.save(state if state is not None else model, tmp_path)
+        return tmp_path / "model.safetensors"
+    with pytest.raises(QShardError, match="qshard.save: 'up.weight'"):
+        qshard.save(state, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists(), "a refused save wrote files"
+    with mock.patch.object(save_module, "check_qtensor", lambda *args: None):
+        qshard.save(state, tmp_path)
     return tmp_path / "model.safetensors"
 
 
@@ -336,12 +347,12 @@ def test_inner_tensors_that_do_not_fit_the_layout(tmp_path):
         (weight.scale.half(), r"'scale' is float16\[3, 2\].*needs float32"),
     ]:
         bad = weight.with_changes({"scale": bad_scale})
-        path = saved(tmp_path, {"up.weight": bad})
+        path = saved(tmp_path, {"up.weight": bad}, invalid=True)
         with pytest.raises(CheckpointError, match=needs):
             qshard.load(path)
     bad_qdata = weight.with_changes({"qdata": weight.qdata.view(torch.uint8)})
     with pytest.raises(CheckpointError, match=r"'qdata' is uint8"):
-        qshard.load(saved(tmp_path, {"up.weight": bad_qdata}))
+        qshard.load(saved(tmp_path, {"up.weight": bad_qdata}, invalid=True))
 
 
 @pytest.mark.parametrize(
@@ -354,7 +365,7 @@ def test_non_finite_quantized_values_are_refused(tmp_path, inner, value):
     tensor[2, 1] = value
     bad = weight.with_changes({inner: tensor.to(getattr(weight, inner).dtype)})
     model = quantized_model(qshard.Fp8BlockwiseConfig())
-    path = saved(tmp_path, model.state_dict() | {"up.weight": bad})
+    path = saved(tmp_path, model.state_dict() | {"up.weight": bad}, invalid=True)
     inner_text = rf"inner tensor {inner!r} holds 1 NaN/Inf values \(first at \[2, 1\]\)"
     expect_load_error(path, rf"up.weight: .*{inner_text}")
 
