@@ -65,7 +65,14 @@ from ..kernels.packing import unpack_nibbles
 from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor, Mxfp4Tensor, Nvfp4Tensor
 from ..layouts.int4 import GROUP_SIZES
 from ..qtensor import QTensor
-from .configs import MAX_SIZE, Fields, check_stored, quantization_config, unquantized_modules
+from .configs import (
+    MAX_SIZE,
+    Fields,
+    check_scalar,
+    check_stored,
+    quantization_config,
+    unquantized_modules,
+)
 from .source import exact_bf16, fp8_rows
 
 NAME = "compressed-tensors"
@@ -367,17 +374,22 @@ def _fp4_codes(reader, prefix: str, group: int, scales) -> tuple[torch.Tensor, t
     n, k = packed.shape[0], packed.shape[1] * 2
     scale = check_stored(where, "weight_scale", reader.get(prefix + ".weight_scale"), scales,
                          (n, -(-k // group)))  # fmt: skip
+    _check_dropped(reader, prefix, "input_global_scale", torch.float32)
     return packed, scale
+
+
+def _check_dropped(reader, prefix: str, name: str, dtypes) -> None:
+    """A static activation scale qshard does not use (the module docstring), still checked to
+    be the one value the format stores."""
+    if f"{prefix}.{name}" in reader:
+        check_scalar(f"{reader.directory}: {prefix}", name, reader.get(f"{prefix}.{name}"), dtypes)
 
 
 def _nvfp4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     where = f"{reader.directory}: {prefix}"
     packed, scale = _fp4_codes(reader, prefix, NVFP4_GROUP, torch.float8_e4m3fn)
-    divisor = check_stored(where, "weight_global_scale",
-                           reader.get(prefix + ".weight_global_scale"), torch.float32)  # fmt: skip
-    if divisor.numel() != 1:
-        raise CheckpointError(f"{where}: weight_global_scale has shape {list(divisor.shape)}; "
-                              f"the format stores one float32 value")  # fmt: skip
+    divisor = reader.get(prefix + ".weight_global_scale")
+    divisor = check_scalar(where, "weight_global_scale", divisor, torch.float32)
     inner = {"qdata": packed, "scale": scale, "global_scale": 1.0 / divisor.reshape(1, 1)}
     n, k = packed.shape[0], packed.shape[1] * 2
     tensor = Nvfp4Tensor(inner, shape=(n, k), dtype=dtype, backend=Backend.AUTO)
@@ -400,6 +412,7 @@ def _fp8(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     qdata = check_stored(where, "weight", reader.get(prefix + ".weight"), torch.float8_e4m3fn,
                          (None, None))  # fmt: skip
     n, k = qdata.shape
+    _check_dropped(reader, prefix, "input_scale", SCALES)
     w = scheme.weights
     weight_only = scheme.inputs is None
     scale = reader.get(prefix + ".weight_scale")

@@ -25,6 +25,7 @@ __all__ = [
     "MAX_SIZE",
     "REQUIRED",
     "Fields",
+    "check_scalar",
     "check_stored",
     "json_type",
     "quantization_config",
@@ -200,6 +201,13 @@ def check_stored(where: str, name: str, tensor: torch.Tensor,
             f"re-export the checkpoint"
         )
     return tensor
+
+
+def check_scalar(where: str, name: str, tensor: torch.Tensor,
+                 dtypes: torch.dtype | Iterable[torch.dtype]) -> torch.Tensor:  # fmt: skip
+    """`tensor` (stored as `name`) if it is one value ([] or [1]) of one of `dtypes`, else
+    CheckpointError."""
+    return check_stored(where, name, tensor, dtypes, (1,) if tensor.dim() == 1 else ())
 
 
 def unquantized_modules(state: Mapping[str, torch.Tensor], linear_names: list[str],

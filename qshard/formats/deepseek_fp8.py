@@ -17,7 +17,7 @@ from ..config import Backend, ScaleFormat
 from ..errors import CheckpointError, QShardError
 from ..layouts import Fp8BlockwiseTensor
 from ..qtensor import QTensor
-from .configs import quantization_config
+from .configs import check_stored, quantization_config
 
 NAME = "deepseek-fp8"
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -47,6 +47,11 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
         ) from None
     state = {}
     scaled = {k[: -len(SCALE_SUFFIX)] for k in reader.names() if k.endswith(SCALE_SUFFIX)}
+    orphans = sorted(p + SCALE_SUFFIX for p in scaled if p + ".weight" not in reader)
+    if orphans:
+        raise CheckpointError(f"{reader.directory}: {orphans[0]!r} has no weight beside it "
+                              f"({orphans[0].removesuffix(SCALE_SUFFIX)}.weight); the file is "
+                              f"damaged or incomplete: re-export the checkpoint")  # fmt: skip
     for key in reader.names():
         prefix = key.removesuffix(".weight")
         if key.endswith(SCALE_SUFFIX):
@@ -61,17 +66,15 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
 def _tensor(reader, prefix: str, attrs: dict, dtype) -> QTensor:
     where = f"{reader.directory}: {prefix}"
     block, ue8m0 = attrs["block_size"], attrs["scale_format"] is ScaleFormat.UE8M0
-    weight, scale = reader.get(prefix + ".weight"), reader.get(prefix + SCALE_SUFFIX)
-    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-        raise CheckpointError(f"{where}.weight is {weight.dtype}{list(weight.shape)}; "
-                              f"expected a 2-D float8_e4m3fn weight")  # fmt: skip
+    weight = check_stored(where, "weight", reader.get(prefix + ".weight"), torch.float8_e4m3fn,
+                          (None, None))  # fmt: skip
     n, k = weight.shape
     blocks = (-(-n // block[0]), -(-k // block[1]))
-    if tuple(scale.shape) != blocks or not scale.dtype.is_floating_point:
-        raise CheckpointError(
-            f"{where}{SCALE_SUFFIX} is {scale.dtype}{list(scale.shape)}; a [{n}, {k}] weight in "
-            f"{block[0]}x{block[1]} blocks needs a float [{blocks[0]}, {blocks[1]}]"
-        )
+    # fp32, or bf16 (some Qwen3 files); e8m0 bytes with scale_fmt "ue8m0" (transformers' V4
+    # convention). Each widens to fp32 exactly.
+    scales = (torch.float32, torch.bfloat16, *((torch.float8_e8m0fnu,) if ue8m0 else ()))
+    scale = check_stored(where, SCALE_SUFFIX[1:], reader.get(prefix + SCALE_SUFFIX), scales,
+                         blocks)  # fmt: skip
     scale = scale.float()
     if ue8m0 and not bool((torch.frexp(scale).mantissa.abs() == 0.5).all()):
         raise CheckpointError(f"{where}{SCALE_SUFFIX}: scale_fmt 'ue8m0' but not every scale "

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CheckpointError, QShardError
+from ..errors import QShardError
 from ..layouts import Fp8RowwiseTensor
 from ..qtensor import QTensor
-from .configs import quantization_config
+from .configs import check_scalar, check_stored, quantization_config
 from .source import fp8_rows
 
 NAME = "fbgemm-fp8"
 DEFAULT_SCALE_UB = 1200.0  # Hugging Face's FbgemmFp8Config default
+SCALES = (torch.float32, torch.bfloat16, torch.float16)  # fp32, or the model's dtype
 
 
 def detect(config: dict, hf_quant: dict | None) -> bool:
@@ -46,14 +47,14 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
 
 def _weight(reader, prefix: str, dtype: torch.dtype) -> QTensor:
     where = f"{reader.directory}: {prefix}"
-    qdata, scale = reader.get(prefix + ".weight"), reader.get(prefix + ".weight_scale")
-    if qdata.dtype != torch.float8_e4m3fn or qdata.dim() != 2:
-        raise CheckpointError(f"{where}.weight is {qdata.dtype}{list(qdata.shape)}; FBGEMM FP8 "
-                              f"weights are float8_e4m3fn [N, K]")  # fmt: skip
+    qdata = check_stored(where, "weight", reader.get(prefix + ".weight"), torch.float8_e4m3fn,
+                         (None, None))  # fmt: skip
     n = qdata.shape[0]
-    if scale.numel() != n or not scale.dtype.is_floating_point:
-        raise CheckpointError(f"{where}.weight_scale is {scale.dtype}{list(scale.shape)}; "
-                              f"expected one float per row, [{n}, 1]")  # fmt: skip
+    scale = reader.get(prefix + ".weight_scale")  # [N, 1] (HF), or [N]
+    rows = (n, 1) if scale.dim() == 2 else (n,)
+    scale = check_stored(where, "weight_scale", scale, SCALES, rows)
+    if prefix + ".input_scale_ub" in reader:  # not used (module docstring), but checked
+        check_scalar(where, "input_scale_ub", reader.get(prefix + ".input_scale_ub"), SCALES)
     return fp8_rows(qdata, scale, dtype, weight_only=False)
 
 

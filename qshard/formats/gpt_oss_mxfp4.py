@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..config import Backend
-from ..errors import CheckpointError
 from ..layouts import Mxfp4Tensor
-from .configs import quantization_config
+from .configs import check_stored, quantization_config
 
 NAME = "gpt-oss-mxfp4"
 GROUP = 32
@@ -43,15 +42,12 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
 
 
 def _experts(reader, prefix: str, dtype: torch.dtype) -> dict:
-    where = f"{reader.directory}: {prefix}"
-    blocks, scales = reader.get(prefix + "_blocks"), reader.get(prefix + "_scales")
-    if blocks.dtype != torch.uint8 or blocks.dim() != 4 or blocks.shape[-1] != GROUP // 2:
-        raise CheckpointError(f"{where}_blocks is {blocks.dtype}{list(blocks.shape)}; expected "
-                              f"uint8 [experts, rows, K/32, 16]")  # fmt: skip
+    where = str(reader.directory)
+    blocks = check_stored(where, prefix + "_blocks", reader.get(prefix + "_blocks"), torch.uint8,
+                          (None, None, None, GROUP // 2))  # fmt: skip
     experts, rows, groups = blocks.shape[:3]
-    if scales.dtype != torch.uint8 or tuple(scales.shape) != (experts, rows, groups):
-        raise CheckpointError(f"{where}_scales is {scales.dtype}{list(scales.shape)}; expected "
-                              f"uint8 [{experts}, {rows}, {groups}]")  # fmt: skip
+    scales = check_stored(where, prefix + "_scales", reader.get(prefix + "_scales"), torch.uint8,
+                          (experts, rows, groups))  # fmt: skip
     out = {}
     for e in range(experts):
         inner = {

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from ..config import Backend
-from ..errors import CheckpointError, QShardError
+from ..errors import QShardError
 from ..layouts import Nvfp4Tensor
 from ..qtensor import QTensor
-from .configs import Fields, quantization_config
+from .configs import Fields, check_scalar, check_stored, quantization_config
 
 NAME = "modelopt-nvfp4"
 GROUP = 16
@@ -66,19 +66,15 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
 
 def _tensor(reader, prefix: str, dtype: torch.dtype) -> QTensor:
     where = f"{reader.directory}: {prefix}"
-    packed = reader.get(prefix + ".weight")
-    scale = reader.get(prefix + ".weight_scale")
-    global_scale = reader.get(prefix + ".weight_scale_2")
-    if packed.dtype != torch.uint8 or packed.dim() != 2:
-        raise CheckpointError(f"{where}.weight is {packed.dtype}{list(packed.shape)}; NVFP4 "
-                              f"weights are uint8 [N, K/2]")  # fmt: skip
+    packed = check_stored(where, "weight", reader.get(prefix + ".weight"), torch.uint8,
+                          (None, None))  # fmt: skip
     n, k = packed.shape[0], packed.shape[1] * 2
-    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, -(-k // GROUP)):
-        raise CheckpointError(f"{where}.weight_scale is {scale.dtype}{list(scale.shape)}; "
-                              f"expected float8_e4m3fn [{n}, {-(-k // GROUP)}]")  # fmt: skip
-    if global_scale.numel() != 1 or not global_scale.dtype.is_floating_point:
-        raise CheckpointError(f"{where}.weight_scale_2 is {global_scale.dtype}"
-                              f"{list(global_scale.shape)}; expected one float")  # fmt: skip
+    scale = check_stored(where, "weight_scale", reader.get(prefix + ".weight_scale"),
+                         torch.float8_e4m3fn, (n, -(-k // GROUP)))  # fmt: skip
+    global_scale = check_scalar(where, "weight_scale_2", reader.get(prefix + ".weight_scale_2"),
+                                torch.float32)  # fmt: skip
+    if prefix + ".input_scale" in reader:  # dropped, but checked: it must be what it claims
+        check_scalar(where, "input_scale", reader.get(prefix + ".input_scale"), torch.float32)
     inner = {"qdata": packed, "scale": scale, "global_scale": global_scale.float().reshape(1, 1)}
     tensor = Nvfp4Tensor(inner, shape=(n, k), dtype=dtype, backend=Backend.AUTO)
     tensor.validate()

@@ -34,15 +34,15 @@ from __future__ import annotations
 import torch
 
 from ..config import Backend, ScaleFormat
-from ..errors import CheckpointError
+from ..errors import CheckpointError, QShardError
 from ..layouts import Fp8BlockwiseTensor, Int4Tensor
-from ..layouts.fp8_blockwise import MIN_BLOCK
 from ..layouts.int4 import GROUP_SIZES, ZeroPointDomain
 from ..safejson import parse_json
-from .configs import Fields, quantization_config
+from .configs import Fields, check_stored, quantization_config
 from .source import exact_bf16, fp8_rows
 
 NAME = "torchao"
+SCALES = (torch.bfloat16, torch.float16, torch.float32)  # Int4Tensor: the weight's dtype
 WHY_NOT = {
     "Int4TilePackedTo4dTensor": "it is tinygemm's device packing, which qshard makes from the "
     "plain packing (Int4Tensor) itself; save with int4_packing_format='plain'",
@@ -94,20 +94,19 @@ def _int4(reader, name: str, entry: Fields, dtype: torch.dtype) -> Int4Tensor:
     if "act_pre_scale" in entry.strings("_tensor_data_names", []):
         raise CheckpointError(f"{where}: an Int4Tensor with act_pre_scale (activations "
                               f"scaled before the matmul, AWQ-style); qshard has none")  # fmt: skip
-    qdata = reader.get(prefix + "qdata")
     (n, k), block = data.sizes("shape", 2), data.sizes("block_size", 2)
     group = block[-1] if block[0] == 1 else 0
-    if qdata.dim() != 2 or group not in GROUP_SIZES or tuple(qdata.shape) != (n, -(-k // 2)):
-        raise CheckpointError(f"{where}: qdata {list(qdata.shape)}, shape {[n, k]}, block "
-                              f"{list(block)}; qshard reads 2-D Int4Tensors in groups of "
-                              f"{list(GROUP_SIZES)}")  # fmt: skip
+    if group not in GROUP_SIZES:
+        raise data.error("block_size", list(block), f"qshard reads Int4Tensors in groups of "
+                                                    f"{list(GROUP_SIZES)}: [1, group]")  # fmt: skip
     groups = -(-k // group)
-    scale, zero = (exact_bf16(reader.get(prefix + t), f"{where} {t}")
-                   for t in ("scale", "zero_point"))  # fmt: skip
-    if tuple(scale.shape) != (groups, n) or tuple(zero.shape) != (groups, n):
-        raise CheckpointError(f"{where}: scale {list(scale.shape)} / zero_point "
-                              f"{list(zero.shape)}; [{n}, {k}] in groups of {group} needs "
-                              f"[{groups}, {n}]")  # fmt: skip
+    qdata = check_stored(where, "qdata", reader.get(prefix + "qdata"), torch.int8,
+                         (n, -(-k // 2)))  # fmt: skip
+    scale, zero = (
+        exact_bf16(check_stored(where, t, reader.get(prefix + t), SCALES, (groups, n)),
+                   f"{where} {t}")
+        for t in ("scale", "zero_point")
+    )  # fmt: skip
     # q in -8..7 as two's complement nibbles -> the code u = q + 8: flip each nibble's top bit.
     codes = qdata.view(torch.uint8) ^ 0x88
     if k % 2:
@@ -122,35 +121,31 @@ def _int4(reader, name: str, entry: Fields, dtype: torch.dtype) -> Int4Tensor:
 
 
 def _float8(reader, name: str, entry: Fields, dtype: torch.dtype):
-    prefix = _prefix(name)
-    qdata, scale = reader.get(prefix + "qdata"), reader.get(prefix + "scale")
+    prefix, where = _prefix(name), f"{reader.directory}: {name}"
     data = entry.child("_data")
     block = data.sizes("block_size", 2, note="qshard reads 2-D Float8Tensors")
     weight_only = data.child("act_quant_kwargs", None) is None
-    where = f"{reader.directory}: {name}"
-    if qdata.dtype != torch.float8_e4m3fn or qdata.dim() != 2:
-        raise CheckpointError(f"{where}: qdata {qdata.dtype}{list(qdata.shape)}; qshard reads "
-                              f"2-D float8_e4m3fn weights")  # fmt: skip
+    qdata = check_stored(where, "qdata", reader.get(prefix + "qdata"), torch.float8_e4m3fn,
+                         (None, None))  # fmt: skip
     n, k = qdata.shape
-    if block in ((1, k), (n, k)):  # per row, or one scale for the whole tensor
-        if scale.numel() not in (1, n) or (block[0] == 1 and scale.numel() != n):
-            raise CheckpointError(f"{where}: scale {list(scale.shape)} for block "
-                                  f"{list(block)} of [{n}, {k}]")  # fmt: skip
+    scale = reader.get(prefix + "scale")  # fp32 (torchao's _choose_scale_float8)
+    if block in ((1, k), (n, k)):  # per row ([N, 1]), or one scale for the whole tensor
+        shape = (n, 1) if block[0] == 1 else (1,) * min(scale.dim(), 2)
+        scale = check_stored(where, "scale", scale, torch.float32, shape)
         return fp8_rows(qdata, scale, dtype, weight_only)
-    if len(block) != 2 or any(b < MIN_BLOCK or b & (b - 1) for b in block):
+    attrs = {"block_size": block, "act_group_size": block[1], "weight_only": weight_only,
+             "scale_format": ScaleFormat.FP32, "backend": Backend.AUTO}  # fmt: skip
+    try:  # the layout's own rules, before any arithmetic with the block
+        Fp8BlockwiseTensor.check_attrs(attrs)
+    except QShardError as e:
         raise CheckpointError(
-            f"{where}: a Float8Tensor with block {list(block)}; qshard's FP8 layouts take rows "
-            f"([1, K]), the whole tensor, or blocks whose sides are powers of two >= "
-            f"{MIN_BLOCK} (torchao's PerBlock([128, 128]))"
-        )
+            f"{where}: a Float8Tensor with block_size {list(block)}; qshard's FP8 layouts take "
+            f"rows ([1, K]), the whole tensor, or blocks the blockwise layout accepts "
+            f"(torchao's PerBlock([128, 128])): {e}"
+        ) from None
     blocks = (-(-n // block[0]), -(-k // block[1]))
-    if tuple(scale.shape) != blocks:
-        raise CheckpointError(f"{where}: scale {list(scale.shape)}; {block[0]}x{block[1]} "
-                              f"blocks of [{n}, {k}] need {list(blocks)}")  # fmt: skip
-    tensor = Fp8BlockwiseTensor(
-        {"qdata": qdata, "scale": scale.float()},
-        shape=(n, k), dtype=dtype, block_size=block, act_group_size=block[1],
-        weight_only=weight_only, scale_format=ScaleFormat.FP32, backend=Backend.AUTO,
-    )  # fmt: skip
+    scale = check_stored(where, "scale", scale, torch.float32, blocks)
+    tensor = Fp8BlockwiseTensor({"qdata": qdata, "scale": scale}, shape=(n, k), dtype=dtype,
+                                **attrs)  # fmt: skip
     tensor.validate()
     return tensor

@@ -225,3 +225,129 @@ def test_compressed_tensors_fp8_block_structures_the_layout_refuses_name_the_fie
     write_checkpoint(tmp_path, {**tensors}, {"quantization_config": qc})
     refused(tmp_path, "DIR/config.json", "'group_0' weights.block_structure [1, 1]",
             "power of two")  # fmt: skip
+
+
+# ---- every stored tensor's dtype and shape (problem 4) -------------------------------------------
+
+
+def replace_tensor(directory, key: str, value: torch.Tensor | None) -> None:
+    """Rewrite model.safetensors with `key` replaced (or removed, for None)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = directory / "model.safetensors"
+    with safe_open(path, "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118
+    if value is None:
+        del tensors[key]
+    else:
+        tensors[key] = value.contiguous()
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def ct_nvfp4_checkpoint(directory, n=32, k=64):
+    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    tensors = {"fc.weight_packed": random_bytes(n, k // 2, seed=6),
+               "fc.weight_scale": random_e4m3(n, k // 16, seed=7),
+               "fc.weight_global_scale": torch.tensor([2.9e3])}  # fmt: skip
+    return write_checkpoint(directory, tensors, {"quantization_config": qc})
+
+
+def ct_fp8_checkpoint(directory, n=48, k=64):
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel"}
+    acts = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                        "input_activations": acts}}}  # fmt: skip
+    tensors = {"fc.weight": random_e4m3(n, k), "fc.weight_scale": torch.rand(n, 1) / 448}
+    return write_checkpoint(directory, tensors, {"quantization_config": qc})
+
+
+def fbgemm_checkpoint(directory, n=48, k=64):
+    qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
+    tensors = {"fc.weight": random_e4m3(n, k), "fc.weight_scale": torch.rand(n, 1) / 448}
+    return write_checkpoint(directory, tensors, {"quantization_config": qc})
+
+
+def torchao_int4(directory):
+    entry = {"_type": "Int4Tensor", "_data": {"block_size": [1, 128], "shape": [16, 256]},
+             "_tensor_data_names": ["qdata", "scale", "zero_point"]}  # fmt: skip
+    tensors = {"0._weight_qdata": torch.zeros(16, 128, dtype=torch.int8),
+               "0._weight_scale": torch.ones(2, 16, dtype=torch.bfloat16),
+               "0._weight_zero_point": torch.zeros(2, 16, dtype=torch.bfloat16)}  # fmt: skip
+    return torchao_checkpoint(directory, {"0.weight": entry}, tensors)
+
+
+def ct_int4(directory):
+    return compressed_int4_checkpoint(directory, symmetric=False)
+
+
+def deepseek(directory):
+    return deepseek_checkpoint(directory)
+
+
+def modelopt(directory):
+    return modelopt_checkpoint(directory, {"quant_algo": "NVFP4", "group_size": 16})
+
+
+# (writer, stored key, replacement, what the message names): each replacement is a tensor the
+# format does not store there; the old readers reinterpreted most of them byte by byte.
+STORED = [
+    (ct_int4, "fc.weight_zero_point", lambda t: t.float(), "weight_zero_point is float32"),
+    (ct_int4, "fc.weight_zero_point", lambda t: t.long(), "weight_zero_point is int64"),
+    (ct_int4, "fc.weight_zero_point", lambda t: t[:, :2], "weight_zero_point is int32[5, 2]"),
+    (ct_int4, "fc.weight_packed", lambda t: t.long(), "weight_packed is int64"),
+    (ct_int4, "fc.weight_packed", lambda t: t.view(torch.uint8), "weight_packed is uint8"),
+    (ct_int4, "fc.weight_scale", lambda t: t.double(), "weight_scale is float64"),
+    (ct_int4, "fc.weight_scale", lambda t: t[:, :2], "weight_scale is bfloat16[40, 2]"),
+    (ct_int4, "fc.weight_shape", lambda t: t.float(), "weight_shape is float32"),
+    (ct_int4, "fc.weight_shape", lambda t: torch.tensor([40, 320, 1]), "weight_shape is int64[3]"),
+    (ct_int4, "fc.weight_shape", lambda t: torch.tensor([0, 320]), "weight_shape is [0, 320]"),
+    (ct_int4, "fc.weight_shape", lambda t: torch.tensor([40, 2**40]), "weight_shape is [40, 10"),
+    (ct_int4, "fc.weight_shape", lambda t: torch.tensor([40, 640]), "weight_packed is int32[40, 40]"),
+    (ct_nvfp4_checkpoint, "fc.weight_global_scale", lambda t: t.double(),
+     "weight_global_scale is float64"),
+    (ct_nvfp4_checkpoint, "fc.weight_global_scale", lambda t: t.repeat(2),
+     "weight_global_scale is float32[2]"),
+    (ct_nvfp4_checkpoint, "fc.weight_scale", lambda t: t.float(), "weight_scale is float32"),
+    (ct_nvfp4_checkpoint, "fc.weight_packed", lambda t: t.view(torch.int8), "weight_packed is int8"),
+    (ct_fp8_checkpoint, "fc.weight_scale", lambda t: t.double(), "weight_scale is float64"),
+    (ct_fp8_checkpoint, "fc.weight_scale", lambda t: t[:3], "weight_scale is float32[3, 1]"),
+    (ct_fp8_checkpoint, "fc.weight", lambda t: t.float(), "weight is float32"),
+    (deepseek, "layers.0.mlp.weight_scale_inv", lambda t: t.double(), "weight_scale_inv is float64"),
+    (deepseek, "layers.0.mlp.weight_scale_inv", lambda t: t.to(torch.float8_e5m2),
+     "weight_scale_inv is float8_e5m2"),
+    (deepseek, "layers.0.mlp.weight", lambda t: t.to(torch.float8_e5m2), "weight is float8_e5m2"),
+    (modelopt, "fc.weight_scale_2", lambda t: t.bfloat16(), "weight_scale_2 is bfloat16"),
+    (modelopt, "fc.weight_scale_2", lambda t: t.repeat(2), "weight_scale_2 is float32[2]"),
+    (modelopt, "fc.weight_scale", lambda t: t.float(), "weight_scale is float32"),
+    (modelopt, "fc.weight", lambda t: t.view(torch.int8), "weight is int8"),
+    (fbgemm_checkpoint, "fc.weight_scale", lambda t: t.double(), "weight_scale is float64"),
+    (fbgemm_checkpoint, "fc.weight_scale", lambda t: t.repeat(1, 2), "weight_scale is float32[48, 2]"),
+    (torchao_int4, "0._weight_qdata", lambda t: t.view(torch.uint8), "qdata is uint8"),
+    (torchao_int4, "0._weight_scale", lambda t: t.double(), "scale is float64"),
+    (torchao_int4, "0._weight_zero_point", lambda t: t.t(), "zero_point is bfloat16[16, 2]"),
+    (torchao_float8, "0._weight_scale", lambda t: t.double(), "scale is float64"),
+    (torchao_float8, "0._weight_scale", lambda t: t.bfloat16(), "scale is bfloat16"),
+]
+
+
+@pytest.mark.parametrize(("write", "key", "change", "named"), STORED,
+                         ids=[f"{w.__name__}-{n}" for w, _, _, n in STORED])  # fmt: skip
+def test_every_stored_tensor_has_the_formats_dtype_and_shape(tmp_path, write, key, change, named):
+    write(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        original = f.get_tensor(key)
+    replace_tensor(tmp_path, key, change(original))
+    message = refused(tmp_path, named)
+    assert "the format stores" in message or "it must be" in message, message
+
+
+def test_a_deepseek_scale_without_its_weight_is_refused(tmp_path):
+    deepseek_checkpoint(tmp_path)
+    replace_tensor(tmp_path, "layers.0.mlp.weight", None)
+    refused(tmp_path, "'layers.0.mlp.weight_scale_inv' has no weight beside it")
