@@ -44,21 +44,17 @@ def model_shapes(source: str) -> dict[tuple[int, int], int]:
         return dict(MODEL_SHAPES[source])
     path = pathlib.Path(source)
     if path.is_dir():
-        from safetensors import safe_open
-
         from .formats.source import SafetensorsDir
 
-        reader = SafetensorsDir(path)
+        reader = SafetensorsDir(path)  # the checked headers; no tensor is read
         shapes: Counter = Counter()
-        for file in sorted(set(reader.file_of.values())):  # each header read once
-            with safe_open(file, "pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    module = name.removesuffix(".weight")
-                    if not name.endswith(".weight") or _is_excluded(module, DEFAULT_EXCLUDE):
-                        continue
-                    shape = f.get_slice(name).get_shape()
-                    if len(shape) == 2:
-                        shapes[tuple(shape)] += 1
+        for name, header in reader.header_of.items():
+            module = name.removesuffix(".weight")
+            if not name.endswith(".weight") or _is_excluded(module, DEFAULT_EXCLUDE):
+                continue
+            shape = header.stored[name].shape
+            if len(shape) == 2:
+                shapes[tuple(shape)] += 1
         if not shapes:
             raise QShardError(f"qshard bench: {path} has no 2-D linear weights")
         return dict(shapes)

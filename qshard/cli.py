@@ -1,8 +1,21 @@
-"""The `qshard` command."""
+"""The `qshard` command.
+
+An error prints one line on stderr, `qshard: error: <what, which file, what to do>`, and exits
+with status 2 for a usage error (an unknown option, a bad argument value), 1 for any other (a
+missing, unreadable or damaged file, a checkpoint qshard refuses, a failed write, `bench
+--device cuda` without a GPU; an unexpected exception is reported as an internal error), 130
+when interrupted. `qshard --debug <command>` raises instead, with the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib.util
+import os
+import sys
+
+from .errors import QShardError
 
 __all__ = ["main"]
 
@@ -11,8 +24,96 @@ __all__ = ["main"]
 CONFIG_NAMES = ["fp8-block", "fp8-row", "int4-g128", "int4-g64", "mxfp4", "nvfp4"]
 
 
+# What to do about an OSError, by errno.
+_OS_ERROR_HINTS = {
+    errno.ENOENT: "check the path",
+    errno.EACCES: "check its permissions, or choose another path",
+    errno.EPERM: "check its permissions, or choose another path",
+    errno.EROFS: "choose a path on a writable file system",
+    errno.ENOSPC: "free some space, or choose an --out on another disk",
+    errno.EDQUOT: "free some space, or choose an --out on another disk",
+    errno.EISDIR: "it is a directory where a file was expected; check the path",
+    errno.ENOTDIR: "a part of it is a file where a directory was expected; check the path",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qshard", description=__doc__)
+    """Run the command line `argv` (default sys.argv[1:]); returns the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+    except _UsageError as e:
+        return _error(str(e), 2)
+    try:
+        _run(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("qshard: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        return _error(_describe(e), 1)
+    return 0
+
+
+class _UsageError(Exception):
+    """A bad command line: argparse's error, raised instead of printing usage and exiting."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _error(message: str, status: int) -> int:
+    one_line = " ".join(line.strip() for line in message.splitlines() if line.strip())
+    print(f"qshard: error: {one_line}", file=sys.stderr)
+    return status
+
+
+def _describe(e: Exception) -> str:
+    """The error line of an exception: a user error's own message; otherwise an internal
+    error, named so that it is not mistaken for a problem with the input."""
+    if isinstance(e, QShardError):
+        return str(e).removeprefix("qshard ")  # "quantize: ...", not "qshard: error: qshard ..."
+    if isinstance(e, OSError):
+        what = e.strerror or str(e)
+        files = [str(f) for f in (e.filename, e.filename2) if f is not None]
+        hint = _OS_ERROR_HINTS.get(e.errno)
+        return " -> ".join(files) + (": " if files else "") + what + (f"; {hint}" if hint else "")
+    if isinstance(e, ModuleNotFoundError) and e.name and not e.name.startswith("qshard"):
+        return f"this needs the module {e.name!r}, which is not installed; pip install it"
+    return (f"internal error, {type(e).__name__}: {str(e).strip()[:200]} (a bug in qshard, not "
+            f"in the input; rerun with --debug for the traceback)")  # fmt: skip
+
+
+def _config_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in CONFIG_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown} are not among {CONFIG_NAMES}")
+    return names
+
+
+def _token_counts(text: str) -> list[int]:
+    try:
+        ms = [int(m) for m in text.split(",")]
+    except ValueError:
+        ms = []
+    if not ms or min(ms) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not positive integers separated by commas, e.g. 1,16,128"
+        )
+    return ms
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="qshard", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument(
+        "--debug", action="store_true", help="on an error, raise it with its traceback"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="quantize a small model and print the report")
     demo.add_argument("--seed", type=int, default=0)
@@ -56,11 +157,20 @@ def main(argv: list[str] | None = None) -> int:
         help="a Hugging Face model directory, 'llama-3.1-8b' (one layer's linears), or shapes "
         "like 4096x4096,14336x4096 (N x K)",
     )
-    bench.add_argument("--configs", default=",".join(CONFIG_NAMES), help="comma-separated")
-    bench.add_argument("--ms", default="1,16,128,2048", help="tokens per call, comma-separated")
-    bench.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    bench.add_argument(
+        "--configs", type=_config_names, default=",".join(CONFIG_NAMES), help="comma-separated"
+    )
+    bench.add_argument(
+        "--ms", type=_token_counts, default="1,16,128,2048", help="tokens per call, comma-separated"
+    )
+    bench.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="default: cuda if present"
+    )
     bench.add_argument("--plot", default=None, help="also write the speedups as this PNG")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.command == "demo":
         from . import demo as demos
 
@@ -80,22 +190,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(done['quantized'])} weights quantized ({args.config}), "
               f"{len(done['kept'])} tensors kept; wrote {args.out}")  # fmt: skip
     elif args.command == "bench":
+        if args.device == "cuda" and not _has_cuda():
+            raise QShardError("qshard bench: --device cuda, but torch sees no CUDA GPU here "
+                              "(torch.cuda.is_available() is False); pass --device cpu, or run "
+                              "on a machine with a GPU")  # fmt: skip
+        if args.plot:
+            _check_plot(args.plot)
         from .benchmark import bench_linears, model_shapes, plot, print_table
 
         shapes = model_shapes(args.source)
-        ms = [int(m) for m in args.ms.split(",")]
-        results = bench_linears(shapes, args.configs.split(","), ms, args.device)
         where = args.device or ("cuda" if _has_cuda() else "cpu")
+        results = bench_linears(shapes, args.configs, args.ms, where)
         print(f"{args.source}: {sum(shapes.values())} linears, {len(shapes)} shapes, on {where}")
-        print_table(results, ms)
+        print_table(results, args.ms)
         if args.plot:
-            plot(results, ms, args.plot, f"{args.source} linears")
+            plot(results, args.ms, args.plot, f"{args.source} linears")
             print(f"wrote {args.plot}")
     elif args.command == "inspect":
         from .convert import inspect_checkpoint
 
         inspect_checkpoint(args.path)
-    return 0
+
+
+def _check_plot(path: str) -> None:
+    """`bench --plot` can be written, checked before the benchmark runs."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise QShardError("qshard bench --plot needs matplotlib (pip install matplotlib)")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise QShardError(f"qshard bench: --plot {path}: {parent} is not a directory; create it "
+                          f"or choose another path")  # fmt: skip
+    if os.path.isdir(path) or not os.access(parent, os.W_OK | os.X_OK):
+        raise QShardError(f"qshard bench: cannot write --plot {path}; choose a file path in a "
+                          f"directory you can write to")  # fmt: skip
 
 
 def _has_cuda() -> bool:

@@ -14,9 +14,10 @@ import os
 import pathlib
 import sys
 
-from .errors import QShardError
-from .formats.source import SafetensorsDir, read_json
+from .errors import CheckpointError, QShardError
+from .formats.source import SafetensorsDir
 from .io import save
+from .io.saving import QUANTIZATION_CONFIG_NAME
 from .layouts import (
     Fp8BlockwiseConfig,
     Fp8RowwiseConfig,
@@ -25,6 +26,7 @@ from .layouts import (
     NVFP4WeightOnlyConfig,
 )
 from .qtensor import FLOAT_DTYPES, QTensor, stored_nbytes
+from .safejson import read_json_file
 
 __all__ = ["CONFIGS", "DEFAULT_EXCLUDE", "inspect_checkpoint", "quantize_directory"]
 
@@ -54,39 +56,148 @@ def quantize_directory(
 ) -> dict[str, list[str]]:
     """Quantize the linear weights of a Hugging Face directory into a qshard checkpoint at
     `out_dir` (`qshard.save`'s files), with a progress bar on stderr. Returns {"quantized":
-    [...], "kept": [...]}."""
+    [...], "kept": [...]}.
+
+    Everything is checked before the first tensor is read: the input is a model directory that
+    is not quantized already (by its config files and safetensors headers), and `out_dir` is
+    writable, is neither the input nor inside it nor around it, and is new, empty or a qshard
+    checkpoint."""
     progress = sys.stderr if progress else None
     if config not in CONFIGS:
         raise QShardError(f"qshard quantize: --config {config!r} is not one of {list(CONFIGS)}")
     quant_config = CONFIGS[config]()
-    config_json = read_json(pathlib.Path(model_dir) / "config.json") or {}
-    if config_json.get("quantization_config"):
-        method = config_json["quantization_config"].get("quant_method")
-        raise QShardError(
-            f"qshard quantize: {model_dir} is quantized already (quant_method {method!r}); "
-            f"load it with qshard.load_pretrained, or quantize its float checkpoint"
-        )
-    reader = SafetensorsDir(model_dir)
+    model_dir, out_dir = pathlib.Path(model_dir), pathlib.Path(out_dir)
+    _check_model_dir(model_dir)
+    _check_out_dir(out_dir, model_dir)
+    _refuse_quantized(model_dir, *_quantized_by_config(model_dir))
+    reader = SafetensorsDir(model_dir)  # every header read and checked
+    _refuse_quantized(model_dir, *_quantized_by_headers(reader))
     names = reader.names()
     state, done = {}, {"quantized": [], "kept": []}
-    for i, name in enumerate(names, 1):
-        tensor = reader.get(name)
-        module = name.removesuffix(".weight")
-        linear = name.endswith(".weight") and tensor.dim() == 2 and tensor.dtype in FLOAT_DTYPES
-        if linear and not _is_excluded(module, exclude):
-            state[name] = _layout_for(quant_config).from_float(tensor, quant_config)
-            done["quantized"].append(name)
-        else:
-            state[name] = tensor
-            done["kept"].append(name)
+    try:
+        for i, name in enumerate(names, 1):
+            tensor = reader.get(name)
+            module = name.removesuffix(".weight")
+            linear = (name.endswith(".weight") and tensor.dim() == 2
+                      and tensor.dtype in FLOAT_DTYPES)  # fmt: skip
+            if linear and not _is_excluded(module, exclude):
+                state[name] = _layout_for(quant_config).from_float(tensor, quant_config)
+                done["quantized"].append(name)
+            else:
+                state[name] = tensor
+                done["kept"].append(name)
+            if progress is not None:
+                bar = "#" * (30 * i // len(names))
+                progress.write(f"\r[{bar:<30}] {i}/{len(names)} {name[:60]:<60}")
+                progress.flush()
+    finally:  # end the bar's line, also before an error message
         if progress is not None:
-            bar = "#" * (30 * i // len(names))
-            progress.write(f"\r[{bar:<30}] {i}/{len(names)} {name[:60]:<60}")
-            progress.flush()
-    if progress is not None:
-        progress.write("\n")
+            progress.write("\n")
     save(state, out_dir)
     return done
+
+
+def _check_model_dir(model_dir: pathlib.Path) -> None:
+    """`model_dir` is a directory holding config.json or *.safetensors."""
+    if not model_dir.exists():
+        raise QShardError(f"qshard quantize: {model_dir} does not exist; pass a Hugging Face "
+                          f"model directory (config.json and *.safetensors)")  # fmt: skip
+    if not model_dir.is_dir():
+        raise QShardError(f"qshard quantize: {model_dir} is not a directory; pass the model "
+                          f"directory that holds it")  # fmt: skip
+    if not (model_dir / "config.json").is_file() and not any(model_dir.glob("*.safetensors")):
+        raise QShardError(f"qshard quantize: {model_dir} holds neither config.json nor "
+                          f"*.safetensors; pass a Hugging Face model directory")  # fmt: skip
+
+
+def _check_out_dir(out_dir: pathlib.Path, model_dir: pathlib.Path) -> None:
+    """`out_dir` can be written, does not overlap `model_dir` (saving into the input would
+    replace or delete its float files), and holds nothing but an earlier qshard checkpoint."""
+    out, model = out_dir.resolve(), model_dir.resolve()  # symlinks and ".." followed
+    where = None
+    if out == model or _same_dir(out, model):
+        where = "is the input directory"
+    elif out.is_relative_to(model) or any(_same_dir(p, model) for p in out.parents):
+        where = "lies inside the input directory"
+    elif model.is_relative_to(out) or any(_same_dir(out, p) for p in model.parents):
+        where = "contains the input directory"
+    if where:
+        raise QShardError(f"qshard quantize: --out {out_dir} {where} {model_dir}; writing "
+                          f"there would replace or delete the files being read. Choose an "
+                          f"--out outside it")  # fmt: skip
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise QShardError(f"qshard quantize: --out {out_dir}: {existing} is a file, not a "
+                          f"directory; choose a new directory for --out")  # fmt: skip
+    if existing == out and any(out.iterdir()) and not (out / QUANTIZATION_CONFIG_NAME).exists():
+        raise QShardError(f"qshard quantize: --out {out_dir} is not empty and is not a qshard "
+                          f"checkpoint; choose a new or empty directory")  # fmt: skip
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise QShardError(f"qshard quantize: cannot write to {existing} (permission denied) "
+                          f"for --out {out_dir}; choose a directory you can write to")  # fmt: skip
+
+
+def _same_dir(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """The same directory by device and inode (bind mounts, case-insensitive file systems)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
+
+
+# Names of the stored parts of quantized weights in other producers' checkpoints (facts.md §5):
+# DeepSeek / compressed-tensors / ModelOpt / FBGEMM scales, compressed-tensors' packed int4,
+# torchao's `_weight_qdata`, gpt-oss MXFP4 `_blocks` / `_scales`, GPTQ / AWQ, bitsandbytes.
+QUANTIZED_SUFFIXES = (
+    ".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".weight_global_scale",
+    ".weight_packed", ".weight_shape", ".weight_zero_point", ".input_scale", ".qdata", "_qdata",
+    "_blocks", "_scales", ".qweight", ".qzeros", ".absmax", ".quant_map", ".SCB",
+)  # fmt: skip
+
+
+def _refuse_quantized(model_dir: pathlib.Path, own: bool, reason: str | None) -> None:
+    """CheckpointError if `reason` says `model_dir` holds a quantized checkpoint (qshard's own,
+    or another producer's): its codes and scales quantized as if they were float weights would
+    be garbage."""
+    if reason is None:
+        return
+    if own:
+        how = f"a qshard checkpoint ({reason}); load it with qshard.load('{model_dir}', model)"
+    else:
+        how = f"({reason}); load it with qshard.load_pretrained('{model_dir}')"
+    raise CheckpointError(f"qshard quantize: {model_dir} is quantized already, {how}, or "
+                          f"quantize the float checkpoint it was made from")  # fmt: skip
+
+
+def _quantized_by_config(model_dir: pathlib.Path) -> tuple[bool, str | None]:
+    """(qshard's own?, why it is quantized, or None) from the directory's JSON files."""
+    if (model_dir / QUANTIZATION_CONFIG_NAME).exists():
+        method = read_json_file(model_dir / QUANTIZATION_CONFIG_NAME).get("quant_method")
+        return method == "qshard", f"{QUANTIZATION_CONFIG_NAME} has quant_method {method!r}"
+    if (model_dir / "config.json").exists():
+        quantization = read_json_file(model_dir / "config.json").get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+            return False, f"config.json has a quantization_config, quant_method {method!r}"
+    if (model_dir / "hf_quant_config.json").exists():
+        return False, "it holds hf_quant_config.json (NVIDIA ModelOpt)"
+    return False, None
+
+
+def _quantized_by_headers(reader: SafetensorsDir) -> tuple[bool, str | None]:
+    """(qshard's own?, why it is quantized, or None) from the safetensors headers: qshard's
+    metadata, a float8 / float4 tensor, or a quantized weight part's name."""
+    from .io.format import METADATA_KEY
+
+    if METADATA_KEY in reader.metadata():
+        return True, f"the safetensors header metadata has a {METADATA_KEY!r} entry"
+    for key, header in reader.header_of.items():
+        dtype = str(header.stored[key].dtype).removeprefix("torch.")
+        if dtype.startswith(("float8", "float4")):
+            return False, f"{header.path.name} holds {key!r} as {dtype}"
+        if key.endswith(QUANTIZED_SUFFIXES):
+            return False, f"{header.path.name} holds {key!r}, the part of a quantized weight"
+    return False, None
 
 
 def _layout_for(config) -> type[QTensor]:
@@ -103,6 +214,9 @@ def inspect_checkpoint(path: str | os.PathLike, out=None) -> dict:
 
     out = out or sys.stdout
     directory = pathlib.Path(path)
+    if not directory.exists():
+        raise QShardError(f"qshard inspect: {directory} does not exist; pass a qshard checkpoint "
+                          f"or a quantized Hugging Face model directory")  # fmt: skip
     is_qshard = (directory / "quantization_config.json").exists() or directory.suffix in (
         ".safetensors", ".json")  # fmt: skip
     state = load(directory) if is_qshard else load_pretrained(directory)
