@@ -300,7 +300,7 @@ def saved(tmp_path: pathlib.Path, state=None, invalid: bool = False) -> pathlib.
     if not invalid:
         qshard.save(state if state is not None else model, tmp_path)
         return tmp_path / "model.safetensors"
-    with pytest.raises(QShardError, match="qshard.save: 'up.weight'"):
+    with pytest.raises(QShardError, match=r"qshard\.save: 'up\.weight'"):
         qshard.save(state, tmp_path / "refused")
     assert not (tmp_path / "refused").exists(), "a refused save wrote files"
     with mock.patch.object(save_module, "check_qtensor", lambda *args: None):
