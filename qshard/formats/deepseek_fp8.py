@@ -17,7 +17,7 @@ from ..config import Backend, ScaleFormat
 from ..errors import CheckpointError, QShardError
 from ..layouts import Fp8BlockwiseTensor
 from ..qtensor import QTensor
-from .configs import check_stored, quantization_config
+from .configs import check_stored, quantization_config, unquantized_modules
 
 NAME = "deepseek-fp8"
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -89,13 +89,14 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
     """(tensors, config.json entries, other JSON files) of a state_dict whose quantized
     weights are FP8 blockwise, all with one block size (the format has one
     `weight_block_size`)."""
-    tensors = {}
+    tensors, quantized = {}, set()
     for key, value in state.items():
         if isinstance(value, Fp8BlockwiseTensor):
             untransposed = value.t() if value.transposed else value
             prefix = key.removesuffix(".weight")
             tensors[prefix + ".weight"] = untransposed.qdata
             tensors[prefix + SCALE_SUFFIX] = untransposed.scale
+            quantized.add(prefix)
         elif isinstance(value, QTensor):
             raise QShardError(
                 f"qshard.export(format='{NAME}'): {key!r} is a {type(value).__name__}; the "
@@ -111,8 +112,12 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
             f"per model; this model's FP8 weights have {sorted(blocks)} / "
             f"{sorted(f.value for f in formats)} (none means no FP8 blockwise weight)"
         )
+    # The linears left in float, under transformers' key (FineGrainedFP8Config): without it,
+    # transformers skips only its defaults (lm_head) and makes every other nn.Linear an FP8
+    # linear that expects a weight_scale_inv.
+    skipped = unquantized_modules(state, linear_names, quantized)
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-          "weight_block_size": list(blocks.pop())}  # fmt: skip
+          "weight_block_size": list(blocks.pop()), "modules_to_not_convert": skipped}  # fmt: skip
     if formats.pop() is ScaleFormat.UE8M0:
         qc["scale_fmt"] = "ue8m0"
     return tensors, {"quantization_config": qc}, {}

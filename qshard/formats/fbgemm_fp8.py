@@ -19,7 +19,7 @@ import torch
 from ..errors import QShardError
 from ..layouts import Fp8RowwiseTensor
 from ..qtensor import QTensor
-from .configs import check_scalar, check_stored, quantization_config
+from .configs import check_scalar, check_stored, quantization_config, unquantized_modules
 from .source import fp8_rows
 
 NAME = "fbgemm-fp8"
@@ -77,6 +77,7 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
             )
         else:
             tensors[key] = value
+    skipped = unquantized_modules(state, linear_names, quantized)
     qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": DEFAULT_SCALE_UB,
-          "modules_to_not_convert": [n for n in linear_names if n not in quantized]}  # fmt: skip
+          "modules_to_not_convert": skipped}  # fmt: skip
     return tensors, {"quantization_config": qc}, {}

@@ -1,15 +1,16 @@
 """NVIDIA ModelOpt NVFP4 checkpoints (facts.md §5) <-> Nvfp4Tensor.
 
-`hf_quant_config.json`: quantization.quant_algo "NVFP4", group_size 16, exclude_modules
-(fnmatch patterns of modules left unquantized); newer exports put the same under config.json's
-quantization_config with quant_method "modelopt". A quantized linear is `<p>.weight` uint8
-[N, K/2] (two e2m1 codes per byte, the even index in the low nibble), `<p>.weight_scale`
-float8_e4m3fn [N, K/16] and `<p>.weight_scale_2` float32 (a scalar), a multiplier:
-W = e2m1 * weight_scale * weight_scale_2: the layout's own definition, so every tensor maps as
-it is. `<p>.input_scale` (the static activation scale of ModelOpt's W4A4 serving) is not used:
-qshard runs NVFP4 weight-only, and drops it, as it drops the FP8 KV-cache scales `k_scale` and
-`v_scale` (qshard keeps the KV cache in the activation dtype). Export writes the weight-only
-subset.
+`hf_quant_config.json`: quantization.quant_algo "NVFP4" (W4A4) or "W4A16_NVFP4" (weight-only),
+group_size 16, exclude_modules (fnmatch patterns of modules left unquantized); newer exports
+put the same under config.json's quantization_config with quant_method "modelopt". A quantized
+linear is `<p>.weight` uint8 [N, K/2] (two e2m1 codes per byte, the even index in the low
+nibble), `<p>.weight_scale` float8_e4m3fn [N, K/16] and `<p>.weight_scale_2` float32 (a
+scalar), a multiplier: W = e2m1 * weight_scale * weight_scale_2: the layout's own definition,
+so every tensor maps as it is. `<p>.input_scale` (the static activation scale of ModelOpt's
+W4A4 serving) is not used: qshard runs NVFP4 weight-only, and drops it, as it drops the FP8
+KV-cache scales `k_scale` and `v_scale` (qshard keeps the KV cache in the activation dtype).
+Export writes weight-only NVFP4 under ModelOpt's own label for it, "W4A16_NVFP4" (no
+input_scale).
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from ..config import Backend
 from ..errors import QShardError
 from ..layouts import Nvfp4Tensor
 from ..qtensor import QTensor
-from .configs import Fields, check_scalar, check_stored, quantization_config
+from .configs import Fields, check_scalar, check_stored, quantization_config, unquantized_modules
 
 NAME = "modelopt-nvfp4"
 GROUP = 16
 HF_QUANT_CONFIG = "hf_quant_config.json"
-QUANT_ALGOS = ("NVFP4",)
+# ModelOpt's quant_algo for NVFP4 weights with NVFP4 activations (W4A4: an input_scale per
+# linear) and for weight-only NVFP4 (QUANTIZATION_W4A16_NVFP4 in modelopt/torch/export, read in
+# nvidia-modelopt 0.47.0: the same weight tensors, no input_scale). qshard writes the latter.
+QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+WEIGHT_ONLY_ALGO = "W4A16_NVFP4"
 
 
 def _quantization(config: dict, hf_quant: dict | None, directory=None) -> Fields | None:
@@ -101,8 +106,8 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
             )
         else:
             tensors[key] = value
-    excluded = [name for name in linear_names if name not in quantized]
-    quantization = {"quant_algo": "NVFP4", "group_size": GROUP, "exclude_modules": excluded,
-                    "kv_cache_quant_algo": None}  # fmt: skip
+    excluded = unquantized_modules(state, linear_names, quantized)
+    quantization = {"quant_algo": WEIGHT_ONLY_ALGO, "group_size": GROUP,
+                    "exclude_modules": excluded, "kv_cache_quant_algo": None}  # fmt: skip
     hf_quant = {"producer": {"name": "qshard"}, "quantization": quantization}
     return tensors, {}, {HF_QUANT_CONFIG: hf_quant}

@@ -49,7 +49,7 @@ def refused(directory, *fragments: str) -> str:
 def test_a_quantization_config_that_is_not_an_object_is_a_checkpoint_error(tmp_path, value):
     deepseek_checkpoint(tmp_path)
     edit_config(tmp_path, lambda c: c.update(quantization_config=value))
-    with pytest.raises(CheckpointError, match="quantization_config is .* it must be a JSON obj"):
+    with pytest.raises(CheckpointError, match=r"quantization_config is .* it must be a JSON obj"):
         qshard.formats.detect_format(tmp_path)
     # Format detection sees the parsed config.json, not its directory.
     refused(tmp_path, "config.json: quantization_config", repr(value))
@@ -168,8 +168,10 @@ TORCHAO_METADATA = [
     ({"tensor_names": '["0.weight"]', "0.weight": "{oops"}, "'0.weight'"),
     ({"tensor_names": '["0.weight"]', "0.weight": "[1]"}, "'0.weight'"),
     ({"tensor_names": '["0.weight"]', "0.weight": '{"_type": 5}'}, "_type"),
-    ({"tensor_names": '["0.weight"]', "0.weight": '{"_type": "Float8Tensor", "_data": "x"}'},
-     "_data"),
+    (
+        {"tensor_names": '["0.weight"]', "0.weight": '{"_type": "Float8Tensor", "_data": "x"}'},
+        "_data",
+    ),
     ({"tensor_names": '["0.weight"]', "0.weight": "[" * 100000}, "nested too deeply"),
 ]
 
@@ -245,7 +247,7 @@ def replace_tensor(directory, key: str, value: torch.Tensor | None) -> None:
     save_file(tensors, str(path), metadata=metadata)
 
 
-def ct_nvfp4_checkpoint(directory, n=32, k=64):
+def ct_nvfp4(directory, n=32, k=64):
     weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
     qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
           "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
@@ -255,7 +257,7 @@ def ct_nvfp4_checkpoint(directory, n=32, k=64):
     return write_checkpoint(directory, tensors, {"quantization_config": qc})
 
 
-def ct_fp8_checkpoint(directory, n=48, k=64):
+def ct_fp8(directory, n=48, k=64):
     weights = {"num_bits": 8, "type": "float", "strategy": "channel"}
     acts = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
     qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
@@ -265,7 +267,7 @@ def ct_fp8_checkpoint(directory, n=48, k=64):
     return write_checkpoint(directory, tensors, {"quantization_config": qc})
 
 
-def fbgemm_checkpoint(directory, n=48, k=64):
+def fbgemm(directory, n=48, k=64):
     qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}
     tensors = {"fc.weight": random_e4m3(n, k), "fc.weight_scale": torch.rand(n, 1) / 448}
     return write_checkpoint(directory, tensors, {"quantization_config": qc})
@@ -306,26 +308,43 @@ STORED = [
     (ct_int4, "fc.weight_shape", lambda t: torch.tensor([40, 320, 1]), "weight_shape is int64[3]"),
     (ct_int4, "fc.weight_shape", lambda t: torch.tensor([0, 320]), "weight_shape is [0, 320]"),
     (ct_int4, "fc.weight_shape", lambda t: torch.tensor([40, 2**40]), "weight_shape is [40, 10"),
-    (ct_int4, "fc.weight_shape", lambda t: torch.tensor([40, 640]), "weight_packed is int32[40, 40]"),
-    (ct_nvfp4_checkpoint, "fc.weight_global_scale", lambda t: t.double(),
-     "weight_global_scale is float64"),
-    (ct_nvfp4_checkpoint, "fc.weight_global_scale", lambda t: t.repeat(2),
-     "weight_global_scale is float32[2]"),
-    (ct_nvfp4_checkpoint, "fc.weight_scale", lambda t: t.float(), "weight_scale is float32"),
-    (ct_nvfp4_checkpoint, "fc.weight_packed", lambda t: t.view(torch.int8), "weight_packed is int8"),
-    (ct_fp8_checkpoint, "fc.weight_scale", lambda t: t.double(), "weight_scale is float64"),
-    (ct_fp8_checkpoint, "fc.weight_scale", lambda t: t[:3], "weight_scale is float32[3, 1]"),
-    (ct_fp8_checkpoint, "fc.weight", lambda t: t.float(), "weight is float32"),
-    (deepseek, "layers.0.mlp.weight_scale_inv", lambda t: t.double(), "weight_scale_inv is float64"),
-    (deepseek, "layers.0.mlp.weight_scale_inv", lambda t: t.to(torch.float8_e5m2),
-     "weight_scale_inv is float8_e5m2"),
+    (
+        ct_int4,
+        "fc.weight_shape",
+        lambda t: torch.tensor([40, 640]),
+        "weight_packed is int32[40, 40]",
+    ),
+    (ct_nvfp4, "fc.weight_global_scale", lambda t: t.double(), "weight_global_scale is float64"),
+    (
+        ct_nvfp4,
+        "fc.weight_global_scale",
+        lambda t: t.repeat(2),
+        "weight_global_scale is float32[2]",
+    ),
+    (ct_nvfp4, "fc.weight_scale", lambda t: t.float(), "weight_scale is float32"),
+    (ct_nvfp4, "fc.weight_packed", lambda t: t.view(torch.int8), "weight_packed is int8"),
+    (ct_fp8, "fc.weight_scale", lambda t: t.double(), "weight_scale is float64"),
+    (ct_fp8, "fc.weight_scale", lambda t: t[:3], "weight_scale is float32[3, 1]"),
+    (ct_fp8, "fc.weight", lambda t: t.float(), "weight is float32"),
+    (
+        deepseek,
+        "layers.0.mlp.weight_scale_inv",
+        lambda t: t.double(),
+        "weight_scale_inv is float64",
+    ),
+    (
+        deepseek,
+        "layers.0.mlp.weight_scale_inv",
+        lambda t: t.to(torch.float8_e5m2),
+        "weight_scale_inv is float8_e5m2",
+    ),
     (deepseek, "layers.0.mlp.weight", lambda t: t.to(torch.float8_e5m2), "weight is float8_e5m2"),
     (modelopt, "fc.weight_scale_2", lambda t: t.bfloat16(), "weight_scale_2 is bfloat16"),
     (modelopt, "fc.weight_scale_2", lambda t: t.repeat(2), "weight_scale_2 is float32[2]"),
     (modelopt, "fc.weight_scale", lambda t: t.float(), "weight_scale is float32"),
     (modelopt, "fc.weight", lambda t: t.view(torch.int8), "weight is int8"),
-    (fbgemm_checkpoint, "fc.weight_scale", lambda t: t.double(), "weight_scale is float64"),
-    (fbgemm_checkpoint, "fc.weight_scale", lambda t: t.repeat(1, 2), "weight_scale is float32[48, 2]"),
+    (fbgemm, "fc.weight_scale", lambda t: t.double(), "weight_scale is float64"),
+    (fbgemm, "fc.weight_scale", lambda t: t.repeat(1, 2), "weight_scale is float32[48, 2]"),
     (torchao_int4, "0._weight_qdata", lambda t: t.view(torch.uint8), "qdata is uint8"),
     (torchao_int4, "0._weight_scale", lambda t: t.double(), "scale is float64"),
     (torchao_int4, "0._weight_zero_point", lambda t: t.t(), "zero_point is bfloat16[16, 2]"),
