@@ -727,3 +727,111 @@ def test_compressed_tensors_decompresses_the_export_to_qshards_weights(tmp_path,
         assert torch.equal(loaded["0.weight"].qdata, model[0].weight.qdata)
     else:
         assert_same_qtensor(loaded["0.weight"], model[0].weight)
+
+
+# ---- compressed-tensors schemes, from the config (issue 21, problem 21) --------------------------
+
+
+def ct_scheme_checkpoint(directory, preset: str, tensors: dict, fmt: str | None):
+    """A compressed-tensors checkpoint whose one config group is compressed-tensors' own
+    preset scheme `preset` (its QuantizationScheme serialized as llm-compressor writes it)."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    group = QuantizationScheme(targets=["Linear"], **PRESET_SCHEMES[preset]).model_dump()
+    group["format"] = fmt
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+          "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
+    tensors = {**tensors, "lm_head.weight": torch.randn(8, 64, dtype=torch.bfloat16)}
+    return write_checkpoint(
+        directory, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc}
+    )
+
+
+def test_compressed_tensors_mxfp4_loads_as_compressed_tensors_decompresses_it(tmp_path):
+    """MXFP4A16 (format mxfp4-pack-quantized), compressed by compressed-tensors' own
+    MXFP4PackedCompressor: weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32] (e8m0
+    exponents). MXFP4 with MXFP4 activations (W4A4) loads the same, weight-only."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import MXFP4A16
+
+    scheme = QuantizationScheme(targets=["Linear"], **MXFP4A16)
+    g = torch.Generator().manual_seed(12)
+    weight = (torch.randn(48, 128, generator=g) * 0.05).to(torch.bfloat16)
+    amax = weight.float().reshape(48, 4, 32).abs().amax(-1)
+    scale = torch.exp2(torch.floor(torch.log2(amax)) - 2).to(torch.bfloat16)  # OCP's rule
+    packed = MXFP4PackedCompressor.compress({"weight": weight, "weight_scale": scale}, scheme)
+    assert packed["weight_packed"].dtype == torch.uint8 and packed["weight_packed"].shape == (
+        48,
+        64,
+    )
+    assert packed["weight_scale"].dtype == torch.uint8 and packed["weight_scale"].shape == (48, 4)
+    theirs = MXFP4PackedCompressor.decompress(packed, scheme)["weight"]
+    for preset in ("MXFP4A16", "MXFP4"):
+        tensors = {f"fc.{k}": v for k, v in packed.items()}
+        directory = ct_scheme_checkpoint(tmp_path / preset, preset, tensors, "mxfp4-pack-quantized")
+        w = qshard.load_pretrained(directory)["fc.weight"]
+        assert isinstance(w, qshard.Mxfp4Tensor) and w.shape == (48, 128)
+        assert torch.equal(w.dequantize(torch.bfloat16), theirs)
+        assert torch.equal(w.scale.view(torch.uint8), packed["weight_scale"])
+
+
+INT8 = torch.randint(-8, 8, (48, 64), generator=torch.Generator().manual_seed(13), dtype=torch.int8)
+REFUSED_SCHEMES = [  # (preset, format, tensors, what the error names)
+    ("W8A8", "int-quantized",
+     {"fc.weight": INT8, "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16)},
+     "format 'int-quantized' (W8A8: 8-bit int per channel weights, 8-bit int per token"),
+    ("W4A8", "int-quantized",
+     {"fc.weight": INT8, "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16)},
+     "format 'int-quantized' (W4A8: 4-bit int in groups of 128 weights, 8-bit int"),
+    ("W4AFP8", "int-quantized",
+     {"fc.weight": INT8, "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16)},
+     "format 'int-quantized' (W4A8: 4-bit int in groups of 128 weights, 8-bit float"),
+    ("W8A16", "pack-quantized",
+     {"fc.weight_packed": torch.zeros(48, 16, dtype=torch.int32),
+      "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16),
+      "fc.weight_shape": torch.tensor([48, 64])},
+     "format 'pack-quantized' (W8A16: 8-bit int in groups of 128 weights"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("preset", "fmt", "tensors", "named"), REFUSED_SCHEMES,
+                         ids=[p for p, *_ in REFUSED_SCHEMES])  # fmt: skip
+def test_compressed_tensors_schemes_qshard_cannot_hold_are_refused(tmp_path, preset, fmt, tensors,
+                                                                    named):  # fmt: skip
+    """int-quantized (W8A8, W4A8 int, W4AFP8: int8 weights per element) loaded as raw int
+    codes in plain tensors, W8A16 was refused as a 4-bit shape mismatch; now the scheme read
+    from the config is named, with what qshard holds."""
+    ct_scheme_checkpoint(tmp_path, preset, tensors, fmt)
+    with pytest.raises(CheckpointError) as info:
+        qshard.load_pretrained(tmp_path)
+    message = str(info.value)
+    assert named in message and "fc" in message, message
+    assert "qshard" in message and ("W4A16" in message or "4-bit" in message), message
+
+
+def test_compressed_tensors_formats_are_inferred_from_the_config_as_compressed_tensors_does(
+    tmp_path,
+):
+    """A group without a format in a mixed-precision config gets compressed-tensors' own
+    inference (compressors/format.py): int4 weights without activations -> pack-quantized,
+    FP4 in groups of 16 -> nvfp4-pack-quantized; each linear takes the group targeting it."""
+    compressed_int4_checkpoint(tmp_path / "int4", symmetric=False)
+    int4 = load_file(tmp_path / "int4" / "model.safetensors")
+    n, k = 32, 64
+    tensors = {**{key: value for key, value in int4.items() if key.startswith("fc.")},
+               "nv.weight_packed": random_bytes(n, k // 2, seed=6),
+               "nv.weight_scale": random_e4m3(n, k // 16, seed=7),
+               "nv.weight_global_scale": torch.tensor([100.0])}  # fmt: skip
+    int4_args = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                 "group_size": 128}  # fmt: skip
+    fp4_args = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    qc = {"quant_method": "compressed-tensors", "format": "mixed-precision",
+          "config_groups": {"a": {"targets": ["re:.*nv$"], "weights": fp4_args},
+                            "b": {"targets": ["fc"], "weights": int4_args}}}  # fmt: skip
+    write_checkpoint(tmp_path / "mixed", tensors, {"quantization_config": qc})
+    state = qshard.load_pretrained(tmp_path / "mixed")
+    assert isinstance(state["fc.weight"], qshard.Int4Tensor)
+    assert isinstance(state["nv.weight"], qshard.Nvfp4Tensor)
+    assert state["fc.weight"].group_size == 128 and not state["fc.weight"].symmetric
