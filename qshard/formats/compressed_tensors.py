@@ -26,10 +26,11 @@ nvfp4-pack-quantized (NVFP4A16; NVFP4 with activations): `weight_packed` uint8 [
 NVFP4 layout's bytes), `weight_scale` float8_e4m3fn [N, K/16], `weight_global_scale` float32
 [1], a *divisor*: W = e2m1 * (weight_scale / weight_global_scale). The layout's global scale is
 a multiplier, 1 / weight_global_scale rounded to fp32, so its dequantized values are within one
-fp32 ulp of the format's. Export picks, among the fp32 neighbours of 1 / multiplier, the divisor
-whose reciprocal is nearest the multiplier: export -> load gives codes and block scales bit for
-bit, and the global scale exactly where an fp32 divisor can (about 83 % of fp32 values; the
-reciprocal skips the others) and within one fp32 ulp elsewhere.
+fp32 ulp of the format's. x -> 1/x is not injective on fp32, so the divisor cannot be recovered
+from the multiplier: the layout keeps it (Nvfp4Tensor.global_divisor, saved by qshard.save), and
+export writes it back, so that load -> export gives the file's bytes. A weight without one
+(quantized by qshard, or from another format) gets the fp32 neighbour of 1 / multiplier whose
+reciprocal is nearest the multiplier: exactly it for about 83 % of fp32 values, else one ulp off.
 
 mxfp4-pack-quantized (MXFP4A16; MXFP4 with activations): `weight_packed` uint8 [N, K/2] (the
 MXFP4 layout's bytes), `weight_scale` uint8 [N, K/32], e8m0 exponents: 2**(s - 127)
@@ -54,6 +55,7 @@ Export writes int4, NVFP4, MXFP4, and FP8 per channel or in blocks with dynamic 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sys
 
@@ -390,9 +392,14 @@ def _nvfp4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     packed, scale = _fp4_codes(reader, prefix, NVFP4_GROUP, torch.float8_e4m3fn)
     divisor = reader.get(prefix + ".weight_global_scale")
     divisor = check_scalar(where, "weight_global_scale", divisor, torch.float32)
+    d = float(divisor.reshape(()))
+    if not (math.isfinite(d) and d > 0):
+        raise CheckpointError(f"{where}: weight_global_scale {d} is not positive and finite; a "
+                              f"divisor must be. The file is damaged: re-export it")  # fmt: skip
     inner = {"qdata": packed, "scale": scale, "global_scale": 1.0 / divisor.reshape(1, 1)}
     n, k = packed.shape[0], packed.shape[1] * 2
-    tensor = Nvfp4Tensor(inner, shape=(n, k), dtype=dtype, backend=Backend.AUTO)
+    tensor = Nvfp4Tensor(inner, shape=(n, k), dtype=dtype, backend=Backend.AUTO,
+                         global_divisor=d)  # fmt: skip
     tensor.validate()
     return tensor
 
@@ -474,11 +481,17 @@ def _pack_words(codes: torch.Tensor) -> torch.Tensor:
     return (padded[:, 0::2] | (padded[:, 1::2] << 4)).contiguous().view(torch.int32)
 
 
-def _divisor(multiplier: torch.Tensor) -> torch.Tensor:
-    """The float32 d, among the neighbours of 1 / multiplier, whose reciprocal comes nearest to
-    the multiplier: equal to it where such a d exists (about 83 % of random fp32 values,
-    measured), else one fp32 ulp away (x -> 1/x skips some fp32 values), so that loading the
-    export gives the multiplier back exactly or within one ulp."""
+def _divisor(w: Nvfp4Tensor) -> torch.Tensor:
+    """The fp32 divisor d to store for `w`'s multiplier global_scale: the one its checkpoint
+    stored (global_divisor) while fl(1/d) is still global_scale, so that load -> export gives
+    the file's bytes back; otherwise, among the fp32 neighbours of 1 / global_scale, the d
+    whose reciprocal comes nearest to it: equal to it where such a d exists (about 83 % of
+    random fp32 values, measured), else one fp32 ulp away (x -> 1/x skips some fp32 values)."""
+    multiplier = w.global_scale
+    if w.global_divisor is not None:
+        kept = torch.full_like(multiplier, w.global_divisor)
+        if torch.equal(1.0 / kept, multiplier):
+            return kept
     first = (1.0 / multiplier).float()
     best, best_error = first, None
     for step in (0, 1, -1, 2, -2, 3, -3):
@@ -542,7 +555,7 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
         elif isinstance(w, Nvfp4Tensor) and k % NVFP4_GROUP == 0:
             tensors[prefix + ".weight_packed"] = w.qdata
             tensors[prefix + ".weight_scale"] = w.scale
-            tensors[prefix + ".weight_global_scale"] = _divisor(w.global_scale).reshape(1)
+            tensors[prefix + ".weight_global_scale"] = _divisor(w).reshape(1)
             args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
                     "group_size": NVFP4_GROUP, "dynamic": False}  # fmt: skip
             add(NVFP4_FORMAT, args, None, prefix)

@@ -9,6 +9,11 @@ Inner tensors (logical weight [N, K], G = ceil(K / 16)):
 Attributes:
     backend       AUTO (the fused Triton kernels, `kernels/w4a16_triton.py`, on a CUDA GPU; the
                   reference elsewhere), REFERENCE, or TRITON (forced)
+    global_divisor  None, or the fp32 divisor d a compressed-tensors checkpoint stored, whose
+                  fl(1/d) is global_scale: x -> 1/x is not injective on fp32, so d cannot be
+                  recovered from global_scale; export writes it back where fl(1/d) still equals
+                  global_scale. Provenance only: no arithmetic reads it, and layout_difference
+                  ignores it.
 
 Quantization: `qshard/kernels/nvfp4.py`. Packing for the shape ops: qdata (1, 2), scale (1, 16):
 rows slice anywhere, columns at multiples of 16 (the finest block: no re-grouping); the global
@@ -19,11 +24,14 @@ scale covers the whole weight, so every part (a slice, a TP shard) shares its pa
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
 from typing import ClassVar
 
 import torch
 
 from ..config import Backend, QuantConfig, parse_backend
+from ..errors import ConfigError
 from ..kernels.availability import load_w4a16_ops
 from ..kernels.nvfp4 import (
     E2M1_MAX,
@@ -67,13 +75,15 @@ class Nvfp4Tensor(QTensor):
     """An NVFP4 weight. See the module docstring."""
 
     inner_names = ("qdata", "scale", "global_scale")
-    attr_names = ("backend",)
+    attr_names = ("backend", "global_divisor")
+    attr_defaults: ClassVar[dict] = {"global_divisor": None}
     min_linear_sqnr_db: ClassVar[float] = NVFP4_MIN_SQNR_DB
 
     qdata: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor
     backend: Backend
+    global_divisor: float | None
 
     @classmethod
     def from_float(
@@ -116,7 +126,24 @@ class Nvfp4Tensor(QTensor):
 
     @classmethod
     def check_attrs(cls, attrs) -> None:
-        NVFP4WeightOnlyConfig(**attrs)  # every attribute is a config field, checked there
+        NVFP4WeightOnlyConfig(attrs["backend"])  # the backend is a config field, checked there
+        d = attrs.get("global_divisor")
+        try:  # a positive finite float32 value (the dtype the checkpoint stores it in)
+            fp32 = struct.unpack("<f", struct.pack("<f", d))[0] if d is not None else None
+            ok = d is None or (type(d) is not bool and math.isfinite(d) and d > 0 and fp32 == d)
+        except (TypeError, OverflowError, struct.error):  # not a number, or beyond float32
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f"Nvfp4Tensor: global_divisor {d!r} is not a positive finite float32 value "
+                f"(the divisor a compressed-tensors checkpoint stored); None when there is none"
+            )
+
+    def layout_difference(self, other: QTensor) -> str | None:
+        # global_divisor is provenance, not layout (the module docstring).
+        if isinstance(other, Nvfp4Tensor) and other.global_divisor != self.global_divisor:
+            other = other.with_changes(global_divisor=self.global_divisor)
+        return super().layout_difference(other)
 
     # ---- hooks for the shared shape ops ---------------------------------------------------
 

@@ -340,7 +340,9 @@ def test_export_then_load_is_bit_exact(tmp_path, fmt, config):
         # it, else one ulp off (qshard/formats/compressed_tensors.py); codes and scales exact.
         g, h = mine.global_scale, theirs.global_scale
         assert torch.equal(g, h) or torch.equal(g, torch.nextafter(h, g))
-        mine = mine.with_changes({"global_scale": h})
+        # It keeps the divisor it was loaded from (global_divisor), which a re-export writes.
+        assert torch.equal(1.0 / torch.tensor([[mine.global_divisor]]), g)
+        mine = mine.with_changes({"global_scale": h}, global_divisor=None)
     assert_same_qtensor(mine, theirs)
     assert torch.equal(loaded[2].weight, model[2].weight)
     assert torch.equal(loaded[0].bias, model[0].bias)
@@ -835,3 +837,77 @@ def test_compressed_tensors_formats_are_inferred_from_the_config_as_compressed_t
     assert isinstance(state["fc.weight"], qshard.Int4Tensor)
     assert isinstance(state["nv.weight"], qshard.Nvfp4Tensor)
     assert state["fc.weight"].group_size == 128 and not state["fc.weight"].symmetric
+
+
+# ---- compressed-tensors NVFP4 divisors survive load -> export (issue 21, problem 22) -------------
+
+
+def random_divisors(count: int, seed: int) -> torch.Tensor:
+    """fp32 divisors with random mantissas over 2**-4 .. 2**12, including pairs d != d' with
+    fl(1/d) == fl(1/d') (x -> 1/x is not injective on fp32: about 17 % of fp32 values are no
+    fp32 reciprocal's nearest divisor)."""
+    g = torch.Generator().manual_seed(seed)
+    mantissa = torch.randint(0, 2**23, (count,), generator=g, dtype=torch.int32)
+    exponent = torch.randint(127 - 4, 127 + 12, (count,), generator=g, dtype=torch.int32)
+    divisors = ((exponent << 23) | mantissa).view(torch.float32)
+    twin = torch.nextafter(divisors[:8], torch.full((8,), float("inf")))  # neighbours too
+    return torch.cat([divisors, twin])
+
+
+def stored_bytes(path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return {k: (f.get_tensor(k).dtype, tuple(f.get_tensor(k).shape),
+                    f.get_tensor(k).contiguous().view(-1).view(torch.uint8)) for k in f.keys()}  # noqa: SIM118  # fmt: skip
+
+
+def test_compressed_tensors_nvfp4_load_then_export_gives_the_files_bytes_back(tmp_path):
+    """The layout's global scale is the multiplier fl(1/d); the divisor d the file stored rides
+    along (Nvfp4Tensor.global_divisor) so that export writes d itself, bit for bit, also after
+    qshard.save -> qshard.load. Without it some divisors came back one fp32 ulp off."""
+    divisors = random_divisors(120, seed=14)
+    recovered = 1.0 / (1.0 / divisors)
+    assert not torch.equal(recovered, divisors)  # the case the attribute exists for
+    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    tensors = {}
+    for i, d in enumerate(divisors):
+        tensors[f"l{i}.weight_packed"] = random_bytes(2, 16, seed=i)
+        tensors[f"l{i}.weight_scale"] = random_e4m3(2, 2, seed=i)
+        tensors[f"l{i}.weight_global_scale"] = d.reshape(1)
+    write_checkpoint(tmp_path / "ct", tensors, {"quantization_config": qc})
+    state = qshard.load_pretrained(tmp_path / "ct")
+    assert all(torch.equal(state[f"l{i}.weight"].global_scale.reshape(()), 1.0 / d)
+               for i, d in enumerate(divisors))  # fmt: skip
+    qshard.export(state, tmp_path / "again", format="compressed-tensors", config={})
+    assert _same_bytes(tmp_path / "again", tmp_path / "ct")
+    w = state["l0.weight"]
+    assert w[1:].global_divisor == w.t().global_divisor == w.global_divisor  # shape ops carry it
+    fresh = qshard.Nvfp4Tensor.from_float(w.dequantize())
+    assert fresh.global_divisor is None
+    fresh.copy_(w)  # provenance, not layout: no refusal (an export then checks fl(1/d))
+    qshard.save(state, tmp_path / "qshard")
+    reloaded = qshard.load(tmp_path / "qshard")
+    qshard.export(reloaded, tmp_path / "third", format="compressed-tensors", config={})
+    assert _same_bytes(tmp_path / "third", tmp_path / "ct")
+
+
+def _same_bytes(a, b) -> bool:
+    mine, theirs = (stored_bytes(d / "model.safetensors") for d in (a, b))
+    assert sorted(mine) == sorted(theirs)
+    for key, (dtype, shape, data) in theirs.items():
+        assert mine[key][:2] == (dtype, shape), (key, mine[key][:2], (dtype, shape))
+        assert torch.equal(mine[key][2], data), key
+    return True
+
+
+@pytest.mark.parametrize("divisor", [0.0, -2.0, float("nan"), float("inf"), 0.1, 10**400, "2"])
+def test_a_global_divisor_must_be_a_positive_float32_value(divisor):
+    from qshard.config import Backend
+    from qshard.errors import ConfigError
+
+    qshard.Nvfp4Tensor.check_attrs({"backend": Backend.AUTO, "global_divisor": 2900.0})
+    with pytest.raises(ConfigError, match="global_divisor"):
+        qshard.Nvfp4Tensor.check_attrs({"backend": Backend.AUTO, "global_divisor": divisor})
