@@ -911,3 +911,51 @@ def test_a_global_divisor_must_be_a_positive_float32_value(divisor):
     qshard.Nvfp4Tensor.check_attrs({"backend": Backend.AUTO, "global_divisor": 2900.0})
     with pytest.raises(ConfigError, match="global_divisor"):
         qshard.Nvfp4Tensor.check_attrs({"backend": Backend.AUTO, "global_divisor": divisor})
+
+
+def ct_compressed(preset: str, weight: torch.Tensor, params: dict) -> tuple[dict, torch.Tensor]:
+    """compressed-tensors' own compressor for `preset` on `weight` with the given quantization
+    parameters: (the per-module tensors it stores, the weight its decompressor gives back)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    scheme = QuantizationScheme(targets=["Linear"], **PRESET_SCHEMES[preset])
+    compressor = BaseCompressor.get_value_from_registry(infer_module_format(nn.Linear, scheme))
+    stored = compressor.compress({"weight": weight, **params}, scheme)
+    return stored, compressor.decompress(stored, scheme)["weight"]
+
+
+def test_checkpoints_compressed_tensors_itself_compressed_load_as_it_decompresses_them(tmp_path):
+    """int4 (W4A16, W4A16_ASYM), NVFP4A16 and FP8 (channel, block) compressed by
+    compressed-tensors' own compressors load into layouts that dequantize to what its
+    decompressors give: bit for bit (NVFP4: it divides by the global scale where qshard
+    multiplies by the reciprocal, one bf16 ulp on a few values)."""
+    g = torch.Generator().manual_seed(15)
+    weight = (torch.randn(64, 256, generator=g) * 0.05).to(torch.bfloat16)
+    groups = weight.float().reshape(64, 2, 128)
+    int4_scale = (groups.abs().amax(-1) / 7).to(torch.bfloat16)
+    zero = torch.randint(-2, 3, (64, 2), generator=g, dtype=torch.int8)
+    amax16 = weight.float().reshape(64, 16, 16).abs().amax(-1)
+    global_scale = (448 * 6 / weight.float().abs().max()).reshape(1)  # a divisor
+    fp4_scale = (amax16 / 6 * global_scale).to(torch.float8_e4m3fn).float()  # e4m3 values
+    cases = {
+        "W4A16": ({"weight_scale": int4_scale}, "pack-quantized"),
+        "W4A16_ASYM": ({"weight_scale": int4_scale, "weight_zero_point": zero}, "pack-quantized"),
+        "NVFP4A16": ({"weight_scale": fp4_scale, "weight_global_scale": global_scale},
+                     "nvfp4-pack-quantized"),
+        "FP8_DYNAMIC": ({"weight_scale": weight.float().abs().amax(1, keepdim=True) / 448},
+                        "float-quantized"),
+        "FP8_BLOCK": ({"weight_scale": groups.reshape(1, 64, 2, 128).abs().amax((1, 3)) / 448},
+                      "float-quantized"),
+    }  # fmt: skip
+    for preset, (params, fmt) in cases.items():
+        stored, theirs = ct_compressed(preset, weight, params)
+        tensors = {f"fc.{k}": v.contiguous() for k, v in stored.items()}
+        directory = ct_scheme_checkpoint(tmp_path / preset, preset, tensors, fmt)
+        mine = qshard.load_pretrained(directory)["fc.weight"].dequantize(theirs.dtype)
+        if preset == "NVFP4A16":
+            torch.testing.assert_close(mine, theirs, rtol=2**-7, atol=0)
+        else:
+            assert torch.equal(mine, theirs), preset
