@@ -113,8 +113,9 @@ def load_pretrained(
 QUANTIZATION_SUFFIXES = (
     ".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".weight_packed",
     ".weight_zero_point", ".weight_global_scale", ".weight_shape", ".weight_g_idx",
-    ".qdata", "_blocks", "_scales",
 )  # fmt: skip
+# Names other models may use for float tensors too: quantization data only when not float.
+PACKED_SUFFIXES = (".qdata", "_blocks", "_scales")
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
 
 
@@ -132,8 +133,10 @@ def check_state(state: dict, directory: pathlib.Path, name: str) -> None:
             why = f"a {value.dtype} tensor"
         elif key.endswith(".weight") and not value.dtype.is_floating_point:
             why = f"an integer ({value.dtype}) weight"
-        elif key.endswith(QUANTIZATION_SUFFIXES):
-            why = "a quantization tensor (by its name)"
+        elif key.endswith(QUANTIZATION_SUFFIXES) or (
+            key.endswith(PACKED_SUFFIXES) and not value.dtype.is_floating_point
+        ):
+            why = f"a quantization tensor ({value.dtype}, by its name)"
         else:
             continue
         raise CheckpointError(

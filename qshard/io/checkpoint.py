@@ -3,8 +3,8 @@
 A checkpoint is a directory holding `model.safetensors`, or shards listed by
 `model.safetensors.index.json` (the Hugging Face convention), or a path to one of those files.
 `Checkpoint.open` reads and checks only the headers; tensor data is read by `read` (a whole entry,
-its checksums verified) and `read_shard` (one rank's slice, read through safetensors' `get_slice`
-so that a rank never reads the rest of the tensor).
+its checksums verified) and `read_shard` (one rank's slice: the checksum chunks around it, each
+verified; `read_slice`).
 """
 
 from __future__ import annotations
@@ -350,7 +350,7 @@ def read_slice(
         raise CheckpointError(f"{header.path}: cannot read {stored.key!r} ({e})") from None
     sliced = list(shape)
     sliced[dim] = end - start
-    return out.view(stored.dtype).reshape(sliced)
+    return out.reshape(-1).view(stored.dtype).reshape(sliced)
 
 
 def _verified_range(f, header: FileHeader, stored: StoredTensor, begin: int, end: int):

@@ -99,7 +99,7 @@ def crc32(tensor: torch.Tensor) -> int:
     return zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def chunk_crcs(tensor: torch.Tensor, chunk: int = CHUNK_BYTES) -> tuple[int, tuple[int, ...]]:
+def chunk_crcs(tensor: torch.Tensor, chunk: int) -> tuple[int, tuple[int, ...]]:
     """(CRC-32 of a contiguous CPU tensor's bytes, CRC-32 of each `chunk` bytes of them), in one
     pass over the data."""
     data = tensor.reshape(-1).view(torch.uint8).numpy()

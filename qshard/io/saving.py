@@ -119,6 +119,11 @@ def save(
     # A sharded model is saved by every rank (gathers are collectives) and written by rank 0;
     # anything else is written by whichever process calls save.
     distributed = any(_is_dtensor(v) for v in state.values())
+    invalid = _invalid_quantized(state)
+    if distributed:  # every rank learns of a failure before any collective
+        invalid = _agree(state, invalid)
+    if invalid is not None:
+        raise invalid
     groups = _split(entries, limit)
     writer = _Writer(directory, len(groups))
     writing = not distributed or dist.get_rank() == 0
@@ -144,6 +149,32 @@ def save(
     return writer.written
 
 
+def _invalid_quantized(state: Mapping[str, torch.Tensor]) -> QShardError | None:
+    """What qshard.load would refuse in a quantized value (or this rank's shard of it), which is
+    then not written (design.md invariant 9), or None."""
+    for key, value in state.items():
+        local = _local(value)
+        if isinstance(local, QTensor):
+            try:
+                check_qtensor(local, f"qshard.save: {key!r}", QShardError)
+            except QShardError as e:
+                return e
+    return None
+
+
+def _agree(state: Mapping[str, torch.Tensor], failure: QShardError | None) -> QShardError | None:
+    """This rank's failure, or one saying that another rank's shard failed: every rank of a
+    sharded save agrees (one all_reduce) before the gathers, so none is left waiting in one."""
+    mesh = next(v.device_mesh for v in state.values() if _is_dtensor(v))
+    device = torch.cuda.current_device() if mesh.device_type == "cuda" else "cpu"
+    flag = torch.tensor([float(failure is not None)], device=device)
+    dist.all_reduce(flag, dist.ReduceOp.MAX, group=mesh.get_group())
+    if failure is None and flag.item():
+        return QShardError("qshard.save: another rank's shard of a quantized weight failed its "
+                           "checks (that rank's error names it); nothing was written")  # fmt: skip
+    return failure
+
+
 def _state_dict(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     state = obj.state_dict() if isinstance(obj, nn.Module) else obj
     if not isinstance(state, Mapping):
@@ -166,8 +197,6 @@ def _state_dict(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.
             raise QShardError(f"qshard.save: {key!r} is on the meta device and has no data")
         if isinstance(local, QTensor):  # checked before any file is written
             qtensor_record(key, local, {})
-            # What qshard.load would refuse is not written (design.md invariant 9).
-            check_qtensor(local, f"qshard.save: {key!r}", QShardError)
         inner = local.inner_tensors().values() if isinstance(local, QTensor) else [local]
         for t in inner:
             if t.dtype not in _SAFETENSORS_NAMES:
@@ -360,7 +389,7 @@ def _file_contents(group: list[_Entry], version: str, save_id: str):
         stored = {}  # {inner name (or the key of a plain tensor): StoredTensor}
         for part, (key, tensor) in zip(entry.parts(), entry.stored().items(), strict=True):
             tensors[key] = cpu = tensor.detach().to("cpu").contiguous()
-            whole, chunks = chunk_crcs(cpu)
+            whole, chunks = chunk_crcs(cpu, CHUNK_BYTES)
             stored[part] = StoredTensor(key, cpu.dtype, tuple(cpu.shape), whole, CHUNK_BYTES,
                                         chunks)  # fmt: skip
         if isinstance(entry.value, QTensor):

@@ -62,7 +62,7 @@ def quantize_nvfp4(
     global_scale = global_scale.float()
     if scale is None:
         amax = group_reduce(w.abs(), group, lambda t, d: t.amax(d))
-        six = torch.full_like(amax, E2M1_MAX)  # a tensor divisor: see global_scale_of
+        six = amax.new_full((), E2M1_MAX)  # a tensor divisor, not a scalar: see global_scale_of
         block = (amax / six / global_scale).clamp(max=E4M3_MAX).to(SCALE_DTYPE).float()
         block = torch.where(amax > 0, block.clamp(min=E4M3_MIN_STEP), torch.ones_like(block))
         scale = block.to(SCALE_DTYPE)

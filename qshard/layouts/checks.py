@@ -24,6 +24,7 @@ __all__ = [
     "check_float_weight",
     "checked_config",
     "quantized",
+    "rows_max",
     "weight_only_backend",
 ]
 
@@ -44,11 +45,25 @@ def quantized(tensor: QTensor) -> QTensor:
 def abs_max(tensor: torch.Tensor) -> float:
     """max |tensor| as a Python float (float64), 0.0 for an empty tensor: the scale factor of a
     layout's `max_magnitude` bound."""
-    if not tensor.numel():
-        return 0.0
-    values = tensor.detach()
-    values = values if values.dtype == torch.float64 else values.float()
-    return float(values.abs().amax())
+    return rows_max(lambda t: t.float().abs(), tensor)
+
+
+BOUND_CHUNK = 1 << 20  # elements per step of a bound: no temporaries the size of the scales
+
+
+def rows_max(fn, *tensors: torch.Tensor) -> float:
+    """The largest value of `fn(*parts)` over blocks of rows of `tensors` (each [N, ...], cut
+    alike), about BOUND_CHUNK elements at a time so that a load's peak memory stays the
+    quantized size (tests/io/test_memory.py); 0.0 when there is nothing."""
+    first = tensors[0]
+    rows = first.shape[0] if first.dim() else 1
+    step = max(1, BOUND_CHUNK // max(1, first.numel() // max(rows, 1)))
+    best = 0.0
+    for start in range(0, rows, step):
+        value = fn(*(t.detach()[start : start + step] for t in tensors))
+        if value.numel():
+            best = max(best, float(value.amax()))
+    return best
 
 
 def check_float_weight(layout: str, weight: Any) -> None:

@@ -53,6 +53,7 @@ from .checks import (
     check_float_weight,
     checked_config,
     quantized,
+    rows_max,
     weight_only_backend,
 )
 from .registry import register_layout
@@ -105,6 +106,12 @@ class Int4WeightOnlyConfig(QuantConfig):
                 f"{name}: gemlite takes integer zero points ((u - z) * s); a float zero point "
                 f"would have to be rounded into one. Use backend='auto' or 'tinygemm'"
             )
+
+
+def _bad_zero_codes(zero: torch.Tensor) -> torch.Tensor:
+    """A mask of the integer-domain zero points that are not codes 0..15."""
+    zero = zero.float()
+    return (zero < 0) | (zero > 15) | (zero != zero.round())
 
 
 @register_layout(Int4WeightOnlyConfig, ZeroPointDomain)
@@ -230,25 +237,25 @@ class Int4Tensor(QTensor):
         return out
 
     def max_magnitude(self) -> float:
-        scale = self.scale.double().abs()
         if self.symmetric:  # codes q = u - 8 in -8..7
-            return 8.0 * abs_max(scale)
-        zero = self.zero.double()
-        if self.float_zero:  # (u - 8) * scale + zero, u in 0..15: the ends of the range
-            ends = torch.maximum((zero - 8.0 * scale).abs(), (zero + 7.0 * scale).abs())
-        else:  # (u - zero) * scale, u in 0..15
-            ends = torch.maximum(zero.abs(), (15.0 - zero).abs()) * scale
-        return abs_max(ends)
+            return 8.0 * abs_max(self.scale)
+        return rows_max(self._group_ends, self.scale, self.zero)
+
+    def _group_ends(self, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """The largest |W| each group's (scale, zero) can dequantize, over codes 0..15."""
+        scale, zero = scale.double().abs(), zero.double()
+        if self.float_zero:  # (u - 8) * scale + zero: the ends of the range
+            return torch.maximum((zero - 8.0 * scale).abs(), (zero + 7.0 * scale).abs())
+        return torch.maximum(zero.abs(), (15.0 - zero).abs()) * scale  # (u - zero) * scale
 
     def value_problem(self) -> str | None:
         if self.symmetric or self.float_zero or not self.zero.numel():
             return None
-        zero = self.zero.float()
-        bad = (zero < 0) | (zero > 15) | (zero != zero.round())
-        if bool(bad.any()):
-            first = [int(i) for i in bad.nonzero()[0]]
-            return (f"{int(bad.sum())} zero points are not integer codes in 0..15 (first at "
-                    f"{first}: {float(zero[tuple(first)])}); integer zero points "
+        count = rows_max(lambda z: _bad_zero_codes(z).sum().reshape(1), self.zero)
+        if count:
+            first = [int(i) for i in _bad_zero_codes(self.zero).nonzero()[0]]
+            return (f"some zero points are not integer codes in 0..15 (first at {first}: "
+                    f"{float(self.zero[tuple(first)])}); integer zero points "
                     f"(zero_point_domain='int') are codes of the 4-bit range")  # fmt: skip
         return None
 

@@ -10,7 +10,7 @@ what it produced, so that it never makes a weight that a reader would refuse. Th
 2. the logical shape: two sizes in [0, MAX_SIZE];
 3. inner tensors: plain tensors on one device, each with exactly the shape and dtype that
    `inner_specs` gives for the logical shape and attributes (so the declared shape cannot
-   exceed the stored data), made contiguous (kernels index them densely);
+   exceed the stored data); unpickling also makes them contiguous (`QTensor.__setstate__`);
 4. values: no NaN/Inf in any inner tensor (e4m3 bytes 0x7f/0xff, e8m0 byte 0xff, float NaN/Inf),
    the layout's own value rules (`value_problem`: int4 zero codes are integers in 0..15), and
    every code of every group dequantizes to a finite value of the outer dtype
@@ -52,7 +52,7 @@ FINITE_CHECK_CHUNK = 1 << 20  # elements per pass: no weight-sized temporaries (
 
 def check_qtensor(tensor: QTensor, where: str, error: type[QShardError] = CheckpointError) -> None:
     """Run every check of the module docstring on `tensor`; raise `error` on the first failure.
-    Inner tensors that are not contiguous are replaced by contiguous copies (same values)."""
+    Changes nothing (`qshard.save` checks the caller's own tensors)."""
     name = type(tensor).__name__
     at = f"{where}: {name}"
     check_attr_types(type(tensor), tensor.attrs(), at, error)
@@ -77,8 +77,6 @@ def check_qtensor(tensor: QTensor, where: str, error: type[QShardError] = Checkp
         if inner.device != tensor.device:
             raise error(f"{at}: inner tensor {inner_name!r} is on {inner.device}, the tensor on "
                         f"{tensor.device}")  # fmt: skip
-        if not inner.is_contiguous():
-            setattr(tensor, inner_name, inner.contiguous())
     check_values(tensor, where, error)
 
 
@@ -91,8 +89,9 @@ _BASE_STATE = {
     "device_names": lambda v: v == (),
     "device_meta": lambda v: v == (),
     "form_owner": lambda v: v is None,
+    "_is_param": lambda v: v is True,  # set by nn.Parameter(qtensor): torch.save(model)
 }
-_OPTIONAL_BASE_STATE = ("write_barrier", "device_names", "device_meta", "form_owner")
+_OPTIONAL_BASE_STATE = ("write_barrier", "device_names", "device_meta", "form_owner", "_is_param")
 
 
 def check_pickled_state(cls: type[QTensor], state: Any, where: str) -> dict[str, Any]:

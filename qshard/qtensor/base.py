@@ -104,8 +104,7 @@ class QTensor(torch.Tensor):
         device_form: DeviceForm | None = None,
         **attrs: Any,
     ):
-        n, k = shape
-        outer, strides = ((k, n), (1, k)) if transposed else ((n, k), (k, 1))
+        outer, strides = _outer_layout(shape, transposed)
         device = inner[cls.inner_names[0]].device
         return torch.Tensor._make_wrapper_subclass(
             cls, outer, strides=strides, dtype=dtype, device=device, requires_grad=False
@@ -309,14 +308,17 @@ class QTensor(torch.Tensor):
         state = check_pickled_state(type(self), state, where)
         self.__dict__.update({**self.attr_defaults, **state})
         check_qtensor(self, where)
-        expected = (self.logical_shape[::-1] if self.transposed else self.logical_shape)
-        strides = (1, expected[1]) if self.transposed else (expected[1], 1)
-        if tuple(self.shape) != expected or self.stride() != strides or self.requires_grad:
+        # Kernels index inner tensors densely: a pickle's strides (a view's, or crafted ones
+        # that overlap) are not trusted.
+        for name in self.inner_names:
+            setattr(self, name, getattr(self, name).contiguous())
+        expected, strides = _outer_layout(self.logical_shape, self.transposed)
+        if tuple(self.shape) != expected or self.stride() != strides:
             raise CheckpointError(
                 f"{where}: the pickled outer tensor is {list(self.shape)} with strides "
-                f"{list(self.stride())} (requires_grad={self.requires_grad}); its logical shape "
-                f"{list(self.logical_shape)} (transposed={self.transposed}) makes it "
-                f"{list(expected)} with strides {list(strides)}, without grad"
+                f"{list(self.stride())}; its logical shape {list(self.logical_shape)} "
+                f"(transposed={self.transposed}) makes it {list(expected)} with strides "
+                f"{list(strides)}"
             )
 
     # ---- the device form --------------------------------------------------------------------
@@ -532,6 +534,13 @@ class QTensor(torch.Tensor):
         )
 
     __str__ = __repr__
+
+
+def _outer_layout(shape: tuple[int, int], transposed: bool) -> tuple[tuple, tuple]:
+    """(outer shape, outer strides) of a QTensor of logical [N, K]: [K, N] viewed from [N, K]
+    storage when transposed."""
+    n, k = shape
+    return ((k, n), (1, k)) if transposed else ((n, k), (k, 1))
 
 
 def stored_nbytes(t: torch.Tensor) -> int:

@@ -324,3 +324,28 @@ def test_a_sliced_read_of_a_file_without_chunk_checksums_verifies_the_whole_tens
     match = "does not match its checksum"
     with Checkpoint(big_checkpoint) as checkpoint, pytest.raises(CheckpointError, match=match):
         checkpoint.read_shard("0.weight", 0, 2, 0)
+
+
+@pytest.mark.parametrize("shape", [(5,), (7, 3), (4, 6, 5), (3, 0), (0, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_sliced_reads_equal_narrow_across_chunks_and_steps(tmp_path, monkeypatch, shape, dtype):
+    """Tiny checksum chunks (7 bytes) and read steps (13 bytes) so that every slice crosses
+    chunk and step boundaries: plain tensors of any rank, every dim, every rank of 1..4."""
+    import qshard.io.checkpoint as checkpoint_module
+
+    monkeypatch.setattr(save_module, "CHUNK_BYTES", 7)
+    monkeypatch.setattr(checkpoint_module, "SLICE_STEP_BYTES", 13)
+    value = (torch.arange(max(1, torch.Size(shape).numel())) % 251)[: torch.Size(shape).numel()]
+    value = value.reshape(shape).to(dtype)
+    qshard.save({"t": value}, tmp_path)
+    with Checkpoint(tmp_path) as checkpoint:
+        assert checkpoint.record("t").tensor.chunk_bytes == 7
+        for dim in range(len(shape)):
+            for world in range(1, 5):
+                parts = [checkpoint.read_shard("t", dim, world, r) for r in range(world)]
+                expected = torch.chunk(value, world, dim) if shape[dim] else ()
+                for rank, part in enumerate(parts):
+                    if rank < len(expected):
+                        assert torch.equal(part, expected[rank]), (dim, world, rank)
+                    else:
+                        assert part.numel() == 0

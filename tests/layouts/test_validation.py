@@ -194,3 +194,38 @@ def test_the_nvfp4_global_scale_is_a_correctly_rounded_division():
         expected = torch.tensor(value, dtype=torch.float64) / (6 * 448)  # exact, then rounded
         got = global_scale_of(torch.tensor([[value, -value / 2]]))
         assert got.item() == expected.float().item()
+
+
+# ---- what the validation must not break --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("cls", "config"), LAYOUT_CASES, ids=LAYOUT_IDS)
+def test_a_transposed_non_square_weight_pickles(cls, config):
+    weight = cls.from_float(torch.randn(96, 160), config).t()
+    assert_same_qtensor(load_pickle(pickled(weight))["w"], weight)
+
+
+def test_whole_models_pickle_with_their_quantized_parameters():
+    """torch.save(model) and multiprocessing pickle nn.Parameter(QTensor), whose state has
+    nn.Parameter's `_is_param` flag."""
+    from multiprocessing.reduction import ForkingPickler
+
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64))
+    qshard.quantize_(model, qshard.Int4WeightOnlyConfig(32))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copy in (torch.load(buffer, weights_only=False), ForkingPickler.loads(
+            ForkingPickler.dumps(model))):  # fmt: skip
+        assert_same_qtensor(copy[0].weight, model[0].weight)
+        x = torch.randn(3, 64)
+        assert torch.equal(copy(x), model(x))
+
+
+def test_save_checks_without_changing_the_callers_tensors(tmp_path):
+    weight = qshard.Fp8BlockwiseTensor.from_float(torch.randn(256, 512))
+    view = weight[:, 128:256]
+    pointer = view.qdata.data_ptr()
+    qshard.save({"w": view}, tmp_path)
+    assert view.qdata.data_ptr() == pointer  # still a view of weight's data
+    assert_same_qtensor(qshard.load(tmp_path)["w"], view)

@@ -237,3 +237,19 @@ def test_an_exported_checkpoint_loads_tp_sharded_like_parallelize(tmp_path):
     for i, (fmt, config) in enumerate(FORMAT_CASES):
         qshard.export(quantized_model({}, config, seed=i), tmp_path / fmt, format=fmt)
     spawn(_load_pretrained_sharded_worker, 2, tmp_path)
+
+
+def _invalid_shard_save_worker(rank, world, mesh, directory):
+    model = quantized_model({}, qshard.Fp8BlockwiseConfig(), seed=0)
+    qshard.tp.parallelize(model, mesh, PLAN)
+    if rank == 1:  # only rank 1's shard of one weight is damaged
+        model.block.down.weight.to_local().scale.fill_(float("nan"))
+    match = "NaN/Inf" if rank == 1 else "another rank's shard"
+    with pytest.raises(QShardError, match=match):
+        qshard.save(model, directory)
+    assert not directory.exists()
+
+
+def test_a_sharded_save_with_one_invalid_shard_fails_on_every_rank(tmp_path):
+    """Every rank refuses together before any gather: none is left waiting in a collective."""
+    spawn(_invalid_shard_save_worker, 2, tmp_path / "ckpt")
