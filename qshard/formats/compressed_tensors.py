@@ -224,7 +224,14 @@ def schemes(config: dict, where: str) -> list[Scheme]:
         acts = None if acts is None else _args(acts)
         fmt = group.get("format", str, None) or (model_format if model_format != MIXED else None)
         fmt = fmt or _inferred_format(weights, acts)
-        out.append(Scheme(name, fmt, tuple(group.strings("targets", [])), weights, acts))
+        targets = tuple(group.strings("targets", []))
+        for target in (t for t in targets if t.startswith("re:")):
+            try:
+                re.compile(target[3:])
+            except re.error as e:
+                rule = f"{target!r} is not a regular expression ({e})"
+                raise group.error("targets", list(targets), rule) from None
+        out.append(Scheme(name, fmt, targets, weights, acts))
     return out
 
 
@@ -423,12 +430,13 @@ def _fp8(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     w = scheme.weights
     weight_only = scheme.inputs is None
     scale = reader.get(prefix + ".weight_scale")
-    if w.strategy != "block":  # one scale per row ([N, 1] or [N]), or one in all
-        shape = ((n, 1) if scale.dim() == 2 else (n,)) if w.strategy == "channel" else None
-        if shape is None and scale.numel() != 1:
-            shape = (1,)
-        scale = check_stored(where, "weight_scale", scale, SCALES, shape).float()
-        return fp8_rows(qdata, scale, dtype, weight_only)
+    if w.strategy == "channel":  # one scale per row: [N, 1] (or [N])
+        rows = (n, 1) if scale.dim() == 2 else (n,)
+        return fp8_rows(qdata, check_stored(where, "weight_scale", scale, SCALES, rows).float(),
+                        dtype, weight_only)  # fmt: skip
+    if w.strategy == "tensor":  # one scale: [1] (or [])
+        return fp8_rows(qdata, check_scalar(where, "weight_scale", scale, SCALES).float(), dtype,
+                        weight_only)  # fmt: skip
     attrs = {"block_size": w.block_structure, "act_group_size": w.block_structure[1],
              "weight_only": weight_only, "scale_format": ScaleFormat.FP32,
              "backend": Backend.AUTO}  # fmt: skip
@@ -447,13 +455,9 @@ def _fp8(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     return tensor
 
 
-LOADERS = {
-    INT4_FORMAT: _int4,
-    NVFP4_FORMAT: _nvfp4,
-    MXFP4_FORMAT: _mxfp4,
-    FP8_FORMAT: _fp8,
-    NAIVE_FORMAT: _fp8,
-}  # fmt: skip (the formats of HOLDS)
+# The reader of each format of HOLDS.
+LOADERS = {INT4_FORMAT: _int4, NVFP4_FORMAT: _nvfp4, MXFP4_FORMAT: _mxfp4, FP8_FORMAT: _fp8,
+           NAIVE_FORMAT: _fp8}  # fmt: skip
 
 
 # ---- export -----------------------------------------------------------------------------------

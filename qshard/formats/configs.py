@@ -27,7 +27,6 @@ __all__ = [
     "Fields",
     "check_scalar",
     "check_stored",
-    "json_type",
     "quantization_config",
     "unquantized_modules",
 ]
@@ -42,7 +41,7 @@ _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a bool
                int: "an integer", float: "a number", type(None): "null"}  # fmt: skip
 
 
-def json_type(value: Any) -> str:
+def _json_type(value: Any) -> str:
     """The JSON name of `value`'s type ("a string", "an object", ...)."""
     for kind, name in _JSON_NAMES.items():
         if type(value) is kind:
@@ -53,7 +52,7 @@ def json_type(value: Any) -> str:
 def _show(value: Any) -> str:
     text = repr(value)
     text = text if len(text) <= 80 else text[:77] + "..."
-    return f"{text} ({json_type(value)})"
+    return f"{text} ({_json_type(value)})"
 
 
 def _is_int(value: Any) -> bool:
@@ -83,9 +82,6 @@ class Fields:
             f"{f' ({note})' if note else ''}. {DEFAULT_FIX}"
         )
 
-    def __contains__(self, key: str) -> bool:
-        return self.data.get(key) is not None
-
     def raw(self, key: str, default: Any = None) -> Any:
         """The value as stored (for comparisons that need no type: `== "fp8"`)."""
         value = self.data.get(key)
@@ -106,6 +102,8 @@ class Fields:
             return default
         ok = type(value) is kind or (kind is float and _is_int(value))
         ok = ok or (kind is int and _is_int(value))
+        if ok and kind is float and _is_int(value) and abs(value) > 2**1000:
+            ok = False  # an integer no float holds
         if not ok:
             raise self.error(key, value, f"it must be {_JSON_NAMES.get(kind, kind.__name__)}", note)
         return float(value) if kind is float else value

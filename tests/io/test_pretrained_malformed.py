@@ -104,6 +104,7 @@ CT_FIELDS = [
     ("config_groups.group_0.weights.type", 5, "weights.type"),
     ("config_groups.group_0.weights.symmetric", "yes", "weights.symmetric"),
     ("config_groups.group_0.targets", "Linear", "group_0.targets"),
+    ("config_groups.group_0.targets", ["re:(fc"], "group_0.targets"),
     ("config_groups.group_0.format", 7, "group_0.format"),
     ("format", ["pack-quantized"], "quantization_config.format"),
 ]
