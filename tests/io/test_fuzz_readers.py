@@ -1072,7 +1072,8 @@ def header_edit(draw, data: bytes) -> tuple[bytes, str]:
         tree, text = draw(json_edit(json.loads(metadata[key])))
         metadata[key] = dump_json(tree, draw)
         if key == "qshard" and draw(st.integers(0, 9)) > 0:
-            metadata["qshard_crc32"] = f"{zlib.crc32(metadata[key].encode()):08x}"
+            crc = zlib.crc32(metadata[key].encode("utf-8", "surrogatepass"))
+            metadata["qshard_crc32"] = f"{crc:08x}"
             text += " (metadata CRC recomputed)"
         return join_safetensors(header, body), f"__metadata__[{key!r}]: {text}"
     tree, text = draw(json_edit(header))
