@@ -292,7 +292,9 @@ def unchanged_problem(model: nn.Module, before: list) -> str | None:
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    """The bytes of `t`, whatever its strides (a damaged pickle may give a size-1 dim stride 0)."""
+    flat = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+    return flat.copy_(t.detach().reshape(-1)).view(torch.uint8)
 
 
 def strictly_equal(a: Any, b: Any) -> bool:
