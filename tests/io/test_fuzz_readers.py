@@ -40,7 +40,7 @@ arguments, the RuntimeError of torch's `_make_wrapper_subclass` are accepted. to
 has no checksum of its records that torch.load verifies, so a flipped data byte loads other
 values: raw archive mutations are checked as "valid".
 
-QSHARD_FUZZ_EXAMPLES (default 30) sets the examples per test; QSHARD_FUZZ_COLLECT=1 records
+QSHARD_FUZZ_EXAMPLES (default 100) sets the examples per test; QSHARD_FUZZ_COLLECT=1 records
 escapes instead of failing on the first (for a long offline run) and writes them, one JSON per
 line, to QSHARD_FUZZ_REPORT (default: fuzz_escapes.jsonl in pytest's base temp directory). One
 summary line is printed at the end of the module: `fuzz: N mutated inputs, E escaped`.
@@ -95,7 +95,7 @@ import qshard
 from qshard import QShardError
 from qshard.layouts.registry import attr_types
 
-EXAMPLES = int(os.environ.get("QSHARD_FUZZ_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("QSHARD_FUZZ_EXAMPLES", "100"))
 TIMEOUT = float(os.environ.get("QSHARD_FUZZ_TIMEOUT", "20"))
 COLLECT = os.environ.get("QSHARD_FUZZ_COLLECT", "") not in ("", "0")
 SLACK = 1 << 20  # the small constant above the files' size that one allocation may take
