@@ -88,11 +88,10 @@ def load_pretrained(
     name = detect_format(directory)
     config, hf_quant = _configs(directory)
     dtype_name = config.get("torch_dtype") or config.get("dtype")
-    dtype = None
-    if dtype_name is None or isinstance(dtype_name, str):
-        # bf16 when config.json names none, or a name such as "auto": the dtype quantized
-        # checkpoints run in
-        dtype = DTYPES.get(dtype_name, torch.bfloat16)
+    # bf16 when config.json names none (or "auto"): the dtype quantized checkpoints run in
+    dtype = torch.bfloat16 if dtype_name in (None, "auto") else None
+    if isinstance(dtype_name, str) and dtype_name in DTYPES:
+        dtype = DTYPES[dtype_name]
     if dtype is None:
         raise CheckpointError(f"{directory / 'config.json'}: torch_dtype {dtype_name!r} is not "
                               f"one of {list(DTYPES)}")  # fmt: skip

@@ -245,6 +245,7 @@ def decode_metadata(
     """
     metadata = metadata or {}
     if METADATA_KEY not in metadata and CRC_KEY not in metadata:
+        _refuse_orphan_inner_tensors(stored, where)
         return {key: Record(key, tensor=t) for key, t in stored.items()}, None
     text, crc = metadata.get(METADATA_KEY), metadata.get(CRC_KEY)
     if not isinstance(text, str) or not isinstance(crc, str):
@@ -252,7 +253,9 @@ def decode_metadata(
             f"{where}: header metadata has only one of {METADATA_KEY!r} and {CRC_KEY!r}; the "
             f"file is damaged, save it again"
         )
-    if f"{zlib.crc32(text.encode()):08x}" != crc:
+    # surrogatepass: a JSON "\udcff" escape decodes to a lone surrogate, which plain UTF-8
+    # cannot encode; qshard never writes one, so such a text fails the checksum.
+    if f"{zlib.crc32(text.encode('utf-8', 'surrogatepass')):08x}" != crc:
         raise CheckpointError(
             f"{where}: the qshard header metadata does not match its checksum {crc}; the file "
             f"is damaged, save it again"
@@ -271,6 +274,24 @@ def decode_metadata(
             f"header does not describe this file"
         )
     return records, _expect(data.get("save_id"), str, "save_id", where)
+
+
+def _refuse_orphan_inner_tensors(stored: Mapping[str, StoredTensor], where: str) -> None:
+    """A file without qshard metadata holds plain tensors; but one holding every inner tensor of
+    a registered layout under one prefix (`w.qdata`, `w.scale`, ...) is a qshard file whose
+    metadata was removed or damaged: loading it would give raw codes and scales as numbers."""
+    # The layout with the most inner tensors first: FP8's (qdata, scale) are a part of NVFP4's.
+    for layout in sorted(registered_layouts(), key=lambda cls: -len(cls.inner_names)):
+        first = f".{layout.inner_names[0]}"
+        for key in stored:
+            prefix = key.removesuffix(first)
+            if key.endswith(first) and all(f"{prefix}.{n}" in stored for n in layout.inner_names):
+                raise CheckpointError(
+                    f"{where}: tensors {[f'{prefix}.{n}' for n in layout.inner_names]} are the "
+                    f"inner tensors of a quantized {layout.__name__}, but the file has no qshard "
+                    f"metadata to say so (its header was damaged or rewritten); save it again "
+                    f"with qshard.save"
+                )
 
 
 def _check_version(data: Any, where: str) -> None:

@@ -349,3 +349,45 @@ def test_sliced_reads_equal_narrow_across_chunks_and_steps(tmp_path, monkeypatch
                         assert torch.equal(part, expected[rank]), (dim, world, rank)
                     else:
                         assert part.numel() == 0
+
+
+def _edit_header(path: pathlib.Path, change) -> None:
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length :])
+
+
+def test_a_lone_surrogate_in_the_qshard_metadata_is_a_checkpoint_error(tmp_path):
+    """Found by tests/io/test_fuzz_readers.py: a JSON "\\udcff" escape cannot be encoded to
+    UTF-8 for the checksum (a raw UnicodeEncodeError before)."""
+    qshard.save({"w": torch.randn(4)}, tmp_path)
+
+    def change(header):
+        header["__metadata__"][METADATA_KEY] += "\udcff"
+
+    _edit_header(tmp_path / "model.safetensors", change)
+    with pytest.raises(CheckpointError, match="checksum"):
+        qshard.load(tmp_path)
+
+
+def test_a_qshard_file_without_its_metadata_does_not_load_raw_codes(tmp_path):
+    """Found by the fuzz test: with the header's metadata removed, the file read as a plain one
+    gave the codes and scales back as plain tensors."""
+    qshard.save({"w": qshard.Nvfp4Tensor.from_float(torch.randn(64, 64))}, tmp_path)
+    _edit_header(tmp_path / "model.safetensors", lambda header: header.pop("__metadata__"))
+    with pytest.raises(CheckpointError, match="inner tensors of a quantized Nvfp4Tensor"):
+        qshard.load(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "int8", "float16 ", 16])
+def test_a_torch_dtype_qshard_cannot_stand_for_is_refused(tmp_path, dtype):
+    directory = exported(tmp_path / "ds", "deepseek-fp8", qshard.Fp8BlockwiseConfig())
+    config = json.loads((directory / "config.json").read_text())
+    config["torch_dtype"] = dtype
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="torch_dtype"):
+        qshard.load_pretrained(directory)
