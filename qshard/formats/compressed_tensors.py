@@ -32,6 +32,16 @@ export writes it back, so that load -> export gives the file's bytes. A weight w
 (quantized by qshard, or from another format) gets the fp32 neighbour of 1 / multiplier whose
 reciprocal is nearest the multiplier: exactly it for about 83 % of fp32 values, else one ulp off.
 
+int-quantized int4 (num_bits 4, type int; the W4A8 and W4AFP8 presets, or W4A16 saved
+int-quantized): `weight` int8 [N, K], one value q in -8..7 per weight (compressors/
+naive_quantized: quantize() cast to int8, no packing); `weight_scale` [N, G] (strategy group)
+or [N, 1] (channel); asymmetric: `weight_zero_point` int8 (zp_dtype) of the scale's shape, z in
+-8..7. Dequantization (forward_helpers._dequantize) is (q - z) * scale in the scale's dtype: the
+int4 layout with codes u = q + 8 packed two per byte and zero code z + 8, as pack-quantized. A
+per-channel scale is one group of K; the layout's groups are at most 256, so it is repeated
+over ceil(K/g) groups of g, the largest of 32..256 dividing K (else 256, the last partial):
+every group of a row has the same scale, the same weights. Values outside -8..7 are refused.
+
 mxfp4-pack-quantized (MXFP4A16; MXFP4 with activations): `weight_packed` uint8 [N, K/2] (the
 MXFP4 layout's bytes), `weight_scale` uint8 [N, K/32], e8m0 exponents: 2**(s - 127)
 (compressors/mx_utils.py): the layout's scale bytes. Both map as they are.
@@ -46,9 +56,12 @@ Activations: none -> weight-only. Float activation quantization is replaced by f
 dynamic (per token, or per group for blocks) -> qshard's dynamic activation quantization; FP8
 static (an `input_scale` per tensor) -> dynamic per token (the input_scale is dropped); NVFP4 or
 MXFP4 activations (W4A4; `input_global_scale` dropped) -> weight-only, activations in bf16/fp16.
-Refused, naming the scheme (CheckpointError): int activation quantization (W8A8 and W4A8 int,
-format int-quantized: int8 weights per element), int weights of other than 4 bits (W8A16) or
-not in groups of 32..256, MXFP6/MXFP8, the sparse formats, act-order (`weight_g_idx`).
+int activation quantization with int4 weights (W4A8: int8 per token) -> weight-only W4A16, the
+activations in bf16/fp16 (finer than int8; a static `input_scale` / `input_zero_point` is
+dropped). Refused, naming the scheme (CheckpointError): int weights of other than 4 bits (W8A8,
+W8A16: qshard has no int8 layout) or not per channel or in groups of 32..256 (pack-quantized:
+groups only), int activations with float weights, MXFP6/MXFP8, the sparse formats, act-order
+(`weight_g_idx`).
 Export writes int4, NVFP4, MXFP4, and FP8 per channel or in blocks with dynamic activations.
 """
 
@@ -63,7 +76,7 @@ import torch
 
 from ..config import Backend, ScaleFormat
 from ..errors import CheckpointError, QShardError
-from ..kernels.packing import unpack_nibbles
+from ..kernels.packing import pack_nibbles, unpack_nibbles
 from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor, Mxfp4Tensor, Nvfp4Tensor
 from ..layouts.int4 import GROUP_SIZES
 from ..qtensor import QTensor
@@ -90,6 +103,8 @@ PACKED_FORMATS = (INT4_FORMAT, NVFP4_FORMAT, MXFP4_FORMAT, "mxfp6-pack-quantized
 NVFP4_GROUP, MX_GROUP = 16, 32
 STRATEGIES = ("tensor", "channel", "group", "tensor_group", "block", "token", "attn_head")
 SCALES = (torch.bfloat16, torch.float16, torch.float32)  # float scales as writers store them
+INTS = (torch.int8, torch.int16, torch.int32, torch.int64)  # zp_dtype (int8 unless set)
+INT4_RANGE = (-8, 7)  # the values of a 4-bit int (compressed-tensors' calculate_range)
 # The tensors of one linear each format stores (compression_param_names in compressed-tensors'
 # compressors); the input scales are dropped (activations run finer, the module docstring).
 TENSORS = {
@@ -98,6 +113,7 @@ TENSORS = {
     MXFP4_FORMAT: ("weight_packed", "weight_scale", "input_global_scale"),
     FP8_FORMAT: ("weight", "weight_scale", "input_scale"),
     NAIVE_FORMAT: ("weight", "weight_scale"),
+    INT_FORMAT: ("weight", "weight_scale", "weight_zero_point", "input_scale", "input_zero_point"),
 }
 
 
@@ -287,8 +303,8 @@ def _scheme_of(reader, prefix: str, first: str, groups: list[Scheme]) -> Scheme:
     return scheme
 
 
-# What qshard holds, per format: weights' (type, bits), strategies, group sizes (None: any),
-# whether they must be symmetric, and the rule a refusal states.
+# What qshard holds, per format: weights' (type, bits), strategies, group sizes of the grouped
+# strategies (None: any), whether they must be symmetric, and the rule a refusal states.
 HOLDS = {
     INT4_FORMAT: (("int", 4), ("group",), GROUP_SIZES, False,
                   f"qshard's int layout holds 4-bit weights in groups of {list(GROUP_SIZES)} "
@@ -297,28 +313,33 @@ HOLDS = {
                    "NVFP4 is symmetric 4-bit float in groups of 16 with a global scale"),
     MXFP4_FORMAT: (("float", 4), ("group",), (MX_GROUP,), True,
                    "MXFP4 is symmetric 4-bit float in groups of 32"),
+    INT_FORMAT: (("int", 4), ("group", "channel"), GROUP_SIZES, False,
+                 f"qshard's int layout holds 4-bit weights per channel or in groups of "
+                 f"{list(GROUP_SIZES)} along K (no int8 layout: it runs int4 as W4A16)"),
     FP8_FORMAT: (("float", 8), ("channel", "tensor", "block"), None, True,
                  "qshard reads symmetric FP8 (e4m3) weights with a scale per channel, per "
                  "tensor or per block from this format, and has no int8 layout"),
 }  # fmt: skip
 HOLDS[NAIVE_FORMAT] = HOLDS[FP8_FORMAT]
 INT_ACTIVATIONS = (
-    "qshard has no int activation quantization and no int8 layout: its int4 layout runs "
-    "4-bit weights with bf16/fp16 activations (W4A16)"
+    "qshard has no int activation quantization: it runs int activations only with 4-bit int "
+    "weights, as W4A16 (activations in bf16/fp16)"
 )
 
 
 def _why_not(s: Scheme) -> str | None:
     """Why qshard cannot hold the weights of scheme `s` as stored, or None if it can."""
     fix = "; use a checkpoint quantized so, or quantize the float model with qshard.quantize_"
-    if s.inputs is not None and s.inputs.type == "int":
+    if s.inputs is not None and s.inputs.type == "int" and s.weights.type != "int":
         return INT_ACTIVATIONS + fix
     if s.format not in HOLDS:
         return f"qshard reads the formats {list(HOLDS)}" + fix
     kind, strategies, groups, symmetric_only, rule = HOLDS[s.format]
     w = s.weights
     ok = (w.type, w.num_bits) == kind and w.strategy in strategies
-    ok = ok and (groups is None or w.group_size in groups) and (w.symmetric or not symmetric_only)
+    grouped = w.strategy in ("group", "tensor_group")
+    ok = ok and (groups is None or not grouped or w.group_size in groups)
+    ok = ok and (w.symmetric or not symmetric_only)
     return None if ok else rule + fix
 
 
@@ -369,6 +390,61 @@ def _int4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
         zero = _unpack_words(words.t(), n).t().to(torch.bfloat16)  # z + 8: the zero's code
     tensor = Int4Tensor(
         {"qdata": qdata, "scale": scale, "zero": zero.contiguous()},
+        shape=(n, k), dtype=dtype, group_size=group, symmetric=symmetric, backend=Backend.AUTO,
+    )  # fmt: skip
+    tensor.validate()
+    return tensor.repack_for_device()
+
+
+def _int4_values(where: str, name: str, values: torch.Tensor) -> torch.Tensor:
+    """`values` (an integer tensor) if each is a 4-bit int, -8..7, else CheckpointError."""
+    low, high = INT4_RANGE
+    bad = ((values < low) | (values > high)).nonzero()
+    if len(bad):
+        at = tuple(int(i) for i in bad[0])
+        raise CheckpointError(f"{where}: {name}{list(at)} is {int(values[at])}; a 4-bit int "
+                              f"is in {low}..{high} (compressed-tensors clamps to that range). "
+                              f"The file is damaged, or its config's num_bits is not 4: "
+                              f"re-export the checkpoint")  # fmt: skip
+    return values
+
+
+def _int4_unpacked(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
+    """int-quantized 4-bit weights, one int8 per weight (the module docstring)."""
+    where = f"{reader.directory}: {prefix}"
+    q = check_stored(where, "weight", reader.get(prefix + ".weight"), torch.int8, (None, None))
+    n, k = q.shape
+    _int4_values(where, "weight", q)
+    per_channel = scheme.weights.strategy == "channel"
+    if per_channel:  # one group of K, repeated over groups the layout takes (same weights)
+        group = next((g for g in reversed(GROUP_SIZES) if k % g == 0), GROUP_SIZES[-1])
+        stored = (n, 1)
+    else:
+        group = scheme.weights.group_size
+        stored = (n, -(-k // group))
+    groups = -(-k // group)
+    scale = check_stored(where, "weight_scale", reader.get(prefix + ".weight_scale"), SCALES,
+                         stored)  # fmt: skip
+    scale = exact_bf16(scale, where + ".weight_scale")
+    zero_key = prefix + ".weight_zero_point"
+    symmetric = scheme.weights.symmetric
+    if (zero_key in reader) == symmetric:
+        state = "has" if symmetric else "lacks"
+        raise CheckpointError(f"{where}: config group {scheme.name!r} says symmetric="
+                              f"{symmetric} but the linear {state} a weight_zero_point; the "
+                              f"file and its config disagree")  # fmt: skip
+    if symmetric:
+        zero = torch.zeros(0, 0, dtype=torch.bfloat16)
+    else:
+        z = check_stored(where, "weight_zero_point", reader.get(zero_key), INTS, stored)
+        zero = (_int4_values(where, "weight_zero_point", z) + 8).to(torch.bfloat16)  # its code
+        zero = zero.expand(n, groups) if per_channel else zero
+    scale = scale.expand(n, groups) if per_channel else scale
+    _check_dropped(reader, prefix, "input_scale", SCALES)
+    _check_dropped(reader, prefix, "input_zero_point", INTS)
+    qdata = pack_nibbles((q + 8).to(torch.uint8))  # codes u = q + 8, even index low
+    tensor = Int4Tensor(
+        {"qdata": qdata, "scale": scale.contiguous(), "zero": zero.contiguous()},
         shape=(n, k), dtype=dtype, group_size=group, symmetric=symmetric, backend=Backend.AUTO,
     )  # fmt: skip
     tensor.validate()
@@ -457,7 +533,7 @@ def _fp8(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
 
 # The reader of each format of HOLDS.
 LOADERS = {INT4_FORMAT: _int4, NVFP4_FORMAT: _nvfp4, MXFP4_FORMAT: _mxfp4, FP8_FORMAT: _fp8,
-           NAIVE_FORMAT: _fp8}  # fmt: skip
+           NAIVE_FORMAT: _fp8, INT_FORMAT: _int4_unpacked}  # fmt: skip
 
 
 # ---- export -----------------------------------------------------------------------------------

@@ -784,12 +784,6 @@ REFUSED_SCHEMES = [  # (preset, format, tensors, what the error names)
     ("W8A8", "int-quantized",
      {"fc.weight": INT8, "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16)},
      "format 'int-quantized' (W8A8: 8-bit int per channel weights, 8-bit int per token"),
-    ("W4A8", "int-quantized",
-     {"fc.weight": INT8, "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16)},
-     "format 'int-quantized' (W4A8: 4-bit int in groups of 128 weights, 8-bit int"),
-    ("W4AFP8", "int-quantized",
-     {"fc.weight": INT8, "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16)},
-     "format 'int-quantized' (W4A8: 4-bit int in groups of 128 weights, 8-bit float"),
     ("W8A16", "pack-quantized",
      {"fc.weight_packed": torch.zeros(48, 16, dtype=torch.int32),
       "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16),
@@ -802,9 +796,9 @@ REFUSED_SCHEMES = [  # (preset, format, tensors, what the error names)
                          ids=[p for p, *_ in REFUSED_SCHEMES])  # fmt: skip
 def test_compressed_tensors_schemes_qshard_cannot_hold_are_refused(tmp_path, preset, fmt, tensors,
                                                                     named):  # fmt: skip
-    """int-quantized (W8A8, W4A8 int, W4AFP8: int8 weights per element) loaded as raw int
-    codes in plain tensors, W8A16 was refused as a 4-bit shape mismatch; now the scheme read
-    from the config is named, with what qshard holds."""
+    """int-quantized W8A8 (int8 weights per element) loaded as raw int codes in plain tensors,
+    W8A16 was refused as a 4-bit shape mismatch; now the scheme read from the config is named,
+    with what qshard holds. (int-quantized with 4-bit weights, W4A8, loads: the tests below.)"""
     ct_scheme_checkpoint(tmp_path, preset, tensors, fmt)
     with pytest.raises(CheckpointError) as info:
         qshard.load_pretrained(tmp_path)
@@ -959,3 +953,129 @@ def test_checkpoints_compressed_tensors_itself_compressed_load_as_it_decompresse
             torch.testing.assert_close(mine, theirs, rtol=2**-7, atol=0)
         else:
             assert torch.equal(mine, theirs), preset
+
+
+# ---- compressed-tensors int-quantized int4: one int8 per weight (issue 21, problem 21) -----------
+
+
+def ct_int_quantized(directory, scheme, weight: torch.Tensor, params: dict, fmt="int-quantized"):
+    """`weight` compressed by compressed-tensors' own compressor for `fmt` (int-quantized: its
+    IntQuantizationCompressor, quantize() cast to int8) under `scheme` (a QuantizationScheme),
+    written as llm-compressor writes the checkpoint: (stored tensors, its decompression)."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    stored = compressor.compress({"weight": weight, **params}, scheme)
+    theirs = compressor.decompress(stored, scheme)["weight"]
+    group = {**scheme.model_dump(), "format": fmt}
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+          "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
+    tensors = {f"fc.{k}": v.contiguous() for k, v in stored.items()}
+    tensors["lm_head.weight"] = torch.randn(8, 64, dtype=torch.bfloat16)
+    write_checkpoint(directory, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc})
+    return stored, theirs
+
+
+def int4_scheme(preset: str | None = None, **weights):
+    """compressed-tensors' preset `preset`, or int4 weights with `weights` and int8 dynamic
+    per-token activations (W4A8)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    if preset is not None:
+        return QuantizationScheme(targets=["Linear"], **PRESET_SCHEMES[preset])
+    acts = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True)
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
+                              input_activations=acts)  # fmt: skip
+
+
+INT_QUANTIZED_INT4 = {  # name: (scheme kwargs, [N, K], layout group): K picks a channel's group
+    "W4A8": ({"preset": "W4A8"}, (48, 256), 128),
+    "W4AFP8": ({"preset": "W4AFP8"}, (48, 256), 128),
+    "W4A16": ({"preset": "W4A16"}, (48, 256), 128),
+    "W4A16_ASYM": ({"preset": "W4A16_ASYM"}, (48, 384), 128),
+    "group32-asym": ({"num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": False},
+                     (40, 96), 32),
+    "channel": ({"num_bits": 4, "strategy": "channel"}, (40, 320), 64),  # 64 divides 320
+    "channel-asym": ({"num_bits": 4, "strategy": "channel", "symmetric": False},
+                     (40, 200), 256),  # no group of 32..256 divides 200: one partial 256
+    "channel-large": ({"num_bits": 4, "strategy": "channel"}, (16, 768), 256),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", INT_QUANTIZED_INT4)
+def test_compressed_tensors_int_quantized_int4_loads_as_compressed_tensors_decompresses_it(
+    tmp_path, case
+):
+    """4-bit int weights saved int-quantized (W4A8, W4AFP8, W4A16 forced so; per group or per
+    channel, symmetric or not), compressed by compressed-tensors' own int-quantized compressor:
+    `weight` int8 [N, K] in -8..7. They load as Int4Tensor (weight-only W4A16) and dequantize
+    to what its decompressor gives, bit for bit; a channel scale is repeated over the groups."""
+    kwargs, (n, k), group = INT_QUANTIZED_INT4[case]
+    scheme = int4_scheme(**kwargs)
+    w_args = scheme.weights
+    g = torch.Generator().manual_seed(16)
+    weight = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    ct_group = k if w_args.strategy == "channel" else w_args.group_size
+    amax = weight.float().reshape(n, k // ct_group, ct_group).abs().amax(-1)
+    params = {"weight_scale": (amax / 7.5).to(torch.bfloat16)}  # both ends of -8..7 reached
+    if not w_args.symmetric:
+        params["weight_zero_point"] = torch.randint(-3, 4, amax.shape, generator=g,
+                                                    dtype=torch.int8)  # fmt: skip
+    stored, theirs = ct_int_quantized(tmp_path, scheme, weight, params)
+    assert stored["weight"].dtype == torch.int8 and stored["weight"].shape == (n, k)
+    assert int(stored["weight"].min()) == -8 and int(stored["weight"].max()) == 7
+    assert ("weight_zero_point" in stored) == (not w_args.symmetric)
+    state = qshard.load_pretrained(tmp_path)
+    w = state["fc.weight"]
+    assert isinstance(w, qshard.Int4Tensor) and w.shape == (n, k)
+    assert (w.group_size, w.symmetric) == (group, w_args.symmetric)
+    assert theirs.dtype == torch.bfloat16
+    assert torch.equal(w.dequantize(torch.bfloat16), theirs), case
+    assert state["lm_head.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("preset", ["W8A8", "W8A16"])
+def test_compressed_tensors_int_quantized_int8_weights_are_refused_naming_the_scheme(
+    tmp_path, preset
+):
+    """8-bit int weights (W8A8; W8A16 saved int-quantized), as compressed-tensors' own
+    compressor stores them: qshard has no int8 layout, and says so with the scheme."""
+    scheme = int4_scheme(preset)
+    weight = (torch.randn(48, 256, generator=torch.Generator().manual_seed(17)) * 0.05).to(
+        torch.bfloat16
+    )
+    columns = 1 if scheme.weights.strategy == "channel" else 256 // scheme.weights.group_size
+    scale = weight.float().reshape(48, columns, -1).abs().amax(-1) / 127
+    stored, _ = ct_int_quantized(tmp_path, scheme, weight, {"weight_scale": scale})
+    assert stored["weight"].dtype == torch.int8 and int(stored["weight"].abs().max()) > 8
+    with pytest.raises(CheckpointError) as info:
+        qshard.load_pretrained(tmp_path)
+    message = str(info.value)
+    how = "per channel" if preset == "W8A8" else "in groups of 128"
+    named = f"format 'int-quantized' ({preset}: 8-bit int {how} weights"
+    assert named in message and "fc" in message and "no int8 layout" in message, message
+
+
+@pytest.mark.parametrize(("name", "at", "value"), [("weight", (3, 17), 8),
+                                                   ("weight", (0, 0), -9),
+                                                   ("weight_zero_point", (5, 0), 8)])  # fmt: skip
+def test_compressed_tensors_int_quantized_int4_values_outside_minus_8_to_7_are_refused(
+    tmp_path, name, at, value
+):
+    """An int8 value outside a 4-bit int's -8..7 (a damaged file, or 8-bit data under a
+    4-bit config) would wrap into another code: a CheckpointError naming the tensor."""
+    scheme = int4_scheme(num_bits=4, strategy="channel", symmetric=False)
+    weight = (torch.randn(8, 64, generator=torch.Generator().manual_seed(18)) * 0.05).to(
+        torch.bfloat16
+    )
+    scale = (weight.float().abs().amax(1, keepdim=True) / 7).to(torch.bfloat16)
+    params = {"weight_scale": scale, "weight_zero_point": torch.zeros(8, 1, dtype=torch.int8)}
+    ct_int_quantized(tmp_path, scheme, weight, params)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors[f"fc.{name}"][at] = value
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError) as info:
+        qshard.load_pretrained(tmp_path)
+    message = str(info.value)
+    assert f"fc: {name}{list(at)} is {value}" in message and "-8..7" in message, message
