@@ -376,12 +376,7 @@ def _int4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     if k % 2:
         qdata[:, -1] &= 15  # the layout leaves an odd K's last high nibble zero
     zero_key = prefix + ".weight_zero_point"
-    symmetric = scheme.weights.symmetric
-    if (zero_key in reader) == symmetric:
-        state = "has" if symmetric else "lacks"
-        raise CheckpointError(f"{where}: config group {scheme.name!r} says symmetric="
-                              f"{symmetric} but the linear {state} a weight_zero_point; the "
-                              f"file and its config disagree")  # fmt: skip
+    symmetric = _symmetric(reader, where, zero_key, scheme)
     if symmetric:
         zero = torch.zeros(0, 0, dtype=torch.bfloat16)
     else:
@@ -394,6 +389,17 @@ def _int4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     )  # fmt: skip
     tensor.validate()
     return tensor.repack_for_device()
+
+
+def _symmetric(reader, where: str, zero_key: str, scheme: Scheme) -> bool:
+    """The config group's `symmetric`, which the file must agree with (a zero point or none)."""
+    symmetric = scheme.weights.symmetric
+    if (zero_key in reader) == symmetric:
+        state = "has" if symmetric else "lacks"
+        raise CheckpointError(f"{where}: config group {scheme.name!r} says symmetric="
+                              f"{symmetric} but the linear {state} a weight_zero_point; the "
+                              f"file and its config disagree")  # fmt: skip
+    return symmetric
 
 
 def _int4_values(where: str, name: str, values: torch.Tensor) -> torch.Tensor:
@@ -427,12 +433,7 @@ def _int4_unpacked(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> Q
                          stored)  # fmt: skip
     scale = exact_bf16(scale, where + ".weight_scale")
     zero_key = prefix + ".weight_zero_point"
-    symmetric = scheme.weights.symmetric
-    if (zero_key in reader) == symmetric:
-        state = "has" if symmetric else "lacks"
-        raise CheckpointError(f"{where}: config group {scheme.name!r} says symmetric="
-                              f"{symmetric} but the linear {state} a weight_zero_point; the "
-                              f"file and its config disagree")  # fmt: skip
+    symmetric = _symmetric(reader, where, zero_key, scheme)
     if symmetric:
         zero = torch.zeros(0, 0, dtype=torch.bfloat16)
     else:
