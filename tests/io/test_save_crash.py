@@ -5,7 +5,6 @@ checkpoint or the new one, bit for bit, never an error or a mix, and the next sa
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import errno
 import itertools
@@ -18,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from filesystem_steps import step_hooks
 from torch import nn
 
 import qshard
@@ -78,14 +78,14 @@ def states():
 # One process that imports torch once and forks a child per kill point; the child saves with
 # every filesystem operation hooked, and SIGKILLs itself just before the step-th one.
 SAVER = r"""
-import builtins, json, os, signal, sys, traceback
+import json, os, signal, sys, traceback
 import torch
 torch.set_num_threads(1)  # no intra-op thread pool to carry across fork
 import qshard
+sys.path.insert(0, sys.argv[2])
+from filesystem_steps import step_hooks
 
 STATES = torch.load(sys.argv[1], weights_only=True)
-OPERATIONS = ("mkdir", "rmdir", "replace", "rename", "link", "symlink", "unlink", "remove",
-              "truncate", "ftruncate")
 
 def kill_before(step):
     count = 0
@@ -94,33 +94,9 @@ def kill_before(step):
         if count == step:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash: no handler, no finally, no flush
         count += 1
-    def hooked(function):
-        def call(*args, **kwargs):
-            tick()
-            return function(*args, **kwargs)
-        return call
-    for name in OPERATIONS:  # pathlib calls these too
-        setattr(os, name, hooked(getattr(os, name)))
-    os.fsync = hooked(lambda fd: None)  # a step, but skipped: see no_fsync
-    class Writing:  # a file opened for writing: each write is a step
-        def __init__(self, f):
-            self.f = f
-        def write(self, data):
-            tick()
-            return self.f.write(data)
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-        def __enter__(self):
-            return self
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-    real_open = builtins.open
-    def open_(file, mode="r", *args, **kwargs):
-        if set(mode) & set("wax+"):
-            tick()
-            return Writing(real_open(file, mode, *args, **kwargs))
-        return real_open(file, mode, *args, **kwargs)
-    builtins.open = open_
+    for module, name, replacement in step_hooks(tick):
+        setattr(module, name, replacement)
+    os.fsync = lambda fd: tick()  # a step, but skipped: see no_fsync
 
 while line := sys.stdin.readline():
     job = json.loads(line)
@@ -142,7 +118,8 @@ while line := sys.stdin.readline():
 
 class Saver:
     def __init__(self, states_file: pathlib.Path):
-        command = [sys.executable, "-c", SAVER, str(states_file)]
+        here = str(pathlib.Path(__file__).parent)  # filesystem_steps, for the child
+        command = [sys.executable, "-c", SAVER, str(states_file), here]
         pipe = subprocess.PIPE
         self.process = subprocess.Popen(command, stdin=pipe, stdout=pipe, text=True)
 
@@ -276,42 +253,9 @@ def failing_at(step: int):
         if count[0] - 1 == step:
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-    def hooked(function):
-        def call(*args, **kwargs):
-            tick()
-            return function(*args, **kwargs)
-
-        return call
-
-    class Writing:
-        def __init__(self, f):
-            self.f = f
-
-        def write(self, data):
-            tick()
-            return self.f.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-    real_open = builtins.open
-
-    def open_(file, mode="r", *args, **kwargs):
-        if set(mode) & set("wax+"):
-            tick()
-            return Writing(real_open(file, mode, *args, **kwargs))
-        return real_open(file, mode, *args, **kwargs)
-
     with pytest.MonkeyPatch.context() as patch:
-        for name in ("mkdir", "replace", "rename", "unlink", "fsync"):
-            patch.setattr(os, name, hooked(getattr(os, name)))
-        patch.setattr(builtins, "open", open_)
+        for module, name, replacement in step_hooks(tick):
+            patch.setattr(module, name, replacement)
         yield count
 
 
