@@ -79,6 +79,7 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
                 f"qshard.load: {key!r} is {list(stored)} in the checkpoint and "
                 f"{list(targets[key].shape)} in the model"
             )
+    metas = {k: checkpoint.record(k).meta() for k in keys}  # class, shape, dtype: no data
     dtypes = {}  # the model's dtype where a floating checkpoint tensor is converted to it
     for key in keys:
         stored, wanted = checkpoint.record(key).outer_dtype(), targets[key].dtype
@@ -86,8 +87,7 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
             raise CheckpointError(
                 f"qshard.load: {key!r} is {stored} in the checkpoint and {wanted} in the model"
             )
-        quantized = isinstance(checkpoint.record(key).meta(), QTensor)
-        if quantized and wanted not in FLOAT_DTYPES:
+        if isinstance(metas[key], QTensor) and wanted not in FLOAT_DTYPES:
             raise CheckpointError(
                 f"qshard.load into {type(model).__name__}: {key!r} is a quantized weight, and "
                 f"the model's {key!r} is {wanted}; quantized weights stand for one of "
@@ -99,7 +99,6 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
     if mesh is not None:
         from ..tp.plan import checked_placements
 
-        metas = {k: checkpoint.record(k).meta() for k in keys}
         resolved, placements = checked_placements(model, mesh, plan, metas)
     device = _target_device(device, mesh, targets)
     values = _read_all(checkpoint, keys, placements, device, mesh, dtypes)
