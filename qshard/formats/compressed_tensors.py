@@ -88,7 +88,7 @@ from .configs import (
     quantization_config,
     unquantized_modules,
 )
-from .source import exact_bf16, fp8_rows
+from .source import exact_bf16, fp8_block_attrs, fp8_rows
 
 NAME = "compressed-tensors"
 INT4_FORMAT, NVFP4_FORMAT = "pack-quantized", "nvfp4-pack-quantized"
@@ -514,15 +514,9 @@ def _fp8(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     if w.strategy == "tensor":  # one scale: [1] (or [])
         return fp8_rows(qdata, check_scalar(where, "weight_scale", scale, SCALES).float(), dtype,
                         weight_only)  # fmt: skip
-    attrs = {"block_size": w.block_structure, "act_group_size": w.block_structure[1],
-             "weight_only": weight_only, "scale_format": ScaleFormat.FP32,
-             "backend": Backend.AUTO}  # fmt: skip
-    try:  # the layout's own rules, before any arithmetic with the block
-        Fp8BlockwiseTensor.check_attrs(attrs)
-    except QShardError as e:  # e.g. a block_structure qshard's FP8 layout cannot take
-        raise CheckpointError(f"{reader.directory / 'config.json'}: config group "
-                              f"{scheme.name!r} weights.block_structure "
-                              f"{list(w.block_structure)}: {e}") from None  # fmt: skip
+    attrs = fp8_block_attrs(w.block_structure, weight_only, ScaleFormat.FP32, lambda e: (
+        CheckpointError(f"{reader.directory / 'config.json'}: config group {scheme.name!r} "
+                        f"weights.block_structure {list(w.block_structure)}: {e}")))  # fmt: skip
     bn, bk = w.block_structure
     blocks = (-(-n // bn), -(-k // bk))
     scale = check_stored(where, "weight_scale", scale, SCALES, blocks).float()

@@ -19,6 +19,10 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+
+# The largest size a config may give (a block side, a group, a dimension): the largest logical
+# size a quantized weight may have.
+from ..layouts.validation import MAX_SIZE
 from ..qtensor import QTensor
 
 __all__ = [
@@ -32,9 +36,6 @@ __all__ = [
 ]
 
 REQUIRED: Any = object()  # the default of a field that must be present
-# The largest size a config may give (a block side, a group, a dimension): far above any
-# model's, far below what overflows index arithmetic.
-MAX_SIZE = 2**31 - 1
 DEFAULT_FIX = "Fix the file, or re-export the checkpoint in a form qshard reads"
 
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean",

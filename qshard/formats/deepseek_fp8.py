@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Backend, ScaleFormat
+from ..config import ScaleFormat
 from ..errors import CheckpointError, QShardError
 from ..layouts import Fp8BlockwiseTensor
 from ..qtensor import QTensor
 from .configs import check_stored, quantization_config, unquantized_modules
+from .source import fp8_block_attrs
 
 NAME = "deepseek-fp8"
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -36,15 +37,9 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
     blocks = "qshard reads FP8 in blocks, e.g. [128, 128] (DeepSeek-V3); not one scale per tensor"
     block = qc.sizes("weight_block_size", 2, note=blocks)
     ue8m0 = qc.choice("scale_fmt", ("float", "ue8m0"), "float") == "ue8m0"
-    attrs = {"block_size": block, "act_group_size": block[1], "weight_only": False,
-             "scale_format": ScaleFormat.UE8M0 if ue8m0 else ScaleFormat.FP32,
-             "backend": Backend.AUTO}  # fmt: skip
-    try:  # the layout's own rules, before any arithmetic with the block
-        Fp8BlockwiseTensor.check_attrs(attrs)
-    except QShardError as e:
-        raise qc.error(
-            "weight_block_size", list(block), f"the FP8 layout refuses it: {e}"
-        ) from None
+    scale_format = ScaleFormat.UE8M0 if ue8m0 else ScaleFormat.FP32
+    attrs = fp8_block_attrs(block, False, scale_format, lambda e: qc.error(
+        "weight_block_size", list(block), f"the FP8 layout refuses it: {e}"))  # fmt: skip
     state = {}
     scaled = {k[: -len(SCALE_SUFFIX)] for k in reader.names() if k.endswith(SCALE_SUFFIX)}
     orphans = sorted(p + SCALE_SUFFIX for p in scaled if p + ".weight" not in reader)
@@ -75,10 +70,9 @@ def _tensor(reader, prefix: str, attrs: dict, dtype) -> QTensor:
     scales = (torch.float32, torch.bfloat16, *((torch.float8_e8m0fnu,) if ue8m0 else ()))
     scale = check_stored(where, SCALE_SUFFIX[1:], reader.get(prefix + SCALE_SUFFIX), scales,
                          blocks)  # fmt: skip
+    # Scales must be powers of two under ue8m0: the layout's own value rule, which
+    # load_pretrained's validation (check_state) runs on every tensor.
     scale = scale.float()
-    if ue8m0 and not bool((torch.frexp(scale).mantissa.abs() == 0.5).all()):
-        raise CheckpointError(f"{where}{SCALE_SUFFIX}: scale_fmt 'ue8m0' but not every scale "
-                              f"is a power of two")  # fmt: skip
     tensor = Fp8BlockwiseTensor({"qdata": weight, "scale": scale}, shape=(n, k), dtype=dtype,
                                 **attrs)  # fmt: skip
     tensor.validate()

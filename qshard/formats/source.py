@@ -10,12 +10,12 @@ import pathlib
 import re
 import secrets
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from safetensors.torch import save_file
 
-from ..config import Backend
+from ..config import Backend, ScaleFormat
 from ..errors import CheckpointError, QShardError
 from ..io.checkpoint import (
     INDEX_NAME,
@@ -25,7 +25,7 @@ from ..io.checkpoint import (
     read_header,
     read_tensor,
 )
-from ..layouts import Fp8RowwiseTensor
+from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor
 from ..qtensor import QTensor
 from ..safejson import read_json_file
 from ..tp.styles import chunk_bounds, shard_cuts
@@ -34,6 +34,7 @@ __all__ = [
     "MemorySource",
     "SafetensorsDir",
     "exact_bf16",
+    "fp8_block_attrs",
     "fp8_rows",
     "matches_any",
     "read_json",
@@ -132,6 +133,20 @@ def fp8_rows(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                               weight_only=weight_only, backend=Backend.AUTO)  # fmt: skip
     tensor.validate()
     return tensor
+
+
+def fp8_block_attrs(block: tuple[int, ...], weight_only: bool, scale_format: ScaleFormat,
+                    refused: Callable[[QShardError], CheckpointError]) -> dict:  # fmt: skip
+    """The FP8 blockwise layout's attributes for a checkpoint's `block` (activation groups of
+    1 x its K side), checked by the layout's own rules before any arithmetic with the block;
+    else `refused(the layout's error)`, the reader's CheckpointError naming file and field."""
+    attrs = {"block_size": tuple(block), "act_group_size": block[-1], "weight_only": weight_only,
+             "scale_format": scale_format, "backend": Backend.AUTO}  # fmt: skip
+    try:
+        Fp8BlockwiseTensor.check_attrs(attrs)
+    except QShardError as e:
+        raise refused(e) from None
+    return attrs
 
 
 def matches_any(name: str, patterns: Iterable[str]) -> bool:

@@ -34,12 +34,12 @@ from __future__ import annotations
 import torch
 
 from ..config import Backend, ScaleFormat
-from ..errors import CheckpointError, QShardError
+from ..errors import CheckpointError
 from ..layouts import Fp8BlockwiseTensor, Int4Tensor
 from ..layouts.int4 import GROUP_SIZES, ZeroPointDomain
 from ..safejson import parse_json
 from .configs import Fields, check_stored, quantization_config
-from .source import exact_bf16, fp8_rows
+from .source import exact_bf16, fp8_block_attrs, fp8_rows
 
 NAME = "torchao"
 SCALES = (torch.bfloat16, torch.float16, torch.float32)  # Int4Tensor: the weight's dtype
@@ -133,16 +133,10 @@ def _float8(reader, name: str, entry: Fields, dtype: torch.dtype):
         shape = (n, 1) if block[0] == 1 else (1,) * min(scale.dim(), 2)
         scale = check_stored(where, "scale", scale, torch.float32, shape)
         return fp8_rows(qdata, scale, dtype, weight_only)
-    attrs = {"block_size": block, "act_group_size": block[1], "weight_only": weight_only,
-             "scale_format": ScaleFormat.FP32, "backend": Backend.AUTO}  # fmt: skip
-    try:  # the layout's own rules, before any arithmetic with the block
-        Fp8BlockwiseTensor.check_attrs(attrs)
-    except QShardError as e:
-        raise CheckpointError(
-            f"{where}: a Float8Tensor with block_size {list(block)}; qshard's FP8 layouts take "
-            f"rows ([1, K]), the whole tensor, or blocks the blockwise layout accepts "
-            f"(torchao's PerBlock([128, 128])): {e}"
-        ) from None
+    attrs = fp8_block_attrs(block, weight_only, ScaleFormat.FP32, lambda e: CheckpointError(
+        f"{where}: a Float8Tensor with block_size {list(block)}; qshard's FP8 layouts take "
+        f"rows ([1, K]), the whole tensor, or blocks the blockwise layout accepts "
+        f"(torchao's PerBlock([128, 128])): {e}"))  # fmt: skip
     blocks = (-(-n // block[0]), -(-k // block[1]))
     scale = check_stored(where, "scale", scale, torch.float32, blocks)
     tensor = Fp8BlockwiseTensor({"qdata": qdata, "scale": scale}, shape=(n, k), dtype=dtype,
