@@ -15,6 +15,7 @@ import pathlib
 import sys
 
 from .errors import CheckpointError, QShardError
+from .formats import PACKED_SUFFIXES, QUANTIZATION_SUFFIXES
 from .formats.source import SafetensorsDir
 from .io import save
 from .io.saving import QUANTIZATION_CONFIG_NAME
@@ -145,13 +146,12 @@ def _same_dir(a: pathlib.Path, b: pathlib.Path) -> bool:
         return False
 
 
-# Names of the stored parts of quantized weights in other producers' checkpoints (facts.md §5):
-# DeepSeek / compressed-tensors / ModelOpt / FBGEMM scales, compressed-tensors' packed int4,
-# torchao's `_weight_qdata`, gpt-oss MXFP4 `_blocks` / `_scales`, GPTQ / AWQ, bitsandbytes.
+# Names of the stored parts of quantized weights: those of the formats load_pretrained reads
+# (facts.md §5), and of static input scales, torchao's `_weight_qdata`, GPTQ / AWQ and
+# bitsandbytes. A float model has none of them, in any dtype.
 QUANTIZED_SUFFIXES = (
-    ".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".weight_global_scale",
-    ".weight_packed", ".weight_shape", ".weight_zero_point", ".input_scale", ".qdata", "_qdata",
-    "_blocks", "_scales", ".qweight", ".qzeros", ".absmax", ".quant_map", ".SCB",
+    *QUANTIZATION_SUFFIXES, *PACKED_SUFFIXES,
+    ".input_scale", "_qdata", ".qweight", ".qzeros", ".absmax", ".quant_map", ".SCB",
 )  # fmt: skip
 
 
