@@ -163,8 +163,9 @@ class Nvfp4Tensor(QTensor):
         return E2M1_MAX * abs_max(self.scale) * abs_max(self.global_scale)
 
     def value_problem(self) -> str | None:
-        if self.global_scale.numel() and not float(self.global_scale.reshape(-1)[0]) > 0:
-            return (f"global_scale {float(self.global_scale.reshape(-1)[0])} is not positive "
+        scale = float(self.global_scale.reshape(-1)[0]) if self.global_scale.numel() else 1.0
+        if not scale > 0:
+            return (f"global_scale {scale} is not positive "
                     f"(a multiplier, amax / (6 * 448): ModelOpt's weight_scale_2, or 1 / "
                     f"compressed-tensors' weight_global_scale)")  # fmt: skip
         return None
