@@ -1,9 +1,18 @@
-"""`quantize_`: turn a model's nn.Linear weights into quantized tensors, in place, with a report.
+"""`quantize_`: turn a model's nn.Linear weights and expert weights into quantized tensors, in
+place, with a report.
 
 A config class maps to a handler, `handler(weight, config) -> QTensor`, registered with
 `register_handler`. A handler raises `UnsupportedWeightError` for a weight its layout cannot take;
 `quantize_` skips that module and reports why. Any other error stops `quantize_` before it has
 changed the model: every weight is quantized first and assigned only when all have succeeded.
+
+Expert weights are the 3-D parameters [E, N, K] of an experts module (design.md §5):
+transformers' experts classes are recognised by what their `use_experts_implementation`
+decorator sets on them (`is_transposed`, `has_bias`, ...; not by name), other classes by
+`register_experts`. Each such parameter is quantized as a whole (`from_float` quantizes each
+expert as its own [N, K] weight); a transposed one ([E, K, N], gpt-oss) is quantized along its
+contraction dim K and keeps its outer shape (`transpose(-2, -1)` of the [E, N, K] tensor). A
+router stays float: it is not an experts module's 3-D parameter.
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ __all__ = [
     "QuantizationReport",
     "QuantizedModule",
     "SkippedModule",
+    "experts_params",
     "quantize_",
+    "register_experts",
     "register_handler",
 ]
 
@@ -44,10 +55,71 @@ def register_handler(config_cls: type[QuantConfig], handler: Handler | None = No
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertsSpec:
+    """How an experts module holds its weights: the names of its 3-D [E, N, K] parameters
+    (None: every 3-D floating-point parameter it holds directly), and whether they are stored
+    transposed, [E, K, N] (in_features x out_features per expert)."""
+
+    params: tuple[str, ...] | None = None
+    transposed: bool = False
+
+
+_EXPERTS: dict[type[nn.Module], ExpertsSpec] = {}
+
+
+def register_experts(
+    module_cls: type[nn.Module], params: Sequence[str] | None = None, transposed: bool = False
+) -> type[nn.Module]:
+    """Make `quantize_` (and `gptq_`) quantize the 3-D expert weights of `module_cls` modules.
+
+    params: the names of its [E, N, K] parameters (default: every 3-D floating-point parameter
+    the module holds directly). transposed: True when they are stored [E, K, N]. The module's
+    forward must multiply them with `torch._grouped_mm`/`F.grouped_mm`, `torch.bmm`, or
+    `F.linear(x, w[e])` (see qshard/qtensor/grouped.py). transformers' experts classes need no
+    registration. Usable as a class decorator; returns the class."""
+    if not (isinstance(module_cls, type) and issubclass(module_cls, nn.Module)):
+        raise ConfigError(f"register_experts: {module_cls!r} is not an nn.Module class")
+    if params is not None and (isinstance(params, str) or not all(isinstance(p, str) for p in params)):
+        raise ConfigError(f"register_experts: params={params!r} must be a list of names")
+    if not isinstance(transposed, bool):
+        raise ConfigError(f"register_experts: transposed={transposed!r} must be True or False")
+    _EXPERTS[module_cls] = ExpertsSpec(None if params is None else tuple(params), transposed)
+    return module_cls
+
+
+def experts_params(module: nn.Module) -> list[tuple[str, bool]] | None:
+    """[(parameter name, stored transposed)] of an experts module's 3-D expert weights, or None
+    for a module that is not an experts module (see the module docstring)."""
+    spec = next((s for c, s in _EXPERTS.items() if isinstance(module, c)), None)
+    if spec is None and _is_transformers_experts(module):
+        spec = ExpertsSpec(None, module.is_transposed)
+    if spec is None:
+        return None
+    own = dict(module.named_parameters(recurse=False))
+    if spec.params is not None:
+        missing = [n for n in spec.params if n not in own]
+        if missing:
+            raise ConfigError(
+                f"{type(module).__name__} is registered as experts with parameters "
+                f"{list(spec.params)}, but it has no {missing} (it has {sorted(own)})"
+            )
+        return [(n, spec.transposed) for n in spec.params]
+    return [
+        (n, spec.transposed) for n, p in own.items() if p.dim() == 3 and p.dtype.is_floating_point
+    ]
+
+
+def _is_transformers_experts(module: nn.Module) -> bool:
+    """What transformers' `use_experts_implementation` sets on every instance it decorates."""
+    marks = ("is_transposed", "has_bias", "is_concatenated")
+    return all(isinstance(getattr(module, m, None), bool) for m in marks)
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantizedModule:
     name: str
     layout: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     bytes_before: int
     bytes_after: int
     tied_to: str | None = None  # the module whose weight this one shares (counted there)
@@ -105,13 +177,40 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A weight `quantize_` may quantize: `module.<param>`, reported (and matched by include /
+    exclude) under `name`: a Linear's module name, or `<experts module>.<param>`."""
+
+    name: str
+    module: nn.Module
+    param: str
+    transposed: bool = False  # stored [E, K, N]: quantized along its contraction dim
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return getattr(self.module, self.param)
+
+
+def quantization_targets(model: nn.Module) -> list[Target]:
+    """Every nn.Linear weight and expert weight of `model`, in module order."""
+    targets = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, nn.Linear):
+            targets.append(Target(name, module, "weight"))
+            continue
+        for param, transposed in experts_params(module) or ():
+            targets.append(Target(f"{name}.{param}".lstrip("."), module, param, transposed))
+    return targets
+
+
 def _skip_reason(
-    name: str,
-    module: nn.Linear,
+    target: Target,
     include: Sequence[str] | str | None,
     exclude: Sequence[str] | str | None,
     filter_fn: FilterFn | None,
 ) -> str | None:
+    name = target.name
     include = [include] if isinstance(include, str) else include
     exclude = [exclude] if isinstance(exclude, str) else exclude
     if include is not None and not any(fnmatch.fnmatchcase(name, p) for p in include):
@@ -119,11 +218,11 @@ def _skip_reason(
     for pattern in exclude or ():
         if fnmatch.fnmatchcase(name, pattern):
             return f"excluded by pattern {pattern!r}"
-    if filter_fn is not None and not filter_fn(module, name):
+    if filter_fn is not None and not filter_fn(target.module, name):
         return "filter_fn returned False"
-    if isinstance(module.weight, nn.parameter.UninitializedParameter):
+    if isinstance(target.weight, nn.parameter.UninitializedParameter):
         return "its weight is not initialized yet (lazy module); run a forward pass first"
-    local = _local(module.weight)
+    local = _local(target.weight)
     if isinstance(local, QTensor):
         return f"already quantized ({type(local).__name__})"
     return None
@@ -157,13 +256,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
-def _quantize_weight(handler: Handler, weight: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+def _quantize_weight(handler: Handler, target: Target, config: QuantConfig) -> torch.Tensor:
     """The handler's QTensor; for a sharded weight (DTensor), each rank quantizes its own shard
-    and the result keeps the weight's mesh and placements (shard first, then quantize)."""
+    and the result keeps the weight's mesh and placements (shard first, then quantize). A
+    transposed expert weight is quantized as [E, N, K] and handed back transposed."""
+    weight = target.weight
     if not _is_dtensor(weight):
+        if target.transposed:
+            return handler(weight.detach().transpose(-2, -1), config).transpose(-2, -1)
         return handler(weight.detach(), config)
     from torch.distributed.tensor import DTensor
 
+    if weight.dim() != 2:
+        raise UnsupportedWeightError(
+            "an expert weight that is already sharded (a DTensor) is quantized before sharding "
+            "in this version: quantize_ first, then shard with qshard's plans"
+        )
     layout = getattr(handler, "__self__", None)  # a registered layout's from_float
     if isinstance(layout, type) and issubclass(layout, QTensor):
         local = layout.from_float_part(weight.to_local().detach(), weight.detach(), config)
@@ -179,15 +287,15 @@ def _quantize_weight(handler: Handler, weight: torch.Tensor, config: QuantConfig
     )
 
 
-def _non_linear_sharers(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> a name of it outside any nn.Linear's weight, for Linear weights that are
-    also used elsewhere (an output head tied to the embedding)."""
-    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+def _other_sharers(model: nn.Module, targets: list[Target]) -> dict[int, str]:
+    """id(parameter) -> a name of it other than a target's, for target weights that are also
+    used elsewhere (an output head tied to the embedding)."""
+    owned = {(id(t.module), t.param) for t in targets}
+    weights = {id(t.weight) for t in targets}
     sharers: dict[int, str] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for param_name, param in module.named_parameters(recurse=False):
-            is_linear_weight = isinstance(module, nn.Linear) and param_name == "weight"
-            if id(param) in linear_weights and not is_linear_weight:
+            if id(param) in weights and (id(module), param_name) not in owned:
                 sharers.setdefault(id(param), f"{module_name}.{param_name}".lstrip("."))
     return sharers
 
@@ -199,11 +307,13 @@ def quantize_(
     include: Sequence[str] | str | None = None,
     exclude: Sequence[str] | str | None = None,
 ) -> QuantizationReport:
-    """Quantize the weights of `model`'s nn.Linear modules in place; return a report.
+    """Quantize the weights of `model`'s nn.Linear modules and the expert weights of its experts
+    modules (see the module docstring) in place; return a report.
 
-    include / exclude: fnmatch patterns on module names (`"layers.*.mlp.*"`); a module must match
-    an include pattern (when given) and no exclude pattern. filter_fn(module, name) -> bool
-    narrows further. A model given as a bare nn.Linear is quantized under the name "".
+    include / exclude: fnmatch patterns on names: a Linear's module name (`"layers.*.mlp.*"`),
+    an expert weight's `<experts module>.<parameter>` (`"*.experts.down_proj"`); a weight must
+    match an include pattern (when given) and no exclude pattern. filter_fn(module, name) ->
+    bool narrows further. A model given as a bare nn.Linear is quantized under the name "".
     """
     if isinstance(config, type):
         raise ConfigError(
@@ -232,7 +342,7 @@ def quantize_with(
     config's registered handler (`qshard.gptq_` passes one that returns its calibrated
     weights): the same selection, tied weights, report, sharded-model agreement, and nothing
     changed unless every selected weight quantized."""
-    sharded = _sharded_linears(model)
+    sharded = _sharded_weights(model)
     try:
         report, pending = _quantize_all(model, handler, config, include, exclude, filter_fn)
     except QShardError:
@@ -242,61 +352,62 @@ def quantize_with(
         skipped = _agree_across_ranks(sharded, failed=False, skipped=report.skipped_names())
         report, pending = _skip_everywhere(report, pending, skipped)
     # Assign only now: an error above leaves the model as it was.
-    for _, module, param in pending:
-        module.weight = param
+    for target, param in pending:
+        setattr(target.module, target.param, param)
     return report
 
 
-Pending = list[tuple[str, nn.Linear, nn.Parameter]]
+Pending = list[tuple[Target, nn.Parameter]]
 
 
 def _quantize_all(model, handler, config, include, exclude, filter_fn):
-    """(report, [(name, module, quantized Parameter)]) without changing the model."""
+    """(report, [(target, quantized Parameter)]) without changing the model."""
     report = QuantizationReport(config)
     pending: Pending = []
-    # A weight shared by several modules stays shared: id(float weight) -> (first module's
-    # name, its quantized Parameter, or None when that module was skipped).
+    # A weight shared by several modules stays shared: id(float weight) -> (first target's
+    # name, its quantized Parameter, or None when that one was skipped).
     done: dict[int, tuple[str, nn.Parameter | None]] = {}
-    foreign = _non_linear_sharers(model)
-    for name, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, nn.Linear):
-            continue
-        first = done.get(id(module.weight))
+    targets = quantization_targets(model)
+    foreign = _other_sharers(model, targets)
+    for target in targets:
+        name, weight = target.name, target.weight
+        first = done.get(id(weight))
         if first is not None and first[1] is None:
             report.skipped.append(SkippedModule(name, f"its weight is tied to {first[0]!r}"))
             continue
         if first is not None:
-            pending.append((name, module, first[1]))
+            pending.append((target, first[1]))
             layout = type(_local(first[1])).__name__
-            shape = tuple(module.weight.shape)
-            report.quantized.append(QuantizedModule(name, layout, shape, 0, 0, first[0]))
+            report.quantized.append(
+                QuantizedModule(name, layout, tuple(weight.shape), 0, 0, first[0])
+            )
             continue
-        reason = _skip_reason(name, module, include, exclude, filter_fn)
-        if reason is None and id(module.weight) in foreign:
+        reason = _skip_reason(target, include, exclude, filter_fn)
+        if reason is None and id(weight) in foreign:
             reason = (
-                f"its weight is tied to {foreign[id(module.weight)]} (not a Linear weight); "
+                f"its weight is tied to {foreign[id(weight)]} (not a quantized weight); "
                 f"untie it or exclude this module"
             )
         if reason is None:
             try:
-                qweight = _quantize_weight(handler, module.weight, config)
+                qweight = _quantize_weight(handler, target, config)
             except UnsupportedWeightError as e:
                 reason = str(e)
             except QShardError as e:
-                raise type(e)(f"quantize_: module {name!r}{_shard_text(module.weight)}: {e}") from e
+                raise type(e)(f"quantize_: module {name!r}{_shard_text(weight)}: {e}") from e
         if reason is not None:
-            done[id(module.weight)] = (name, None)
+            done[id(weight)] = (name, None)
             report.skipped.append(SkippedModule(name, reason))
             continue
         param = nn.Parameter(qweight, requires_grad=False)
-        done[id(module.weight)] = (name, param)
-        pending.append((name, module, param))
+        done[id(weight)] = (name, param)
+        pending.append((target, param))
         report.quantized.append(
             QuantizedModule(
                 name,
                 type(_local(qweight)).__name__,
-                tuple(module.weight.shape),
-                stored_nbytes(_local(module.weight)),
+                tuple(weight.shape),
+                stored_nbytes(_local(weight)),
                 stored_nbytes(_local(qweight)),
             )
         )
@@ -306,14 +417,11 @@ def _quantize_all(model, handler, config, include, exclude, filter_fn):
 # ---- sharded models: every rank quantizes its own shard, and all must agree -----------------
 
 
-def _sharded_linears(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, weight) of every nn.Linear whose weight is a DTensor, in module order (the same
-    on every rank)."""
-    return [
-        (name, m.weight)
-        for name, m in model.named_modules(remove_duplicate=False)
-        if isinstance(m, nn.Linear) and _is_dtensor(m.weight)
-    ]
+def _sharded_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, weight) of every target weight that is a DTensor, in module order (the same on
+    every rank)."""
+    targets = quantization_targets(model)
+    return [(t.name, t.weight) for t in targets if _is_dtensor(t.weight)]
 
 
 def _shard_text(weight: torch.Tensor) -> str:
@@ -359,4 +467,4 @@ def _skip_everywhere(
         SkippedModule(name, "another rank could not quantize its shard of this weight")
         for name in sorted(elsewhere)
     ]
-    return report, [p for p in pending if p[0] not in elsewhere]
+    return report, [p for p in pending if p[0].name not in elsewhere]

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .api import FilterFn, QuantizationReport, _is_dtensor, _skip_reason, quantize_with
+from .api import FilterFn, QuantizationReport, Target, _is_dtensor, _skip_reason, quantize_with
 from .errors import ConfigError, QShardError, UnsupportedWeightError
 from .kernels import int4, mxfp4, nvfp4
 from .kernels.packing import expand_groups, group_reduce
@@ -143,7 +143,7 @@ def _selected_linears(model, filter_fn, include, exclude) -> list[tuple[str, nn.
                 f"gptq_: module {name!r} is sharded (a DTensor weight); run gptq_ on the whole "
                 f"model before qshard.tp.parallelize (the quantized weights shard like any other)"
             )
-        if _skip_reason(name, module, include, exclude, filter_fn) is None:
+        if _skip_reason(Target(name, module, "weight"), include, exclude, filter_fn) is None:
             selected.append((name, module))
     return selected
 
@@ -205,7 +205,7 @@ class _Format:
     def build(self, w: torch.Tensor, params: dict) -> torch.Tensor:
         """The layout tensor of w (on the groups' grid, in the weight's dtype: rounding it there
         moves no value by half a step, so the codes stay) with these group parameters."""
-        return self.tensor.from_float(w, self.config, params)
+        return self.tensor.from_float(w, self.config, group_params=params)
 
     def rounded(self, w: torch.Tensor, params: dict) -> torch.Tensor:
         q, _ = self.quantize(w, params)
@@ -340,7 +340,9 @@ class _Nvfp4Format(_Fp4Format):
         return [self.quantize(w * f, None)[1] for f in NVFP4_AMAX_FACTORS]
 
     def build(self, w, params):
-        return self.tensor.from_float(w, self.config, self.global_scale, params)
+        return self.tensor.from_float(
+            w, self.config, global_scale=self.global_scale, group_params=params
+        )
 
 
 _FORMATS = {Int4WeightOnlyConfig: _Int4Format, MXFP4WeightOnlyConfig: _Mxfp4Format,

@@ -423,11 +423,11 @@ def test_torch_save_load_weights_only_is_exact(cls, config):
     [
         torch.ones(64, 64, dtype=torch.int32),
         torch.randn(64),
-        torch.randn(2, 64, 64),
+        torch.randn(2, 2, 64, 64),
         torch.full((64, 64), float("nan")),
         torch.tensor([[1.0, float("inf")]]).repeat(32, 32),
     ],
-    ids=["int-dtype", "1-D", "3-D", "nan", "inf"],
+    ids=["int-dtype", "1-D", "4-D", "nan", "inf"],
 )
 def test_bad_weights_raise_qshard_error(cls, config, weight):
     with pytest.raises(QShardError):

@@ -204,17 +204,17 @@ def qtensor_record(key: str, tensor: QTensor, inner: Mapping[str, StoredTensor])
         "shape": list(tensor.logical_shape),
         "dtype": dtype_name(tensor.dtype),
         "transposed": tensor.transposed,
-        "attrs": {name: _attr_to_json(value) for name, value in tensor.attrs().items()},
+        "attrs": {name: attr_to_json(value) for name, value in tensor.attrs().items()},
         "config": tensor.config().to_dict(),
         "inner": {name: stored.to_json() for name, stored in inner.items()},
     }
 
 
-def _attr_to_json(value: Any) -> Any:
+def attr_to_json(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple | list):
-        return [_attr_to_json(v) for v in value]
+        return [attr_to_json(v) for v in value]
     return value
 
 
@@ -335,7 +335,7 @@ def _decode_record(key: str, raw: Any, stored: Mapping[str, StoredTensor], where
             f"{[dtype_name(d) for d in FLOAT_DTYPES]}"
         )
     transposed = _expect(raw.get("transposed"), bool, "transposed", at)
-    attrs = _decode_attrs(layout, _expect(raw.get("attrs"), dict, "attrs", at), at)
+    attrs = decode_attrs(layout, _expect(raw.get("attrs"), dict, "attrs", at), at)
     inner_raw = _expect(raw.get("inner"), dict, "inner", at)
     if sorted(inner_raw) != sorted(layout.inner_names):
         raise CheckpointError(
@@ -386,9 +386,9 @@ def _decode_stored(raw: Any, stored: Mapping[str, StoredTensor], at: str) -> Sto
     return StoredTensor(key, dtype, shape, crc, chunk_bytes, chunks)
 
 
-def _decode_attrs(layout: type[QTensor], raw: dict, at: str) -> dict[str, Any]:
+def decode_attrs(layout: type[QTensor], raw: dict, at: str) -> dict[str, Any]:
     types_ = attr_types(layout)
-    raw = {**{n: _attr_to_json(v) for n, v in layout.attr_defaults.items()}, **raw}
+    raw = {**{n: attr_to_json(v) for n, v in layout.attr_defaults.items()}, **raw}
     if sorted(raw) != sorted(types_):
         raise CheckpointError(
             f"{at}: attributes {sorted(raw)}; {layout.__name__} has {sorted(types_)}"
@@ -451,4 +451,4 @@ def _expect_ints(value: Any, length: int | None, what: str, at: str) -> tuple[in
 
 
 def _attrs_text(attrs: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={_attr_to_json(v)!r}" for k, v in attrs.items())
+    return ", ".join(f"{k}={attr_to_json(v)!r}" for k, v in attrs.items())

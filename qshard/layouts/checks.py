@@ -94,7 +94,7 @@ def check_float_weight(layout: str, weight: Any) -> None:
 
 def check_activation(weight: QTensor, x: torch.Tensor) -> None:
     """x [..., K] in a float dtype for the weight [N, K], or InputMismatchError."""
-    k = weight.logical_shape[1]
+    k = weight.logical_shape[-1]
     features = x.shape[-1] if x.dim() else 0
     if x.dim() == 0 or features != k:
         raise InputMismatchError(

@@ -115,7 +115,7 @@ class Fp8BlockwiseTensor(QTensor):
     # ---- construction ---------------------------------------------------------------------
 
     @classmethod
-    def from_float(
+    def quantize_matrix(
         cls, weight: torch.Tensor, config: Fp8BlockwiseConfig | None = None
     ) -> Fp8BlockwiseTensor:
         config = checked_config(cls.__name__, Fp8BlockwiseConfig, config)
@@ -157,7 +157,7 @@ class Fp8BlockwiseTensor(QTensor):
         return {"qdata": (1, 1), "scale": self.block_size}
 
     @classmethod
-    def inner_specs(cls, shape, attrs):
+    def matrix_specs(cls, shape, attrs):
         (n, k), (bn, bk) = shape, attrs["block_size"]
         return {
             "qdata": ((n, k), torch.float8_e4m3fn),
@@ -194,9 +194,9 @@ class Fp8BlockwiseTensor(QTensor):
                 f"Fp8BlockwiseTensor.reblock({block_size}): a finer block must divide the "
                 f"current {self.block_size} and be a power of two >= {MIN_BLOCK}"
             )
-        n, k = self.logical_shape
-        scale = self.scale.repeat_interleave(pbn // bn, 0)[: -(-n // bn)]
-        scale = scale.repeat_interleave(pbk // bk, 1)[:, : -(-k // bk)]
+        n, k = self.matrix_shape
+        scale = self.scale.repeat_interleave(pbn // bn, -2)[..., : -(-n // bn), :]
+        scale = scale.repeat_interleave(pbk // bk, -1)[..., : -(-k // bk)]
         out = self.with_changes(
             {"scale": scale},
             block_size=(bn, bk),
@@ -210,17 +210,17 @@ class Fp8BlockwiseTensor(QTensor):
             )
         return out
 
-    def max_magnitude(self) -> float:
+    def matrix_max_magnitude(self) -> float:
         return E4M3_MAX * abs_max(self.scale)
 
-    def value_problem(self) -> str | None:
+    def matrix_value_problem(self) -> str | None:
         if self.scale_format is ScaleFormat.UE8M0 and self.scale.numel():
             mantissa = torch.frexp(self.scale).mantissa.abs()
             if not bool((mantissa == 0.5).all()):
                 return "scale_format 'ue8m0' but not every scale is a power of two"
         return None
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dequantize_matrix(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = dequantize_blockwise(self.qdata, self.scale, self.block_size, dtype or self.dtype)
         return weight.t() if self.transposed else weight
 
@@ -274,6 +274,6 @@ class Fp8BlockwiseTensor(QTensor):
             group = self.act_group_size
             return f"the FP8 kernels take activation groups of 32 or more, not {group}"
         if backend is Backend.CUBLAS:
-            n, k = self.logical_shape
+            n, k = self.matrix_shape
             return cublas_unavailable_reason(device, n, k, *self.block_size, self.act_group_size)
         return triton_unavailable_reason(device)

@@ -78,7 +78,7 @@ class Fp8RowwiseTensor(QTensor):
     backend: Backend
 
     @classmethod
-    def from_float(
+    def quantize_matrix(
         cls, weight: torch.Tensor, config: Fp8RowwiseConfig | None = None,
         scale: torch.Tensor | None = None,
     ) -> Fp8RowwiseTensor:  # fmt: skip
@@ -134,14 +134,14 @@ class Fp8RowwiseTensor(QTensor):
         return {"qdata": (1, 1), "scale": (1, WHOLE)}
 
     @classmethod
-    def inner_specs(cls, shape, attrs):
+    def matrix_specs(cls, shape, attrs):
         n, k = shape
         return {"qdata": ((n, k), torch.float8_e4m3fn), "scale": ((n, 1), torch.float32)}
 
-    def max_magnitude(self) -> float:
+    def matrix_max_magnitude(self) -> float:
         return E4M3_MAX * abs_max(self.scale)
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dequantize_matrix(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = dequantize_rowwise(self.qdata, self.scale, dtype or self.dtype)
         return weight.t() if self.transposed else weight
 
@@ -175,5 +175,5 @@ class Fp8RowwiseTensor(QTensor):
     def _unavailable_reason(self, x: torch.Tensor) -> str | None:
         if self.weight_only:
             return "weight-only (W8A16) FP8 runs on the reference path in this version"
-        n, k = self.logical_shape
+        n, k = self.matrix_shape
         return cublas_rowwise_unavailable_reason(x.device, n, k, x.dtype)

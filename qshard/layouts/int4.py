@@ -133,7 +133,7 @@ class Int4Tensor(QTensor):
     zero_point_domain: ZeroPointDomain
 
     @classmethod
-    def from_float(
+    def quantize_matrix(
         cls, weight: torch.Tensor, config: Int4WeightOnlyConfig | None = None,
         group_params: dict[str, torch.Tensor] | None = None,
     ) -> Int4Tensor:  # fmt: skip
@@ -194,7 +194,7 @@ class Int4Tensor(QTensor):
         return {"qdata": (1, 2), "scale": group, "zero": None if self.symmetric else group}
 
     @classmethod
-    def inner_specs(cls, shape, attrs):
+    def matrix_specs(cls, shape, attrs):
         (n, k), groups = shape, -(-shape[1] // attrs["group_size"])
         zero = (0, 0) if attrs["symmetric"] else (n, groups)
         return {
@@ -220,11 +220,11 @@ class Int4Tensor(QTensor):
 
     def regroup(self, group_size: int) -> Int4Tensor:
         """The same weight with finer groups; each scale and zero is repeated, exactly."""
-        repeat, k = self.group_size // group_size, self.logical_shape[1]
+        repeat, k = self.group_size // group_size, self.logical_shape[-1]
         groups = -(-k // group_size)
 
         def finer(t: torch.Tensor) -> torch.Tensor:
-            return t.repeat_interleave(repeat, 1)[:, :groups] if t.numel() else t
+            return t.repeat_interleave(repeat, -1)[..., :groups] if t.numel() else t
 
         out = self.with_changes(
             {"scale": finer(self.scale), "zero": finer(self.zero)}, group_size=group_size
@@ -236,7 +236,7 @@ class Int4Tensor(QTensor):
         )
         return out
 
-    def max_magnitude(self) -> float:
+    def matrix_max_magnitude(self) -> float:
         if self.symmetric:  # codes q = u - 8 in -8..7
             return 8.0 * abs_max(self.scale)
         return rows_max(self._group_ends, self.scale, self.zero)
@@ -248,7 +248,7 @@ class Int4Tensor(QTensor):
             return torch.maximum((zero - 8.0 * scale).abs(), (zero + 7.0 * scale).abs())
         return torch.maximum(zero.abs(), (15.0 - zero).abs()) * scale  # (u - zero) * scale
 
-    def value_problem(self) -> str | None:
+    def matrix_value_problem(self) -> str | None:
         if self.symmetric or self.float_zero or not self.zero.numel():
             return None
         count = rows_max(lambda z: _bad_zero_codes(z).sum().reshape(1), self.zero)
@@ -259,9 +259,9 @@ class Int4Tensor(QTensor):
                     f"(zero_point_domain='int') are codes of the 4-bit range")  # fmt: skip
         return None
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dequantize_matrix(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = dequantize_int4(
-            self.qdata, self.scale, self.zero, self.group_size, self.logical_shape[1],
+            self.qdata, self.scale, self.zero, self.group_size, self.logical_shape[-1],
             dtype or self.dtype, self.float_zero,
         )  # fmt: skip
         return weight.t() if self.transposed else weight
@@ -279,7 +279,7 @@ class Int4Tensor(QTensor):
     def make_device_form(self) -> DeviceForm | None:
         if self.backend not in DEVICE_FORM_BACKENDS or self.device_form_problem(self.device):
             return None
-        args = (self.qdata, self.scale, self.zero, self.group_size, self.logical_shape[1])
+        args = (self.qdata, self.scale, self.zero, self.group_size, self.logical_shape[-1])
         if self.backend is Backend.TINYGEMM:
             return DeviceForm(*tinygemm_form(*args, self.dtype, self.float_zero))
         return DeviceForm(*gemlite_form(*args, self.dtype))

@@ -77,7 +77,7 @@ class Mxfp4Tensor(QTensor):
     backend: Backend
 
     @classmethod
-    def from_float(
+    def quantize_matrix(
         cls, weight: torch.Tensor, config: MXFP4WeightOnlyConfig | None = None,
         group_params: dict[str, torch.Tensor] | None = None,
     ) -> Mxfp4Tensor:  # fmt: skip
@@ -120,7 +120,7 @@ class Mxfp4Tensor(QTensor):
         return {"qdata": (1, 2), "scale": (1, self.group_size)}
 
     @classmethod
-    def inner_specs(cls, shape, attrs):
+    def matrix_specs(cls, shape, attrs):
         (n, k), groups = shape, -(-shape[1] // attrs["group_size"])
         return {"qdata": ((n, -(-k // 2)), torch.uint8), "scale": ((n, groups), SCALE_DTYPE)}
 
@@ -136,8 +136,8 @@ class Mxfp4Tensor(QTensor):
 
     def regroup(self, group_size: int) -> Mxfp4Tensor:
         """The same weight with finer blocks; each scale is repeated, exactly."""
-        repeat, k = self.group_size // group_size, self.logical_shape[1]
-        scale = self.scale.repeat_interleave(repeat, 1)[:, : -(-k // group_size)]
+        repeat, k = self.group_size // group_size, self.logical_shape[-1]
+        scale = self.scale.repeat_interleave(repeat, -1)[..., : -(-k // group_size)]
         out = self.with_changes({"scale": scale}, group_size=group_size)
         out.write_barrier = (
             f"it shares its 4-bit data with a tensor of {self.group_size}-blocks but has its own "
@@ -146,11 +146,11 @@ class Mxfp4Tensor(QTensor):
         )
         return out
 
-    def max_magnitude(self) -> float:
+    def matrix_max_magnitude(self) -> float:
         return E2M1_MAX * abs_max(self.scale)
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        k = self.logical_shape[1]
+    def dequantize_matrix(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        k = self.logical_shape[-1]
         weight = dequantize_mxfp4(self.qdata, self.scale, self.group_size, k, dtype or self.dtype)
         return weight.t() if self.transposed else weight
 

@@ -86,7 +86,7 @@ class Nvfp4Tensor(QTensor):
     global_divisor: float | None
 
     @classmethod
-    def from_float(
+    def quantize_matrix(
         cls, weight: torch.Tensor, config: NVFP4WeightOnlyConfig | None = None,
         global_scale: torch.Tensor | None = None,
         group_params: dict[str, torch.Tensor] | None = None,
@@ -151,7 +151,7 @@ class Nvfp4Tensor(QTensor):
         return {"qdata": (1, 2), "scale": (1, GROUP), "global_scale": None}
 
     @classmethod
-    def inner_specs(cls, shape, attrs):
+    def matrix_specs(cls, shape, attrs):
         (n, k), groups = shape, -(-shape[1] // GROUP)
         return {
             "qdata": ((n, -(-k // 2)), torch.uint8),
@@ -159,10 +159,10 @@ class Nvfp4Tensor(QTensor):
             "global_scale": ((1, 1), torch.float32),
         }
 
-    def max_magnitude(self) -> float:
+    def matrix_max_magnitude(self) -> float:
         return E2M1_MAX * abs_max(self.scale) * abs_max(self.global_scale)
 
-    def value_problem(self) -> str | None:
+    def matrix_value_problem(self) -> str | None:
         scale = float(self.global_scale.reshape(-1)[0]) if self.global_scale.numel() else 1.0
         if not scale > 0:
             return (f"global_scale {scale} is not positive "
@@ -170,8 +170,8 @@ class Nvfp4Tensor(QTensor):
                     f"compressed-tensors' weight_global_scale)")  # fmt: skip
         return None
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        k = self.logical_shape[1]
+    def dequantize_matrix(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        k = self.logical_shape[-1]
         weight = dequantize_nvfp4(
             self.qdata, self.scale, self.global_scale, GROUP, k, dtype or self.dtype
         )

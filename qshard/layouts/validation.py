@@ -23,6 +23,7 @@ the rule and what to do.
 from __future__ import annotations
 
 import enum
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -47,6 +48,8 @@ __all__ = [
 # Largest logical dim a quantized weight may declare: far above any model's (2^31 elements per
 # row or column), far below what overflows index arithmetic.
 MAX_SIZE = 2**31 - 1
+# Largest element count (E * N * K for experts): an int64 numel with room to spare.
+MAX_ELEMENTS = 2**62
 FINITE_CHECK_CHUNK = 1 << 20  # elements per pass: no weight-sized temporaries (peak memory)
 
 
@@ -57,8 +60,11 @@ def check_qtensor(tensor: QTensor, where: str, error: type[QShardError] = Checkp
     at = f"{where}: {name}"
     check_attr_types(type(tensor), tensor.attrs(), at, error)
     shape = tensor.logical_shape
-    if len(shape) != 2 or not all(_is_int(s) and 0 <= s <= MAX_SIZE for s in shape):
-        raise error(f"{at}: logical shape {list(shape)} is not two sizes in 0..{MAX_SIZE}")
+    if not _is_logical_shape(shape):
+        raise error(
+            f"{at}: logical shape {list(shape)} is not [N, K] or [E, N, K] with sizes in "
+            f"0..{MAX_SIZE} and at most {MAX_ELEMENTS} elements"
+        )
     if tensor.dtype not in FLOAT_DTYPES:
         raise error(f"{at}: stands for a {tensor.dtype}; quantized weights stand for one of "
                     f"{[str(d) for d in FLOAT_DTYPES]}")  # fmt: skip
@@ -80,10 +86,16 @@ def check_qtensor(tensor: QTensor, where: str, error: type[QShardError] = Checkp
     check_values(tensor, where, error)
 
 
+def _is_logical_shape(shape: Any) -> bool:
+    sizes = isinstance(shape, tuple) and len(shape) in (2, 3)
+    sizes = sizes and all(_is_int(s) and 0 <= s <= MAX_SIZE for s in shape)
+    return sizes and math.prod(shape) <= MAX_ELEMENTS
+
+
 # Instance attributes every QTensor has besides its inner tensors and layout attributes, with
 # the values a pickle may give them (`QTensor.__getstate__` drops the device form and owner).
 _BASE_STATE = {
-    "logical_shape": lambda v: isinstance(v, tuple) and len(v) == 2 and all(map(_is_int, v)),
+    "logical_shape": lambda v: isinstance(v, tuple) and len(v) in (2, 3) and all(map(_is_int, v)),
     "transposed": lambda v: type(v) is bool,
     "write_barrier": lambda v: v is None or isinstance(v, str),
     "device_names": lambda v: v == (),

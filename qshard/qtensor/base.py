@@ -26,12 +26,22 @@ torch.compile sees them as graph inputs; `device_meta` holds its non-tensor argu
 The logical shape is the quantized weight's [N, K]; `transposed` flips the outer shape to [K, N]
 without moving data (so `F.linear`'s decomposition `x @ w.t()` routes back to the layout). The
 outer dtype is the float dtype that `dequantize()` returns and that activations are expected in.
+
+Expert weights (design.md invariant 8) are the same classes with a leading expert dim: logical
+[E, N, K], every inner tensor [E, ...] of what one expert's [N, K] weight holds (a whole-tensor
+value such as NVFP4's global scale becomes one per expert), outer [E, N, K] or, transposed,
+[E, K, N]. The layouts write only the 2-D hooks (`quantize_matrix`, `matrix_specs`,
+`dequantize_matrix`, ...); this class runs them per expert, and `packing()` sides apply to the
+last two dims, so every shape op (slicing experts, N or K; `w[e]`, which is expert e's 2-D
+tensor as a view) goes through the same code. Logical dims index `logical_shape`: 0 = N, 1 = K
+for a weight, 0 = E, 1 = N, 2 = K for experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
@@ -44,6 +54,7 @@ from ..errors import (
     LayoutMismatchError,
     MisalignedSliceError,
     UnsupportedOpError,
+    UnsupportedWeightError,
 )
 
 __all__ = ["WHOLE", "DeviceForm", "QTensor", "spans_dim", "stored_nbytes"]
@@ -84,6 +95,9 @@ class QTensor(torch.Tensor):
     # Values of attributes added after a layout's first release, for checkpoints and pickles
     # written before them.
     attr_defaults: ClassVar[dict[str, Any]] = {}
+    # On a view of a part of a weight's (or each expert's) rows or columns: those matrix dims
+    # (0 = N, 1 = K). A copy_ into it must not change values the rest of the weight shares.
+    cut_dims: frozenset[int] = frozenset()
     # Per-class op tables, filled by `implements` / `implements_torch_function`.
     _aten_ops: ClassVar[dict[Any, Handler]] = {}
     _torch_fn_ops: ClassVar[dict[Any, Handler]] = {}
@@ -98,7 +112,7 @@ class QTensor(torch.Tensor):
         cls,
         inner: Mapping[str, torch.Tensor],
         *,
-        shape: tuple[int, int],
+        shape: tuple[int, ...],
         dtype: torch.dtype,
         transposed: bool = False,
         device_form: DeviceForm | None = None,
@@ -114,7 +128,7 @@ class QTensor(torch.Tensor):
         self,
         inner: Mapping[str, torch.Tensor],
         *,
-        shape: tuple[int, int],
+        shape: tuple[int, ...],
         dtype: torch.dtype,
         transposed: bool = False,
         device_form: DeviceForm | None = None,
@@ -134,28 +148,30 @@ class QTensor(torch.Tensor):
         assert not missing and not extra, f"{type(self).__name__}: attrs {missing=} {extra=}"
         for name in self.attr_names:
             setattr(self, name, attrs[name])
-        self.logical_shape = (int(shape[0]), int(shape[1]))
+        assert len(shape) in (2, 3), shape
+        self.logical_shape = tuple(int(n) for n in shape)
         self.transposed = bool(transposed)
         # Set on a view whose inner tensors are not all views of its base (an FP8 slice that
         # re-blocked its scales): copy_ into it would reach only part of the base, so it is
         # refused with this reason. Views inherit it; fresh tensors (clone, to, cat) do not.
         self.write_barrier: str | None = None
 
-    # ---- hooks a layout implements -------------------------------------------------------
+    # ---- hooks a layout implements (for one [N, K] weight) ----------------------------------
 
     def packing(self) -> Packing:
         """{inner name: (rows, cols) one element covers, or None for a whole-tensor value}."""
         raise NotImplementedError
 
     @classmethod
-    def inner_specs(
+    def matrix_specs(
         cls, shape: tuple[int, int], attrs: Mapping[str, Any]
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The shape and dtype of every inner tensor for a logical [N, K] weight."""
         raise NotImplementedError
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, config: Any = None) -> QTensor:
+    def quantize_matrix(cls, weight: torch.Tensor, config: Any = None, **kwargs: Any) -> QTensor:
+        """Quantize one float [N, K] weight (`from_float` calls it, per expert for experts)."""
         raise NotImplementedError
 
     def config(self) -> Any:
@@ -181,24 +197,140 @@ class QTensor(torch.Tensor):
         """Raise ConfigError if `attrs` (decoded from a checkpoint) are not a valid layout."""
         raise NotImplementedError
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The float weight this tensor stands for, in its outer (possibly transposed) shape."""
+    def dequantize_matrix(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`dequantize()` of one [N, K] weight."""
         raise NotImplementedError
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W.T + bias for the untransposed weight W."""
+        """x @ W.T + bias for the untransposed [N, K] weight W."""
         raise NotImplementedError
+
+    def grouped_linear(
+        self, x: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """For untransposed [E, N, K] experts: rows offs[e-1]..offs[e] of the tokens x [T, K]
+        (sorted by expert) times W[e].T, + bias[e] ([E, N]); zeros past offs[-1]. The default
+        runs each expert's `_linear` inside one custom op (qtensor/grouped.py); a layout with
+        a fused grouped kernel overrides it."""
+        from ..io.format import attr_to_json
+
+        attrs = json.dumps({name: attr_to_json(v) for name, v in self.attrs().items()})
+        inner = [getattr(self, name) for name in self.inner_names]
+        return torch.ops.qshard.experts_linear(
+            x, offs, inner, bias, type(self).__name__, attrs, self.dtype, list(self.logical_shape)
+        )
+
+    def matrix_max_magnitude(self) -> float:
+        """`max_magnitude()` of one [N, K] weight."""
+        raise NotImplementedError
+
+    def matrix_value_problem(self) -> str | None:
+        """`value_problem()` of one [N, K] weight."""
+        return None
+
+    # ---- what every layout gets from those hooks, for a weight or for experts -------------
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, config: Any = None, **kwargs: Any) -> QTensor:
+        """Quantize a float [N, K] weight, or [E, N, K] experts each exactly as its own [N, K]
+        weight (invariant 8). For experts, a tensor keyword argument (NVFP4's `global_scale`,
+        gptq's `group_params`) holds one per expert along a leading dim."""
+        if not (isinstance(weight, torch.Tensor) and weight.dim() == 3):
+            return cls.quantize_matrix(weight, config, **kwargs)
+        if weight.shape[0] == 0:
+            raise UnsupportedWeightError(
+                f"{cls.__name__}.from_float: experts weight {list(weight.shape)} holds no "
+                f"expert; an experts weight is [E, N, K] with E >= 1"
+            )
+        experts = [
+            cls.quantize_matrix(w, config, **_expert_kwargs(kwargs, e))
+            for e, w in enumerate(weight.unbind(0))
+        ]
+        return cls.stack_experts(experts)
+
+    @classmethod
+    def inner_specs(
+        cls, shape: tuple[int, ...], attrs: Mapping[str, Any]
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of every inner tensor for a logical [N, K] weight or [E, N, K]
+        experts (each inner tensor with a leading E)."""
+        lead = tuple(shape[:-2])
+        specs = cls.matrix_specs(tuple(shape[-2:]), attrs)
+        return {name: (lead + tuple(s), dtype) for name, (s, dtype) in specs.items()}
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float weight this tensor stands for, in its outer (possibly transposed) shape."""
+        if self.experts is None:
+            return self.dequantize_matrix(dtype)
+        if not self.experts:
+            return torch.empty(self.shape, dtype=dtype or self.dtype, device=self.device)
+        return torch.stack([w.dequantize_matrix(dtype) for w in self.expert_list()])
 
     def max_magnitude(self) -> float:
         """An upper bound of |W| over every code each group's scales can dequantize (not only
         the stored codes), in float64: the validation (layouts/validation.py) refuses a tensor
         whose bound exceeds its dtype's largest finite value, so no code becomes Inf."""
-        raise NotImplementedError
+        if self.experts is None:
+            return self.matrix_max_magnitude()
+        return max((w.matrix_max_magnitude() for w in self.expert_list()), default=0.0)
 
     def value_problem(self) -> str | None:
         """What breaks the layout's value rules beyond finiteness (e.g. an int4 zero code
         outside 0..15), or None. Run on every tensor a reader builds."""
+        if self.experts is None:
+            return self.matrix_value_problem()
+        for e, w in enumerate(self.expert_list()):
+            problem = w.matrix_value_problem()
+            if problem:
+                return f"expert {e}: {problem}"
         return None
+
+    # ---- experts ----------------------------------------------------------------------------
+
+    @property
+    def experts(self) -> int | None:
+        """E for [E, N, K] experts, None for an [N, K] weight."""
+        return self.logical_shape[0] if len(self.logical_shape) == 3 else None
+
+    @property
+    def lead(self) -> int:
+        """How many logical dims come before [N, K]: 1 for experts, else 0."""
+        return len(self.logical_shape) - 2
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """[N, K] of the weight, or of each expert."""
+        return self.logical_shape[-2], self.logical_shape[-1]
+
+    def expert(self, e: int) -> QTensor:
+        """Expert e's [N, K] weight, a view (what `w[e]` gives)."""
+        assert self.experts is not None and 0 <= e < self.experts, (self.logical_shape, e)
+        inner = {name: t.select(0, e) for name, t in self.inner_tensors().items()}
+        out = self.with_changes(inner, shape=self.matrix_shape)
+        out.form_owner = self if self.device_names else self.form_owner
+        return out
+
+    def expert_list(self) -> list[QTensor]:
+        return [self.expert(e) for e in range(self.experts or 0)]
+
+    @classmethod
+    def stack_experts(cls, experts: list[QTensor]) -> QTensor:
+        """[E, N, K] experts from E [N, K] weights of one layout and shape (`torch.stack`)."""
+        first = experts[0]
+        for w in experts:
+            difference = first.layout_difference(w) if isinstance(w, QTensor) else "plain"
+            if difference or w.logical_shape != first.logical_shape or w.experts is not None:
+                raise LayoutMismatchError(
+                    f"stacking experts: {difference or 'shapes'} differ ({type(first).__name__}"
+                    f" {list(first.logical_shape)} vs {type(w).__name__} "
+                    f"{list(getattr(w, 'logical_shape', w.shape))}); every expert must be an "
+                    f"[N, K] weight of one layout, config and shape"
+                )
+        inner = {
+            name: torch.stack([getattr(w, name) for w in experts]) for name in first.inner_names
+        }
+        shape = (len(experts), *first.logical_shape)
+        return first.with_changes(inner, shape=shape, fresh=True)
 
     def activation_scale_spans_k(self) -> bool:
         """Whether the matmul quantizes activations with scales taken over the whole of K (per-row
@@ -213,17 +345,18 @@ class QTensor(torch.Tensor):
         return None
 
     def _realign_misaligned(self, dim: int, offsets: list[int]) -> QTensor:
-        """The same weight re-packed so that `offsets` of logical `dim` (which now cut through a
-        packed element or block) fall on packing boundaries, with `dequantize()` unchanged.
+        """The same weight re-packed so that `offsets` of matrix `dim` (0 = N, 1 = K; they now
+        cut through a packed element or block) fall on packing boundaries, with `dequantize()`
+        unchanged. For experts, every expert is re-packed alike (index tensors with dims -2, -1).
 
         A layout that can do this exactly (FP8 re-blocking) overrides it; the default raises an
         error that says which offsets are allowed.
         """
-        step = self.slice_granularity(dim)
+        step = self.slice_granularity(dim + self.lead)
         raise MisalignedSliceError(
             f"{type(self).__name__}: cutting {self._dim_text(dim)} at offsets {offsets} cuts "
             f"through the packing {self._packing_text()}; cut at multiples of {step} (the end "
-            f"may also be {self.logical_shape[dim]})"
+            f"may also be {self.matrix_shape[dim]})"
         )
 
     # ---- derived machinery ----------------------------------------------------------------
@@ -294,6 +427,7 @@ class QTensor(torch.Tensor):
         # What torch.save pickles: the device form is left out (it belongs to one device and
         # is re-made by repack_for_device() after loading; design.md).
         state = {k: v for k, v in self.__dict__.items() if k not in self.device_names}
+        state.pop("cut_dims", None)  # a pickle is a whole weight of its own
         state["device_names"], state["device_meta"], state["form_owner"] = (), (), None
         return state
 
@@ -352,9 +486,10 @@ class QTensor(torch.Tensor):
 
     def repack_for_device(self) -> QTensor:
         """Make (or re-make) this weight's device form for its device and backend, in place
-        (returns self). A no-op for a backend that runs on the canonical tensors; qshard calls
-        it after quantizing, loading, sharding and `.to()`."""
-        self.set_device_form(self.make_device_form())
+        (returns self). A no-op for a backend that runs on the canonical tensors, and for
+        experts (the grouped kernels run on the canonical tensors); qshard calls it after
+        quantizing, loading, sharding and `.to()`."""
+        self.set_device_form(self.make_device_form() if self.experts is None else None)
         return self
 
     def _stable_hash_for_caching(self) -> str:
@@ -406,6 +541,8 @@ class QTensor(torch.Tensor):
         if not fresh:
             out.write_barrier = self.write_barrier
             out.form_owner = self.form_owner
+            if self.cut_dims:
+                out.cut_dims = self.cut_dims
         same_weight = inner is None and shape is None and not attrs
         if same_weight and (dtype is None or dtype == self.dtype):
             # The same packed weight (t, view): a device form may depend on the dtype (gemlite).
@@ -428,13 +565,18 @@ class QTensor(torch.Tensor):
         return out
 
     def logical_dim(self, dim: int) -> int:
-        """The logical weight dim (0 = N, 1 = K) that outer `dim` indexes."""
-        if not isinstance(dim, int) or dim not in (-2, -1, 0, 1):
+        """The logical dim (an index of `logical_shape`) that outer `dim` indexes."""
+        ndim = len(self.logical_shape)
+        if not isinstance(dim, int) or isinstance(dim, bool) or not -ndim <= dim < ndim:
+            kind = "experts weight" if self.lead else "weight"
             raise InvalidDimError(
-                f"{type(self).__name__} is 2-D: dim {dim!r} is out of range; use 0, 1, -1 or -2"
+                f"{type(self).__name__} is a {ndim}-D {kind}: dim {dim!r} is out of range; use "
+                f"{list(range(-ndim, ndim))}"
             )
-        dim %= 2
-        return 1 - dim if self.transposed else dim
+        dim %= ndim
+        if self.transposed and dim >= self.lead:  # the last two outer dims are [K, N]
+            return 2 * self.lead + 1 - dim
+        return dim
 
     def layout_difference(self, other: QTensor) -> str | None:
         """What keeps `other` from sharing this tensor's layout (copy_, cat), or None."""
@@ -450,9 +592,19 @@ class QTensor(torch.Tensor):
                 return f"{name} {_short(mine)} vs {_short(theirs)}"
         return None
 
+    def inner_step(self, name: str, dim: int) -> int | None:
+        """How much of logical `dim` one element of inner tensor `name` covers along the same
+        dim of that tensor, or None when the tensor is shared by every part cut along `dim` (a
+        whole-tensor value, or a WHOLE side). Every inner tensor holds one expert per index."""
+        if dim < self.lead:
+            return 1
+        packing = self.packing()[name]
+        return None if spans_dim(packing, dim - self.lead) else packing[dim - self.lead]
+
     def slice_granularity(self, dim: int) -> int:
         """The smallest step of logical `dim` at which every inner tensor can be cut."""
-        steps = [p[dim] for p in self.packing().values() if not spans_dim(p, dim)]
+        steps = [self.inner_step(name, dim) for name in self.inner_names]
+        steps = [s for s in steps if s is not None]
         return math.lcm(*steps) if steps else 1
 
     def misaligned_offsets(self, dim: int, offsets: Iterable[int]) -> list[int]:
@@ -471,10 +623,13 @@ class QTensor(torch.Tensor):
         packing boundaries, `realign` with the larger weight's cuts (relative to the part) packs
         the part exactly as it packs the whole (a sharded load reads only a rank's blocks)."""
         misaligned = self.misaligned_offsets(dim, offsets)
-        return self._realign_misaligned(dim, misaligned) if misaligned else self
+        if not misaligned:
+            return self
+        assert dim >= self.lead, "experts are cut anywhere"
+        return self._realign_misaligned(dim - self.lead, misaligned)
 
     def slice_logical(self, dim: int, start: int, end: int) -> QTensor:
-        """Rows (dim 0) or columns (dim 1) [start, end) of the logical weight, as views."""
+        """Indices [start, end) of logical `dim` (experts, rows or columns), as views."""
         size = self.logical_shape[dim]
         assert 0 <= start <= end <= size, (dim, start, end, size)
         if start < end and self.misaligned_offsets(dim, (start, end)):
@@ -483,11 +638,10 @@ class QTensor(torch.Tensor):
             return realigned.slice_logical(dim, start, end)
         inner = {}
         for name, tensor in self.inner_tensors().items():
-            packing = self.packing()[name]
-            if spans_dim(packing, dim):
+            step = self.inner_step(name, dim)
+            if step is None:
                 inner[name] = tensor
                 continue
-            step = packing[dim]
             first = start // step
             stop = first if start == end else -(-end // step)
             inner[name] = tensor.narrow(dim, first, stop - first)
@@ -496,11 +650,15 @@ class QTensor(torch.Tensor):
         out = self.with_changes(inner, shape=tuple(shape))
         if self.device_names:
             out.form_owner = self
+        if dim >= self.lead and (start, end) != (0, size):
+            out.cut_dims = self.cut_dims | {dim - self.lead}
         return out
 
     def _dim_text(self, dim: int) -> str:
+        """Matrix `dim` (0 = N, 1 = K) in words."""
         kind = "rows (N)" if dim == 0 else "columns (K)"
-        return f"the {kind} of a {list(self.logical_shape)} weight"
+        weight = "experts weight" if self.lead else "weight"
+        return f"the {kind} of a {list(self.logical_shape)} {weight}"
 
     def _packing_text(self) -> str:
         parts = []
@@ -536,11 +694,28 @@ class QTensor(torch.Tensor):
     __str__ = __repr__
 
 
-def _outer_layout(shape: tuple[int, int], transposed: bool) -> tuple[tuple, tuple]:
-    """(outer shape, outer strides) of a QTensor of logical [N, K]: [K, N] viewed from [N, K]
-    storage when transposed."""
-    n, k = shape
-    return ((k, n), (1, k)) if transposed else ((n, k), (k, 1))
+def _outer_layout(shape: tuple[int, ...], transposed: bool) -> tuple[tuple, tuple]:
+    """(outer shape, outer strides) of a QTensor of logical [N, K] or [E, N, K]: [..., K, N]
+    viewed from [..., N, K] storage when transposed."""
+    *lead, n, k = shape
+    lead_strides = (n * k,) if lead else ()
+    if transposed:
+        return (*lead, k, n), (*lead_strides, 1, k)
+    return (*lead, n, k), (*lead_strides, k, 1)
+
+
+def _expert_kwargs(kwargs: Mapping[str, Any], e: int) -> dict[str, Any]:
+    """Expert e's share of `from_float`'s keyword arguments: tensors (and dicts of tensors)
+    carry one value per expert along dim 0; anything else is shared."""
+
+    def pick(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value[e]
+        if isinstance(value, dict):
+            return {k: pick(v) for k, v in value.items()}
+        return value
+
+    return {name: pick(value) for name, value in kwargs.items()}
 
 
 def stored_nbytes(t: torch.Tensor) -> int:

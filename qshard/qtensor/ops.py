@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..errors import InvalidDimError, LayoutMismatchError, UnsupportedOpError
-from .base import FLOAT_DTYPES, WHOLE, QTensor, spans_dim
+from .base import FLOAT_DTYPES, QTensor
 
 aten = torch.ops.aten
 
@@ -58,7 +58,7 @@ def _slice(func, args, kwargs):
             f"{type(q).__name__}: slicing with step {step} would cut every packed block; slice "
             f"with step 1, or dequantize() first (w.dequantize()[::{step}])"
         )
-    start, end = _clamp_range(start, end, q.shape[dim % 2])
+    start, end = _clamp_range(start, end, q.shape[dim])
     return return_and_correct_aliasing(func, args, kwargs, _slice_outer(q, dim, start, end))
 
 
@@ -71,7 +71,7 @@ def _slice_args(q, dim=0, start=None, end=None, step=1):
 def _split(func, args, kwargs):
     q, sizes, dim = _split_args(*args, **kwargs)
     q.logical_dim(dim)
-    size = q.shape[dim % 2]
+    size = q.shape[dim]
     if isinstance(sizes, int):
         if sizes <= 0:
             raise UnsupportedOpError(f"{type(q).__name__}.split({sizes}): the size must be > 0")
@@ -95,16 +95,26 @@ def _split_args(q, split_size, dim=0):
 @QTensor.implements([aten.t.default, aten.transpose.int, aten.permute.default])
 def _transpose(func, args, kwargs):
     q = args[0]
+    ndim = q.dim()
     if func is aten.t.default:
-        flip = True
+        if ndim != 2:
+            raise InvalidDimError(f"{type(q).__name__}.t(): experts are 3-D; use transpose(-2, -1)")
+        dims = [1, 0]
+    elif func is aten.transpose.int:
+        q.logical_dim(args[1]), q.logical_dim(args[2])  # validates both
+        a, b = args[1] % ndim, args[2] % ndim
+        dims = list(range(ndim))
+        dims[a], dims[b] = dims[b], dims[a]
     else:
-        dims = [args[1], args[2]] if func is aten.transpose.int else list(args[1])
-        logical = [q.logical_dim(d) for d in dims]
-        if func is aten.permute.default and sorted(logical) != [0, 1]:
-            raise InvalidDimError(
-                f"{type(q).__name__}.permute({dims}): a 2-D tensor permutes (0, 1) or (1, 0)"
-            )
-        flip = logical[0] != logical[1] if func is aten.transpose.int else dims[0] % 2 == 1
+        dims = [d % ndim if isinstance(d, int) and -ndim <= d < ndim else d for d in args[1]]
+    lead = list(range(q.lead))
+    if dims[: q.lead] != lead or sorted(dims) != list(range(ndim)):
+        raise InvalidDimError(
+            f"{type(q).__name__}.{func.__name__.split('.')[0]}{tuple(args[1:])}: a quantized "
+            f"{'experts weight keeps experts first and ' if q.lead else ''}weight can only swap "
+            f"its last two dims (transpose(-2, -1))"
+        )
+    flip = dims[-1] != ndim - 1
     out = q.with_changes(transposed=not q.transposed) if flip else q.with_changes()
     return return_and_correct_aliasing(func, args, kwargs, out)
 
@@ -118,7 +128,8 @@ def _view(func, args, kwargs):
     if tuple(size) != tuple(q.shape):
         raise UnsupportedOpError(
             f"{type(q).__name__}: view/reshape from {list(q.shape)} to {list(args[1])}; a "
-            f"quantized weight keeps its 2-D shape (use .t() to transpose, or dequantize() first)"
+            f"quantized weight keeps its shape (use transpose(-2, -1), index experts with w[e], or "
+            f"dequantize() first)"
         )
     return return_and_correct_aliasing(func, args, kwargs, q.with_changes())
 
@@ -187,19 +198,17 @@ def _copy_(func, args, kwargs):
 def _check_whole_tensor_values(dst: QTensor, src: QTensor) -> None:
     """A value that covers the whole weight (packing None: NVFP4's global scale) is shared by
     every part of it. Copying another one is right for a whole weight (load_state_dict into a
-    quantized model) but would rescale the rest of the parent when `dst` is a part of a larger
-    weight (a narrow, a TP shard), seen as packed data that does not span its storage. The same
-    holds for a value that spans whole rows (packing (r, WHOLE): per-row scales) when `dst` is
-    a part of the columns, seen as packed data narrower than its row stride."""
-    packing = dst.packing()
-    shared = [n for n, p in packing.items() if spans_dim(p, 1)]
-    if not shared:
-        return
-    packed = [getattr(dst, n) for n, p in packing.items() if p is not None and WHOLE not in p]
-    is_part = any(t.untyped_storage().nbytes() > t.numel() * t.element_size() for t in packed)
-    is_column_part = any(t.size(1) < t.stride(0) for t in packed)
+    quantized model) but would rescale the rest of the parent when `dst` is a view of a part of
+    its rows or columns (a narrow: `cut_dims`). The same holds for a value that spans whole rows
+    (packing (r, WHOLE): per-row scales) when `dst` is a part of the columns. Such values are
+    per expert: a copy into whole experts (w[e], w[a:b]) replaces theirs."""
+    columns = dst.lead + 1
+    shared = [n for n in dst.inner_names if dst.inner_step(n, columns) is None]
     for name in shared:
-        part = is_part if packing[name] is None else is_column_part
+        # a whole-matrix value is shared by a part of the rows or columns, a whole-row value
+        # by a part of the columns
+        whole_matrix = dst.inner_step(name, dst.lead) is None
+        part = dst.cut_dims if whole_matrix else dst.cut_dims & {1}
         if part and not torch.equal(getattr(dst, name), getattr(src, name)):
             raise LayoutMismatchError(
                 f"copy_ into a part of a {type(dst).__name__}: the source's {name!r} differs "
@@ -219,10 +228,13 @@ def _empty_like(func, args, kwargs):
 @QTensor.implements(aten.new_empty.default)
 def _new_empty(func, args, kwargs):
     q, size = args[0], tuple(args[1])
-    if len(size) != 2:
-        raise UnsupportedOpError(f"{type(q).__name__}.new_empty({list(size)}): weights are 2-D")
+    if len(size) not in (2, 3):
+        raise UnsupportedOpError(
+            f"{type(q).__name__}.new_empty({list(size)}): quantized weights are 2-D [N, K] or "
+            f"3-D experts [E, N, K]"
+        )
     dtype = _float_dtype(q, kwargs.get("dtype"), "new_empty")
-    shape = (size[1], size[0]) if q.transposed else size
+    shape = (*size[:-2], size[-1], size[-2]) if q.transposed else size
     device = kwargs.get("device") or q.device
     inner = {
         name: torch.empty(s, dtype=d, device=device)
@@ -248,12 +260,13 @@ def _cat(func, args, kwargs):
                 f"same quantized layout (re-block or re-quantize to a common layout first)"
             )
     dim = first.logical_dim(dim)
-    other = 1 - dim
     for t in tensors:
-        if t.logical_shape[other] != first.logical_shape[other]:
+        others = [n for i, n in enumerate(t.logical_shape) if i != dim]
+        if others != [n for i, n in enumerate(first.logical_shape) if i != dim]:
             raise LayoutMismatchError(
                 f"cat on logical dim {dim}: shapes {first.logical_shape} and {t.logical_shape} "
-                f"differ on the other dim; only pieces of the same {'KN'[dim]} can be joined"
+                f"differ on another dim; only pieces that differ along the joined dim can be "
+                f"joined"
             )
     step = first.slice_granularity(dim)
     pieces = [t for t in tensors if t.logical_shape[dim] > 0]
@@ -265,9 +278,9 @@ def _cat(func, args, kwargs):
                 f"put it last or re-quantize the joined weight"
             )
     inner = {}
-    for name, packing in first.packing().items():
+    for name in first.inner_names:
         parts = [getattr(t, name) for t in tensors]
-        if spans_dim(packing, dim):
+        if first.inner_step(name, dim) is None:
             if not all(torch.equal(parts[0], p) for p in parts[1:]):
                 raise LayoutMismatchError(
                     f"cat: {name!r}, shared by every part along this dim, differs between "
@@ -283,6 +296,83 @@ def _cat(func, args, kwargs):
 
 def _cat_args(tensors, dim=0):
     return list(tensors), dim
+
+
+# ---- experts: w[e], unbind, w[index], torch.stack ----------------------------------------
+
+
+def _experts_of(q: QTensor, op: str) -> int:
+    if q.experts is None:
+        raise UnsupportedOpError(
+            f"{type(q).__name__}.{op} on a 2-D weight {list(q.shape)}: indexing picks experts "
+            f"of a 3-D experts weight; slice a weight with w[a:b] or narrow"
+        )
+    return q.experts
+
+
+@QTensor.implements(aten.select.int)
+def _select(func, args, kwargs):
+    q, dim, index = args
+    experts = _experts_of(q, "select")
+    if q.logical_dim(dim) != 0:
+        raise UnsupportedOpError(
+            f"{type(q).__name__}.select(dim={dim}): only experts (dim 0) can be picked; "
+            f"slice rows or columns with w[:, a:b] instead"
+        )
+    if not -experts <= index < experts:
+        raise IndexError(f"expert {index} is out of range for {experts} experts")
+    out = q.expert(index % experts)
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@QTensor.implements(aten.unbind.int)
+def _unbind(func, args, kwargs):
+    q, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    _experts_of(q, "unbind")
+    if q.logical_dim(dim) != 0:
+        raise UnsupportedOpError(f"{type(q).__name__}.unbind(dim={dim}): unbind experts (dim 0)")
+    return return_and_correct_aliasing(func, args, kwargs, tuple(q.expert_list()))
+
+
+@QTensor.implements(aten.index.Tensor)
+def _index(func, args, kwargs):
+    """w[ids] with a tensor of expert ids (transformers' batched_mm gathers the experts each
+    token uses): a copy holding those experts, in that order."""
+    q, indices = args
+    experts = _experts_of(q, "index")
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype.is_floating_point:
+        raise UnsupportedOpError(
+            f"{type(q).__name__}[...]: a quantized experts weight is indexed by one integer "
+            f"tensor of expert ids along dim 0 (w[ids]); got {len(indices)} index tensors"
+        )
+    ids = indices[0]
+    if ids.dtype == torch.bool:
+        ids = ids.nonzero().squeeze(-1)
+    if ids.dim() > 1:
+        raise UnsupportedOpError(
+            f"{type(q).__name__}[ids]: ids of shape {list(ids.shape)}; index experts with a "
+            f"0-D or 1-D tensor of expert ids"
+        )
+    # No host sync (compiled graphs): index_select itself refuses ids out of range.
+    flat = ids.reshape(-1).to(torch.long)
+    flat = torch.where(flat < 0, flat + experts, flat)
+    inner = {n: t.index_select(0, flat) for n, t in q.inner_tensors().items()}
+    if ids.dim() == 0:  # w[tensor(e)]: the eager experts loop's index
+        inner = {n: t.squeeze(0) for n, t in inner.items()}
+        return q.with_changes(inner, shape=q.matrix_shape, fresh=True)
+    return q.with_changes(inner, shape=(flat.shape[0], *q.matrix_shape), fresh=True)
+
+
+@QTensor.implements(aten.stack.default)
+def _stack(func, args, kwargs):
+    tensors, dim = _cat_args(*args, **kwargs)
+    first = tensors[0]
+    if dim != 0 or not all(isinstance(t, QTensor) and t.experts is None for t in tensors):
+        raise UnsupportedOpError(
+            f"torch.stack of quantized weights (dim={dim}): stack 2-D weights of one layout "
+            f"along a new dim 0 to make [E, N, K] experts"
+        )
+    return type(first).stack_experts(tensors)
 
 
 # ---- matmul: everything becomes x @ W.T (+ bias) on the untransposed weight ----------------
@@ -306,6 +396,11 @@ def _check_operands(op: str, x, w, bias=None) -> None:
 def _linear_fn(func, types, args, kwargs):
     x, w, bias = _linear_args(*args, **kwargs)
     _check_operands("F.linear", x, w, bias)
+    if w.experts is not None:
+        raise UnsupportedOpError(
+            f"F.linear with a {type(w).__name__} experts weight {list(w.shape)}: F.linear takes "
+            f"one expert's weight (w[e]); run all experts with torch._grouped_mm or torch.bmm"
+        )
     if w.transposed:
         raise UnsupportedOpError(
             f"F.linear(x, W) with a transposed {type(w).__name__} {list(w.shape)}; pass the "
