@@ -79,7 +79,10 @@ def register_experts(
     registration. Usable as a class decorator; returns the class."""
     if not (isinstance(module_cls, type) and issubclass(module_cls, nn.Module)):
         raise ConfigError(f"register_experts: {module_cls!r} is not an nn.Module class")
-    if params is not None and (isinstance(params, str) or not all(isinstance(p, str) for p in params)):
+    names = params is None or (
+        not isinstance(params, str) and all(isinstance(p, str) for p in params)
+    )
+    if not names:
         raise ConfigError(f"register_experts: params={params!r} must be a list of names")
     if not isinstance(transposed, bool):
         raise ConfigError(f"register_experts: transposed={transposed!r} must be True or False")

@@ -81,7 +81,8 @@ def experts_linear_reference(
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            out[start:end] = weight.expert(e)._linear(x[start:end], None if bias is None else bias[e])
+            expert_bias = None if bias is None else bias[e]
+            out[start:end] = weight.expert(e)._linear(x[start:end], expert_bias)
         start = end
     return out
 
