@@ -22,7 +22,6 @@ import torch
 
 from ..errors import CheckpointError
 from ..layouts.validation import check_qtensor
-from ..qtensor import spans_dim
 from ..safejson import parse_json, read_json_file
 from ..tp.styles import chunk_bounds, shard_cuts
 from .format import SAFETENSORS_DTYPES, Record, StoredTensor, crc32, decode_metadata, dtype_name
@@ -258,17 +257,19 @@ class Checkpoint:
         first, last = start - start % step, min(-(-end // step) * step, size)
         inner = {}
         for name, stored in record.inner.items():
-            packing = meta.packing()[name]
-            if spans_dim(packing, logical):
+            # Every inner tensor has the logical dims in order (a leading E for experts); one
+            # index of it covers `p` of `logical`, or all of it (p None: read whole).
+            p = meta.inner_step(name, logical)
+            if p is None:
                 tensor = self._read_stored(header, stored)
             else:
-                p = packing[logical]
                 tensor = self._read_slice(header, stored, logical, first // p, -(-last // p))
             inner[name] = tensor
         shape = list(record.shape)
         shape[logical] = last - first
         part = record.build(inner, shape=tuple(shape))
-        check_qtensor(part, f"{header.path}: {record.key} (rows/columns {first}..{last})")
+        what = ("experts", "rows", "columns")[logical - meta.lead + 1]
+        check_qtensor(part, f"{header.path}: {record.key} ({what} {first}..{last})")
         # Offsets of all the full weight's cuts, relative to this part: realign packs the part
         # exactly as it packs the whole weight for those cuts.
         part = part.realign(logical, [c - first for c in shard_cuts(size, world)])

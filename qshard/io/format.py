@@ -150,7 +150,7 @@ class Record:
     key: str
     tensor: StoredTensor | None = None  # a plain tensor
     layout: type[QTensor] | None = None  # a QTensor: its class, logical shape, dtype, attrs
-    shape: tuple[int, int] = (0, 0)
+    shape: tuple[int, ...] = (0, 0)  # logical: [N, K], or [E, N, K] for experts
     dtype: torch.dtype = torch.float32
     transposed: bool = False
     attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -166,8 +166,8 @@ class Record:
     def outer_shape(self) -> tuple[int, ...]:
         if self.tensor is not None:
             return self.tensor.shape
-        n, k = self.shape
-        return (k, n) if self.transposed else (n, k)
+        *lead, n, k = self.shape
+        return (*lead, k, n) if self.transposed else (*lead, n, k)
 
     def meta(self) -> torch.Tensor:
         """A meta-device tensor with this entry's class, shape, dtype and attributes."""
@@ -178,7 +178,7 @@ class Record:
         )
 
     def build(
-        self, inner: Mapping[str, torch.Tensor], shape: tuple[int, int] | None = None
+        self, inner: Mapping[str, torch.Tensor], shape: tuple[int, ...] | None = None
     ) -> QTensor:
         """This entry's QTensor over `inner` (of a part of the weight when `shape` is given)."""
         assert self.layout is not None
@@ -325,7 +325,12 @@ def _decode_record(key: str, raw: Any, stored: Mapping[str, StoredTensor], where
             f"{at}: layout {name!r} is not registered in this qshard (known: {known}); "
             f"upgrade qshard or import the package that registers it"
         )
-    shape = _expect_ints(raw.get("shape"), 2, "shape", at)
+    shape = _expect_ints(raw.get("shape"), None, "shape", at)
+    if len(shape) not in (2, 3):
+        raise CheckpointError(
+            f"{at}: shape {list(shape)} has {len(shape)} dims; a quantized weight is [N, K] "
+            f"or experts [E, N, K]"
+        )
     if max(shape) > MAX_SIZE:
         raise CheckpointError(f"{at}: shape {list(shape)} has a size above {MAX_SIZE}")
     dtype = _decode_dtype(raw.get("dtype"), at)

@@ -97,8 +97,8 @@ class _Entry:
         local = _local(self.value)
         if not isinstance(local, QTensor):
             return self.value.numel() * local.element_size()
-        n, k = self.value.shape
-        shape = (k, n) if local.transposed else (n, k)
+        *lead, n, k = self.value.shape
+        shape = (*lead, k, n) if local.transposed else (*lead, n, k)
         specs = local.inner_specs(shape, local.attrs()).values()
         return sum(math.prod(size) * dtype.itemsize for size, dtype in specs)
 
