@@ -13,6 +13,7 @@ import torch.nn.functional as F
 __all__ = [
     "cublas_unavailable_reason",
     "load_gpu_ops",
+    "load_grouped_ops",
     "load_w4a16_ops",
     "triton_unavailable_reason",
 ]
@@ -73,3 +74,10 @@ def load_w4a16_ops() -> None:
     """Import the 4-bit weight-only Triton kernels once (registers `torch.ops.qshard.int4_linear`,
     `.mxfp4_linear` and `.nvfp4_linear`)."""
     from . import w4a16_triton  # noqa: F401
+
+
+@functools.cache
+def load_grouped_ops() -> None:
+    """Import the grouped (experts) Triton kernels once (registers
+    `torch.ops.qshard.fp8_blockwise_grouped_linear` and `.w4a16_grouped_linear`)."""
+    from . import grouped_triton  # noqa: F401

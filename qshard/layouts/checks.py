@@ -14,7 +14,7 @@ from ..errors import (
     NonFiniteWeightError,
     UnsupportedWeightError,
 )
-from ..kernels.availability import triton_unavailable_reason
+from ..kernels.availability import load_grouped_ops, triton_unavailable_reason
 from ..qtensor import FLOAT_DTYPES, QTensor
 from .validation import check_magnitude
 
@@ -26,6 +26,7 @@ __all__ = [
     "quantized",
     "rows_max",
     "weight_only_backend",
+    "weight_only_grouped_linear",
 ]
 
 
@@ -140,3 +141,22 @@ def weight_only_backend(weight: QTensor, x: torch.Tensor) -> Backend:
             )
         return Backend.TRITON
     return Backend.TRITON if x.device.type == "cuda" and reason is None else Backend.REFERENCE
+
+
+def weight_only_grouped_linear(
+    weight: QTensor, x: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+    group: int, zero: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`grouped_linear` of 4-bit experts (int4, MXFP4, NVFP4; `fmt` names the kernel's format):
+    the fused grouped kernel (kernels/grouped_triton.py) where `weight_only_backend` picks
+    Triton, else each expert's reference (QTensor.grouped_linear)."""
+    check_activation(weight, x)
+    if weight_only_backend(weight, x) is not Backend.TRITON:
+        return QTensor.grouped_linear(weight, x, offs, bias)
+    load_grouped_ops()
+    empty = weight.qdata.new_empty(0)
+    return torch.ops.qshard.w4a16_grouped_linear(
+        x, offs, weight.qdata, weight.scale, empty if zero is None else zero,
+        empty if global_scale is None else global_scale, bias, fmt, group,
+        weight.logical_shape[-1],
+    )  # fmt: skip

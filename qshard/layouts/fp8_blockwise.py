@@ -36,6 +36,7 @@ from ..errors import (
 from ..kernels.availability import (
     cublas_unavailable_reason,
     load_gpu_ops,
+    load_grouped_ops,
     triton_unavailable_reason,
 )
 from ..kernels.fp8_blockwise import (
@@ -243,6 +244,23 @@ class Fp8BlockwiseTensor(QTensor):
             scale_format=self.scale_format,
             weight_only=self.weight_only,
             bias=bias,
+        )
+
+    def grouped_linear(self, x, offs, bias=None):
+        """Experts: the fused grouped kernel (kernels/grouped_triton.py) where the Triton
+        kernels run, else each expert's reference (QTensor.grouped_linear)."""
+        check_activation(self, x)
+        if self.backend is Backend.CUBLAS:
+            raise BackendUnavailableError(
+                "Fp8BlockwiseTensor experts: cuBLAS has no grouped blockwise FP8 matmul; use "
+                "backend='auto' or 'triton' (qshard's grouped kernel)"
+            )
+        if self.select_backend(x) is Backend.REFERENCE:
+            return super().grouped_linear(x, offs, bias)
+        load_grouped_ops()
+        (bn, bk), ue8m0 = self.block_size, self.scale_format is ScaleFormat.UE8M0
+        return torch.ops.qshard.fp8_blockwise_grouped_linear(
+            x, offs, self.qdata, self.scale, bias, bn, bk, self.act_group_size, ue8m0
         )
 
     def select_backend(self, x: torch.Tensor) -> Backend:

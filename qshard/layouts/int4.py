@@ -55,6 +55,7 @@ from .checks import (
     quantized,
     rows_max,
     weight_only_backend,
+    weight_only_grouped_linear,
 )
 from .registry import register_layout
 
@@ -317,6 +318,15 @@ class Int4Tensor(QTensor):
         return int4_linear_reference(
             x, self.qdata, self.scale, self.zero, self.group_size, bias, self.float_zero
         )
+
+    def grouped_linear(self, x, offs, bias=None):
+        if self.backend in DEVICE_FORM_BACKENDS:
+            raise BackendUnavailableError(
+                f"Int4Tensor experts: backend '{self.backend.value}' has no grouped matmul; "
+                f"quantize experts with backend='auto' (qshard's grouped kernel) or 'reference'"
+            )
+        fmt = "int4_fzero" if self.float_zero else "int4_sym" if self.symmetric else "int4_asym"
+        return weight_only_grouped_linear(self, x, offs, bias, fmt, self.group_size, zero=self.zero)
 
     def select_backend(self, x: torch.Tensor) -> Backend:
         return weight_only_backend(self, x)

@@ -41,6 +41,7 @@ from .checks import (
     checked_config,
     quantized,
     weight_only_backend,
+    weight_only_grouped_linear,
 )
 from .registry import register_layout
 
@@ -160,6 +161,9 @@ class Mxfp4Tensor(QTensor):
             load_w4a16_ops()
             return torch.ops.qshard.mxfp4_linear(x, self.qdata, self.scale, bias, self.group_size)
         return mxfp4_linear_reference(x, self.qdata, self.scale, self.group_size, bias)
+
+    def grouped_linear(self, x, offs, bias=None):
+        return weight_only_grouped_linear(self, x, offs, bias, "mxfp4", self.group_size)
 
     def select_backend(self, x: torch.Tensor) -> Backend:
         return weight_only_backend(self, x)

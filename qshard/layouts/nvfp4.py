@@ -50,6 +50,7 @@ from .checks import (
     checked_config,
     quantized,
     weight_only_backend,
+    weight_only_grouped_linear,
 )
 from .registry import register_layout
 
@@ -185,6 +186,10 @@ class Nvfp4Tensor(QTensor):
                 x, self.qdata, self.scale, self.global_scale, bias, GROUP
             )
         return nvfp4_linear_reference(x, self.qdata, self.scale, self.global_scale, GROUP, bias)
+
+    def grouped_linear(self, x, offs, bias=None):
+        return weight_only_grouped_linear(self, x, offs, bias, "nvfp4", GROUP,
+                                          global_scale=self.global_scale)  # fmt: skip
 
     def select_backend(self, x: torch.Tensor) -> Backend:
         return weight_only_backend(self, x)

@@ -1,0 +1,290 @@
+"""Grouped (mixture-of-experts) matmul kernels in Triton: one launch over every expert.
+
+The tokens x [T, K] are sorted by expert; offs [E] int32 holds the end row of each expert's
+tokens (transformers' grouped_mm convention, facts.md §8). out[rows of e] = x[rows of e] @
+W[e].T (+ bias[e]) for [E, N, K] experts; rows past offs[-1] are zeros. Their definition is the
+per-expert 2-D reference (qshard/qtensor/grouped.py); tests compare against it.
+
+Work split: the rows of each expert are cut into blocks of BLOCK_M tokens; a program takes one
+(BLOCK_N weight rows, token block) tile, "swap AB" as the 2-D small-M kernels: the weight rows
+are the MMA's M side (64+ rows fill a wgmma) and the few tokens of an expert its N side. Which
+expert and rows a token-block index stands for is found in the kernel (`_expert_block`: a
+cumulative sum of the experts' block counts from offs), so the launch needs no host sync and
+no index tensors: its grid is the upper bound cdiv(T, BLOCK_M) + E token blocks (each expert
+wastes at most one partial block) and the programs past the last block return at once. Every
+row index is also masked against T, so offsets that do not hold (decreasing, past T) never
+reach memory outside x and out (the reference path refuses them with a typed error).
+
+- FP8 blockwise W8A8 (`fp8_grouped_launch`): each 1 x GROUP activation group quantized in
+  registers (`_quantize_rows`, fused: the tokens of one tile are few in decode) or, for many
+  tokens per expert (prefill), once beforehand by the act-quant kernel (PREQUANT) so the tiles
+  of one token block do not each redo it; each group's fp8 dot is promoted with its scales in
+  fp32 (DeepSeek-V3 §3.3.2), as `fp8_blockwise_triton.py`.
+- 4-bit weight-only (int4, MXFP4, NVFP4: `w4a16_grouped_launch`): the 2-D small-M kernel's
+  steps (`_small_m_step`, `_small_m_mma`: codes decoded by bit placement, weights rounded to the
+  activation dtype as the reference).
+
+Token block size: from the mean tokens per expert, T / E (uniform routing), between 16 (decode:
+one block per hit expert, so each hit expert's weights are read once) and 128 (prefill).
+Runs on CUDA GPUs (the FP8 kernel sm_89+, the 4-bit one sm_80+), and under TRITON_INTERPRET=1
+on the CPU for tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_blockwise_triton import _quantize_rows, act_quant_launch
+from .w4a16_triton import Format, _global_scale, _scale_arg, _small_m_mma, _small_m_step
+
+__all__ = ["fp8_grouped_launch", "token_block", "w4a16_grouped_launch"]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Above this mean number of tokens per expert the FP8 kernel reads activations quantized once
+# beforehand (each token block is shared by N / BLOCK_N tiles).
+FP8_PREQUANT_MIN_TOKENS = 32
+
+
+@triton.jit
+def _expert_block(offs_ptr, E, T, pid_m, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """(expert, first row, end row, live) of token block `pid_m` (blocks numbered expert by
+    expert, each expert's rows cut into BLOCK_M); live is False past the last block."""
+    idx = tl.arange(0, E_POW2)
+    ends = tl.load(offs_ptr + idx, mask=idx < E, other=0)
+    starts = tl.load(offs_ptr + idx - 1, mask=(idx >= 1) & (idx < E), other=0)
+    counts = tl.maximum(tl.where(idx < E, ends - starts, 0), 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(blocks, 0)
+    e = tl.sum((cum <= pid_m).to(tl.int32), 0)  # the first expert whose blocks reach past pid_m
+    mine = idx == e
+    block = pid_m - tl.sum(tl.where(mine, cum - blocks, 0), 0)  # its index within the expert
+    first = tl.sum(tl.where(mine, starts, 0), 0) + block * BLOCK_M
+    end = tl.minimum(tl.sum(tl.where(mine, ends, 0), 0), T)
+    return e, first, end, e < E
+
+
+@triton.jit
+def _fp8_grouped_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_ptr,
+    E, T, N, K, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
+    W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    PREQUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
+):  # fmt: skip
+    """out.T[n-tile, token block] = W[e][n-tile] @ xq[block].T, group by group."""
+    e, first, end, live = _expert_block(offs_ptr, E, T, tl.program_id(1), BLOCK_M, E_POW2)
+    if live:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = first + tl.arange(0, BLOCK_M)
+        n_ok, m_ok = offs_n < N, offs_m < end
+        offs_k = tl.arange(0, GROUP)
+        w_ptr += e.to(tl.int64) * stride_we  # E * N * K may pass 2**31 (DeepSeek-V3: 7.5e9)
+        w_scale_ptr += e.to(tl.int64) * stride_wse
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        w_scale_ptrs = w_scale_ptr + (offs_n // W_BLOCK_N) * stride_wsn
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for g in range(0, tl.cdiv(K, GROUP)):
+            if EVEN_K:
+                x_mask, w_mask = m_ok[:, None], n_ok[:, None]
+            else:
+                k_ok = offs_k < K - g * GROUP
+                x_mask, w_mask = m_ok[:, None] & k_ok[None, :], n_ok[:, None] & k_ok[None, :]
+            if PREQUANT:
+                xq = tl.load(x_ptrs, mask=x_mask, other=0.0)
+                x_scale = tl.load(x_scale_ptr + g * T + offs_m, mask=m_ok, other=0.0)
+            else:  # padded rows quantize to 0 with scale 1
+                x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+                xq, x_scale = _quantize_rows(x, UE8M0, EXACT_CAST, False)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            w_scale = tl.load(w_scale_ptrs + (g * GROUP) // W_BLOCK_K, mask=n_ok, other=0.0)
+            acc += tl.dot(w, tl.trans(xq)) * (w_scale[:, None] * x_scale[None, :])
+            x_ptrs += GROUP
+            w_ptrs += GROUP
+        _store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, n_ok, m_ok, stride_be, stride_om,
+                    HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _w4a16_grouped_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, offs_ptr,
+    E, T, N, K, KH, stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_ze,
+    stride_be, stride_om,
+    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    X_FP32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    E_POW2: tl.constexpr,
+):  # fmt: skip
+    """out.T[n-tile, token block] = W[e][n-tile] @ x[block].T, BLOCK_K of K per step."""
+    e, first, end, live = _expert_block(offs_ptr, E, T, tl.program_id(1), BLOCK_M, E_POW2)
+    if live:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = first + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < end
+        expert = e.to(tl.int64)
+        q_ptr += expert * stride_qe
+        s_ptr += expert * stride_se
+        z_ptr += expert * stride_ze
+        global_scale = _global_scale(g_ptr + e, FORMAT)
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]  # x.T
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for step in range(0, tl.cdiv(K, BLOCK_K)):
+            k0 = step * BLOCK_K
+            codes, scale, zero = _small_m_step(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH,
+                                               stride_qn, stride_sn, FORMAT, GROUP, BLOCK_K,
+                                               EVEN_K)  # fmt: skip
+            x = tl.load(x_ptrs + k0, mask=m_ok[None, :] & (k0 + offs_k < K)[:, None], other=0.0)
+            acc = _small_m_mma(acc, codes, scale, zero, x, global_scale, FORMAT, GROUP, BLOCK_K,
+                               EVEN_K, X_FP32)  # fmt: skip
+        _store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, offs_n < N, m_ok, stride_be,
+                    stride_om, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, n_ok, m_ok, stride_be, stride_om,
+                HAS_BIAS: tl.constexpr):  # fmt: skip
+    """out[token rows, n-tile] = acc.T (+ expert e's bias) in out's dtype."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + e * stride_be + offs_n, mask=n_ok, other=0.0)
+        acc += bias.to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+# ---- launchers ---------------------------------------------------------------------------------
+
+
+def token_block(tokens: int, experts: int) -> int:
+    """Tokens per block: the mean per expert rounded up to a power of two, in 16..128."""
+    mean = -(-tokens // max(experts, 1))
+    return min(128, max(16, triton.next_power_of_2(mean)))
+
+
+def _grid(n: int, tokens: int, experts: int, block_n: int, block_m: int) -> tuple[int, int]:
+    return triton.cdiv(n, block_n), triton.cdiv(tokens, block_m) + experts
+
+
+def _bias_args(bias: torch.Tensor | None, out: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return (bias, bias.stride(0)) if bias is not None else (out, 0)
+
+
+def fp8_grouped_launch(
+    x: torch.Tensor, offs: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+    bias: torch.Tensor | None, block_n: int, block_k: int, group: int, ue8m0: bool,
+    config: dict | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [T, K] sorted by expert, offs int32 [E], FP8 blockwise experts (qdata [E, N, K], scale
+    [E, ceil(N/bn), ceil(K/bk)]), bias [E, N] or None -> [T, N] in x's dtype."""
+    tokens, k = x.shape
+    experts, n, _ = qdata.shape
+    out = torch.zeros((tokens, n), dtype=x.dtype, device=x.device)
+    if tokens == 0 or n == 0 or experts == 0:
+        return out
+    block_m = token_block(tokens, experts)
+    config = config or {
+        "BLOCK_N": 64 if block_m <= 32 else 128,
+        "BLOCK_M": block_m,
+        "PREQUANT": block_m >= FP8_PREQUANT_MIN_TOKENS,
+        "num_warps": 4 if block_m <= 32 else 8,
+        "num_stages": 3,
+    }
+    config = dict(config)
+    if INTERPRETED:
+        config.update(num_stages=1)
+    x_scale = x
+    if config["PREQUANT"]:
+        x, x_scale = act_quant_launch(x, group, ue8m0)
+    bias_arg, stride_be = _bias_args(bias, out)
+    grid = _grid(n, tokens, experts, config["BLOCK_N"], config["BLOCK_M"])
+    _fp8_grouped_kernel[grid](
+        x, x_scale, qdata, scale, bias_arg, out, offs,
+        experts, tokens, n, k, x.stride(0), qdata.stride(0), qdata.stride(1), scale.stride(0),
+        scale.stride(1), stride_be, out.stride(0),
+        W_BLOCK_N=block_n, W_BLOCK_K=block_k, GROUP=group, UE8M0=ue8m0, EXACT_CAST=INTERPRETED,
+        HAS_BIAS=bias is not None, EVEN_K=k % group == 0,
+        E_POW2=triton.next_power_of_2(experts), **config,
+    )  # fmt: skip
+    return out
+
+
+def w4a16_grouped_launch(
+    fmt: Format, x: torch.Tensor, offs: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+    zero: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, group: int,
+    k: int, config: dict | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [T, k] sorted by expert, offs int32 [E], 4-bit experts (qdata [E, N, ceil(k/2)], scale
+    and zero [E, N, groups], global_scale [E, 1, 1]: each read only by the formats that have
+    it), bias [E, N] or None -> [T, N] in x's dtype."""
+    tokens = x.shape[0]
+    experts, n, kh = qdata.shape
+    out = torch.zeros((tokens, n), dtype=x.dtype, device=x.device)
+    if tokens == 0 or n == 0 or experts == 0:
+        return out
+    block_m = token_block(tokens, experts)
+    config = config or {
+        "BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+    }  # fmt: skip
+    config = dict(config)
+    if INTERPRETED:
+        config.update(num_stages=1)
+    has_zero = zero.numel() > 0
+    zero_arg, stride_ze = (zero, zero.stride(0)) if has_zero else (qdata, 0)
+    bias_arg, stride_be = _bias_args(bias.to(x.dtype) if bias is not None else None, out)
+    grid = _grid(n, tokens, experts, config["BLOCK_N"], config["BLOCK_M"])
+    _w4a16_grouped_kernel[grid](
+        x, qdata, _scale_arg(scale), zero_arg, global_scale, bias_arg, out, offs,
+        experts, tokens, n, k, kh, x.stride(0), qdata.stride(0), qdata.stride(1),
+        scale.stride(0), scale.stride(1), stride_ze, stride_be, out.stride(0),
+        FORMAT=int(fmt), GROUP=group, HAS_BIAS=bias is not None,
+        EVEN_K=k % config["BLOCK_K"] == 0, X_FP32=x.dtype == torch.float32,
+        E_POW2=triton.next_power_of_2(experts), **config,
+    )  # fmt: skip
+    return out
+
+
+# ---- torch.library ops -------------------------------------------------------------------------
+
+
+def _contiguous(*tensors):
+    return [t.contiguous() if t is not None else None for t in tensors]
+
+
+@torch.library.custom_op("qshard::fp8_blockwise_grouped_linear", mutates_args=())
+def fp8_blockwise_grouped_linear(
+    x: torch.Tensor, offs: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+    bias: torch.Tensor | None, block_n: int, block_k: int, group: int, ue8m0: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The grouped FP8 blockwise W8A8 matmul (module docstring)."""
+    x, offs, qdata, scale, bias = _contiguous(x, offs, qdata, scale, bias)
+    return fp8_grouped_launch(x, offs, qdata, scale, bias, block_n, block_k, group, ue8m0)
+
+
+@fp8_blockwise_grouped_linear.register_fake
+def _(x, offs, qdata, scale, bias, block_n, block_k, group, ue8m0):
+    return x.new_empty((x.shape[0], qdata.shape[1]))
+
+
+@torch.library.custom_op("qshard::w4a16_grouped_linear", mutates_args=())
+def w4a16_grouped_linear(
+    x: torch.Tensor, offs: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+    zero: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+    group: int, k: int,
+) -> torch.Tensor:  # fmt: skip
+    """The grouped 4-bit weight-only matmul (module docstring); fmt a `Format` name
+    ("int4_asym", "int4_sym", "int4_fzero", "mxfp4", "nvfp4"); an empty `zero` or
+    `global_scale` where the format has none."""
+    x, offs, qdata, scale, zero, global_scale, bias = _contiguous(
+        x, offs, qdata, scale, zero, global_scale, bias
+    )
+    global_scale = global_scale if global_scale.numel() else qdata
+    return w4a16_grouped_launch(Format[fmt.upper()], x, offs, qdata, scale, zero, global_scale,
+                                bias, group, k)  # fmt: skip
+
+
+@w4a16_grouped_linear.register_fake
+def _(x, offs, qdata, scale, zero, global_scale, bias, fmt, group, k):
+    return x.new_empty((x.shape[0], qdata.shape[1]))

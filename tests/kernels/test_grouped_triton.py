@@ -1,0 +1,97 @@
+"""The grouped (experts) Triton kernels against the per-expert reference: under the Triton
+interpreter on the CPU (float16 activations, facts.md §3), compiled on a GPU. Fresh random
+inputs each run; odd N and K (partial blocks and groups), experts with no tokens, token counts
+that straddle the token block, rows past offs[-1] (zeros), a bias per expert, every format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import relative_error
+
+import qshard
+from qshard.config import Backend
+from qshard.kernels.availability import triton_unavailable_reason
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(
+    triton_unavailable_reason(DEVICE, fp8=False) is not None,
+    reason=str(triton_unavailable_reason(DEVICE, fp8=False)),
+)
+ACT_DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+# ||out - reference|| / ||reference||: the kernels sum each expert's products in fp32 in another
+# order than the reference (which runs each expert's 2-D reference path). FP8: the activation
+# quantization is exact in both (the same e4m3 codes and scales), so only the summation order
+# and the output rounding differ; 4-bit: the weights are rounded to the activation dtype in
+# both. A few units of the activation dtype's rounding (2**-11 fp16, 2**-8 bf16).
+MAX_RELATIVE_ERROR = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+CONFIGS = [
+    qshard.Fp8BlockwiseConfig(block_size=(64, 64), backend="triton"),
+    qshard.Fp8BlockwiseConfig(backend="triton", scale_format="ue8m0"),
+    qshard.Int4WeightOnlyConfig(group_size=32, backend="triton"),
+    qshard.Int4WeightOnlyConfig(group_size=64, symmetric=True, backend="triton"),
+    qshard.Int4WeightOnlyConfig(group_size=32, zero_point_domain="float", backend="triton"),
+    qshard.MXFP4WeightOnlyConfig(backend="triton"),
+    qshard.NVFP4WeightOnlyConfig(backend="triton"),
+]
+IDS = ["fp8-64", "fp8-128-ue8m0", "int4-g32", "int4-sym-g64", "int4-fzero", "mxfp4", "nvfp4"]
+
+
+def layout_of(config):
+    return next(c for c in qshard.registered_layouts() if type(config) in _configs(c))
+
+
+def _configs(cls):
+    return {type(c) for c in cls.contract_configs()}
+
+
+def offsets(counts: list[int]) -> torch.Tensor:
+    return torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+
+
+def check_against_reference(q, x, offs, bias=None):
+    out = q.grouped_linear(x, offs, bias)
+    reference = q.with_changes(backend=Backend.REFERENCE).grouped_linear(x, offs, bias)
+    assert out.dtype == x.dtype and out.shape == reference.shape
+    end = int(offs[-1])
+    assert torch.equal(out[end:], torch.zeros_like(out[end:])), "rows past offs[-1]"
+    error = relative_error(out[:end].float(), reference[:end].float())
+    assert error <= MAX_RELATIVE_ERROR[x.dtype], f"relative error {error:.2e}"
+
+
+COUNTS = {"mixed": [3, 0, 17, 1, 0], "decode": [1, 1, 0, 0, 2], "prefill": [40, 0, 0, 0, 9]}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("counts", list(COUNTS.values()), ids=list(COUNTS))
+def test_grouped_kernel_matches_reference(config, counts):
+    experts, n, k = len(counts), 80, 192  # N: a partial 64-row tile; K: a partial 128-block
+    weight = torch.randn(experts, n, k, device=DEVICE) * 0.02
+    q = layout_of(config).from_float(weight.to(ACT_DTYPE), config)
+    tokens = sum(counts) + 2  # two rows past offs[-1] (expert-parallel sentinels)
+    x = torch.randn(tokens, k, device=DEVICE, dtype=ACT_DTYPE)
+    bias = torch.randn(experts, n, device=DEVICE, dtype=ACT_DTYPE) if counts[0] == 3 else None
+    check_against_reference(q, x, offsets(counts), bias)
+
+
+@pytest.mark.parametrize("config", CONFIGS[:1] + CONFIGS[2:3], ids=["fp8", "int4"])
+def test_grouped_kernel_transposed_experts_and_grouped_mm(config):
+    """The op transformers' grouped_mm calls on gpt-oss's transposed storage runs the kernel."""
+    weight = torch.randn(4, 64, 128, device=DEVICE) * 0.02
+    q = layout_of(config).from_float(weight.to(ACT_DTYPE), config)
+    stored = q.transpose(-2, -1)  # [E, K, N], as gpt-oss keeps its experts
+    x = torch.randn(9, 128, device=DEVICE, dtype=ACT_DTYPE)
+    offs = offsets([2, 4, 0, 3])
+    out = torch._grouped_mm(x, stored, offs=offs)
+    expected = q.with_changes(backend=Backend.REFERENCE).grouped_linear(x, offs)
+    assert relative_error(out.float(), expected.float()) <= MAX_RELATIVE_ERROR[x.dtype]
+
+
+def test_int4_device_form_backends_refuse_experts():
+    q = qshard.Int4Tensor.from_float(
+        torch.randn(2, 32, 64), qshard.Int4WeightOnlyConfig(group_size=32, backend="tinygemm")
+    )
+    x = torch.randn(3, 64)
+    with pytest.raises(qshard.errors.BackendUnavailableError, match="grouped"):
+        q.grouped_linear(x, offsets([1, 2]).cpu())
