@@ -1,0 +1,206 @@
+"""One MoE layer's experts on one GPU: qshard's grouped kernels vs bf16 and torch's FP8.
+
+    python bench/bench_moe.py [--shapes deepseek-v3,qwen3-30b-a3b,gpt-oss-120b]
+        [--tokens 1,16,128,1024,4096] [--methods bf16-grouped,bf16-loop,...]
+
+Per shape (facts.md §8) and number of tokens: each token routed to top-k experts drawn uniformly
+at random; the routed rows sorted by expert (as transformers' grouped_mm does; not timed), then
+timed: gate_up grouped matmul -> SiLU(gate) * up -> down grouped matmul, activation
+quantization included for every W8A8 method. CUDA graphs, median (`triton.testing`); for up to
+16 tokens the replays rotate among 4 routings, so the experts hit change and the weights come
+from HBM, not L2. Each cell: time, speedup over bf16 `torch._grouped_mm`. Last, the relative
+error of each method's output vs bf16's on one routing.
+
+Methods: bf16-grouped (torch._grouped_mm), bf16-loop (F.linear per expert with tokens, the
+token counts known on the host), torch-fp8-rowwise (torch._scaled_grouped_mm, row-wise scales,
+plain-torch activation quantization; where it runs), qshard-fp8 (blockwise 128x128, 1x128
+activations), qshard-int4 (g128 asymmetric), qshard-mxfp4, qshard-nvfp4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import qshard
+
+SHAPES = {  # E, hidden H, expert intermediate I, top-k
+    "deepseek-v3": (256, 7168, 2048, 8),
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "gpt-oss-120b": (128, 2880, 2880, 4),
+}
+TOKENS = (1, 16, 128, 1024, 4096)
+ROTATE_UP_TO = 16  # tokens: rotate routings so each replay hits other experts
+QSHARD_CONFIGS = {
+    "qshard-fp8": qshard.Fp8BlockwiseConfig(),
+    "qshard-int4": qshard.Int4WeightOnlyConfig(group_size=128),
+    "qshard-mxfp4": qshard.MXFP4WeightOnlyConfig(),
+    "qshard-nvfp4": qshard.NVFP4WeightOnlyConfig(),
+}
+
+
+def routing(tokens: int, experts: int, top_k: int, hidden: int, seed: int):
+    """(routed rows x sorted by expert [T * k, H] bf16, offs int32 [E], counts on the host)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    chosen = torch.rand(tokens, experts, device="cuda", generator=g).topk(top_k).indices
+    ids, order = chosen.reshape(-1).sort()
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    rows = x[order // top_k].contiguous()
+    counts = torch.bincount(ids, minlength=experts)
+    return rows, counts.cumsum(0).to(torch.int32), counts.tolist()
+
+
+def act(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def grouped_method(gate_up, down):
+    """Any weights torch._grouped_mm takes: bf16 tensors, or qshard's quantized experts."""
+    up_t, down_t = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+
+    def run(rows, offs, counts):
+        h = torch._grouped_mm(rows, up_t, offs=offs)
+        return torch._grouped_mm(act(h), down_t, offs=offs)
+
+    return run
+
+
+def loop_method(gate_up, down):
+    def run(rows, offs, counts):
+        out, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                part = rows[start : start + count]
+                out.append(F.linear(act(F.linear(part, gate_up[e])), down[e]))
+            start += count
+        return torch.cat(out)
+
+    return run
+
+
+def fp8_rowwise_method(gate_up, down):
+    """torch._scaled_grouped_mm with per-row scales: weights [E, K, N] column-major fp8."""
+
+    def quantize(w):  # [E, N, K] -> fp8 [E, N, K] and scales [E, N], an expert at a time
+        scale = torch.stack([e.float().abs().amax(-1) for e in w]).clamp(min=1e-12) / 448.0
+        pairs = zip(w, scale, strict=True)
+        q = torch.stack([(e.float() / s[:, None]).to(torch.float8_e4m3fn) for e, s in pairs])
+        return q, scale
+
+    (wu, su), (wd, sd) = quantize(gate_up), quantize(down)
+
+    def matmul(x, w, s, offs):
+        xs = x.float().abs().amax(-1).clamp(min=1e-12) / 448.0
+        xq = (x.float() / xs[:, None]).to(torch.float8_e4m3fn)
+        return torch._scaled_grouped_mm(xq, w.transpose(-2, -1), xs, s, offs=offs,
+                                        out_dtype=torch.bfloat16)  # fmt: skip
+
+    def run(rows, offs, counts):
+        return matmul(act(matmul(rows, wu, su, offs)), wd, sd, offs)
+
+    return run
+
+
+def build(method: str, gate_up, down):
+    if method == "bf16-grouped":
+        return grouped_method(gate_up, down)
+    if method == "bf16-loop":
+        return loop_method(gate_up, down)
+    if method == "torch-fp8-rowwise":
+        return fp8_rowwise_method(gate_up, down)
+    config = QSHARD_CONFIGS[method]
+    layout = next(c for c in qshard.registered_layouts() if isinstance(config, _config_of(c)))
+    return grouped_method(layout.from_float(gate_up, config), layout.from_float(down, config))
+
+
+def _config_of(cls):
+    return tuple({type(c) for c in cls.contract_configs()})
+
+
+def time_us(run, routings) -> float:
+    def all_routings():
+        for rows, offs, counts in routings:
+            run(rows, offs, counts)
+
+    all_routings()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench_cudagraph(all_routings, rep=200, return_mode="median")
+    return ms * 1e3 / len(routings)
+
+
+def bench_shape(name: str, tokens_list, methods) -> None:
+    experts, hidden, inter, top_k = SHAPES[name]
+    torch.manual_seed(0)
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    down = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    results: dict[str, dict[int, str]] = {}
+    errors: dict[str, str] = {}
+    base: dict[int, float] = {}
+    check = routing(64, experts, top_k, hidden, seed=99)
+    expected = grouped_method(gate_up, down)(*check).float()
+    for method in methods:
+        try:
+            run = build(method, gate_up, down)
+        except Exception as e:  # a baseline that cannot run here is reported
+            results[method] = {t: f"fails: {type(e).__name__}" for t in tokens_list}
+            continue
+        try:
+            out = run(*check).float()
+            errors[method] = f"{((out - expected).norm() / expected.norm()).item():.4f}"
+        except Exception as e:
+            errors[method] = f"fails: {type(e).__name__}: {str(e)[:80]}"
+        results[method] = {}
+        for tokens in tokens_list:
+            count = 4 if tokens <= ROTATE_UP_TO else 1
+            routings = [routing(tokens, experts, top_k, hidden, seed=s) for s in range(count)]
+            try:
+                us = time_us(run, routings)
+            except Exception as e:
+                results[method][tokens] = f"fails: {type(e).__name__}"
+                continue
+            if method == "bf16-grouped":
+                base[tokens] = us
+            speedup = f" ({base[tokens] / us:.2f}x)" if tokens in base else ""
+            results[method][tokens] = f"{us:.0f} us{speedup}"
+        del run
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\n## {name}: E={experts}, H={hidden}, I={inter}, top-{top_k}; time of gate_up + act "
+          f"+ down (speedup over bf16 torch._grouped_mm)\n")  # fmt: skip
+    print("| method | " + " | ".join(f"T={t}" for t in tokens_list) + " | rel. error |")
+    print("|---|" + "---|" * (len(tokens_list) + 1))
+    for method, cells in results.items():
+        row = " | ".join(cells[t] for t in tokens_list)
+        print(f"| {method} | {row} | {errors.get(method, '-')} |")
+    sys.stdout.flush()
+
+
+def versions() -> str:
+    gpu = torch.cuda.get_device_name()
+    return f"{gpu}; torch {torch.__version__}, triton {triton.__version__}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    methods = ["bf16-grouped", "bf16-loop", "torch-fp8-rowwise", *QSHARD_CONFIGS]
+    parser.add_argument("--methods", default=",".join(methods))
+    args = parser.parse_args()
+    print(versions())
+    tokens = [int(t) for t in args.tokens.split(",")]
+    for shape in args.shapes.split(","):
+        bench_shape(shape, tokens, args.methods.split(","))
+
+
+if __name__ == "__main__":
+    main()
