@@ -156,9 +156,10 @@ def _quantize_like_3d_xfail(cls):
         return pytest.mark.xfail(
             strict=True,
             reason="Fp8RowwiseTensor.quantize_like (qshard/layouts/fp8_rowwise.py) reads "
-            "self.scale[at[0]:at[0]+weight.shape[0]]: for experts at[0] is the expert offset, "
-            "and the row offset at[1] is ignored, so a part of the rows gets all N row scales "
-            "(RuntimeError: size mismatch)",
+            "self.scale[at[0]:at[0]+weight.shape[0]]: for experts at[0] is the expert offset and "
+            "the row offset at[1] is ignored, so each expert of a part of the rows gets all N "
+            "row scales; quantize_matrix does not check scale is [rows, 1] and broadcasts it "
+            "(qdata [N, c] for a logical [r1-r0, c]: an invalid tensor, or a RuntimeError)",
         )
     return ()
 
