@@ -176,7 +176,9 @@ def test_quantized_model_equals_its_dequantized_float_model(name, layout):
 
 
 @pytest.mark.parametrize(
-    "layout", [c for c in LAYOUTS if not weight_only(REPRESENTATIVE[c]) is REPRESENTATIVE[c]]
+    "layout",
+    [c for c in LAYOUTS if weight_only(REPRESENTATIVE[c]) is not REPRESENTATIVE[c]],
+    ids=lambda c: c.__name__,
 )
 @pytest.mark.parametrize("name", MODELS)
 def test_w8a8_implementations_agree_and_stay_near_the_dequantized_model(name, layout):
