@@ -24,6 +24,7 @@ import qshard
 from qshard.errors import (
     BackendUnavailableError,
     CheckpointError,
+    InputMismatchError,
     InvalidDimError,
     LayoutMismatchError,
     MisalignedSliceError,
@@ -683,6 +684,35 @@ def test_grouped_mm_with_bias(cls, config):
 
 
 @cases
+def test_grouped_mm_with_no_tokens(cls, config):
+    q = cls.from_float(gaussian(3, 64, 96), config)
+    if not has_grouped_matmul(cls, config):
+        assert_grouped_refused(q)
+        return
+    for rows in (0, 4):  # no rows at all; rows that no expert takes (offs all 0)
+        out = torch._grouped_mm(torch.randn(rows, 96), q.transpose(-2, -1), offs=offsets([0] * 3))
+        assert torch.equal(out, torch.zeros(rows, 64))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="qshard/qtensor/grouped.py _grouped_mm does not check the bias shape: a 1-D bias [N] "
+    "is silently misapplied (each expert's grouped_linear takes bias[e], a scalar, and adds it "
+    "to every output of expert e's rows), and a bias [E, N-1] raises a raw RuntimeError from "
+    "the broadcast; it should raise InputMismatchError unless the bias is [E, N]",
+)
+@pytest.mark.parametrize(
+    ("cls", "config"), [LAYOUT_CASES[0], LAYOUT_CASES[-1]], ids=LAYOUT_IDS[::11]
+)
+def test_grouped_mm_refuses_a_bias_that_is_not_one_row_per_expert(cls, config):
+    q = cls.from_float(gaussian(3, 64, 96), config)
+    x, offs = torch.randn(6, 96), offsets([1, 1, 4])
+    for bias in (torch.arange(64.0), torch.zeros(3, 63), torch.zeros(2, 64)):
+        with pytest.raises(InputMismatchError, match="bias"):
+            torch._grouped_mm(x, q.transpose(-2, -1), offs=offs, bias=bias)
+
+
+@cases
 @ACT_DTYPES
 def test_bmm_of_gathered_experts_equals_each_experts_linear(cls, config, act_dtype):
     w = gaussian(N_EXPERTS, N, K, dtype=act_dtype)
@@ -778,8 +808,37 @@ def test_experts_misuse_raises_typed_errors(cls, config):
         cls.from_float(torch.randn(0, 64, 96), config)
     with pytest.raises(QShardError):
         cls.from_float(torch.randn(2, 2, 64, 96), config)
+    for bad_index in (lambda: q[:, 1], lambda: q[..., 0], lambda: q[torch.tensor([[0, 1]])]):
+        with pytest.raises(UnsupportedOpError):
+            bad_index()
+    with pytest.raises(UnsupportedOpError):  # experts keep their shape
+        q.reshape(3 * 64, 96)
+    with pytest.raises(InvalidDimError):
+        q.permute(1, 0, 2)
+    with pytest.raises(LayoutMismatchError):  # experts and a 2-D weight do not join
+        torch.cat([q, q[0]])
+    with pytest.raises(UnsupportedOpError):
+        torch.stack([q, q])
+
+
+@cases
+def test_grouped_matmul_bad_input_raises_typed_errors(cls, config):
+    q = cls.from_float(gaussian(3, 64, 96), config)
+    if not has_grouped_matmul(cls, config):
+        assert_grouped_refused(q)
+        return
     with pytest.raises(QShardError):  # offs that are not int32 [E]
         torch._grouped_mm(torch.randn(4, 96), q.transpose(-2, -1), offs=torch.tensor([1, 2, 4]))
+    with pytest.raises(InputMismatchError):  # offs that decrease
+        torch._grouped_mm(
+            torch.randn(6, 96), q.transpose(-2, -1), offs=torch.tensor([3, 2, 5]).int()
+        )
+    with pytest.raises(InputMismatchError):  # inputs of another width
+        torch._grouped_mm(torch.randn(6, 95), q.transpose(-2, -1), offs=offsets([1, 1, 4]))
+    with pytest.raises(UnsupportedOpError):  # a grouped matmul needs offs
+        torch._grouped_mm(torch.randn(6, 96), q.transpose(-2, -1))
+    with pytest.raises(InputMismatchError):  # bmm: one input per gathered expert
+        torch.bmm(q, torch.randn(2, 96, 1))
     with pytest.raises(QShardError):  # offs past the rows
         torch._grouped_mm(torch.randn(4, 96), q.transpose(-2, -1), offs=offsets([1, 2, 4]))
 
