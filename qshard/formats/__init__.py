@@ -29,6 +29,7 @@ from ..qtensor import QTensor
 from . import (
     compressed_tensors,
     deepseek_fp8,
+    experts,
     fbgemm_fp8,
     gpt_oss_mxfp4,
     modelopt_nvfp4,
@@ -42,7 +43,9 @@ FORMATS = {
     m.NAME: m
     for m in (deepseek_fp8, modelopt_nvfp4, compressed_tensors, fbgemm_fp8, gpt_oss_mxfp4, torchao)
 }
-EXPORT_FORMATS = ("deepseek-fp8", "modelopt-nvfp4", "compressed-tensors", "fbgemm-fp8")
+EXPORT_FORMATS = (
+    "deepseek-fp8", "modelopt-nvfp4", "compressed-tensors", "fbgemm-fp8", "gpt-oss-mxfp4",
+)  # fmt: skip
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -96,7 +99,12 @@ def load_pretrained(
         raise CheckpointError(f"{directory / 'config.json'}: torch_dtype {dtype_name!r} is not "
                               f"one of {list(DTYPES)}")  # fmt: skip
     state = FORMATS[name].load(SafetensorsDir(directory), config, hf_quant, dtype)
+    # Per-expert linears into the model's fused 3-D experts (all of them without a model)
+    targets = None if model is None else model.state_dict(keep_vars=True)
+    state = experts.fuse_experts(state, str(directory), targets)
     check_state(state, directory, name)
+    if targets is not None:
+        experts.check_fit(state, targets, str(directory))
     if model is None:
         if mesh is not None or plan is not None:
             raise QShardError("qshard.load_pretrained: mesh and plan shard a model; pass model=")
@@ -162,6 +170,8 @@ def export(
     from ..io.saving import _full, _state_dict
 
     state = {k: _full(v) for k, v in _state_dict(model).items()}
+    if format != gpt_oss_mxfp4.NAME:  # its experts stay 3-D; the others store per-expert linears
+        state = experts.split_experts(state, format)
     linear_names = []
     if isinstance(model, nn.Module):
         linear_names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]

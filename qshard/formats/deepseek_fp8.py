@@ -18,6 +18,7 @@ from ..errors import CheckpointError, QShardError
 from ..layouts import Fp8BlockwiseTensor
 from ..qtensor import QTensor
 from .configs import check_stored, quantization_config, unquantized_modules
+from .experts import coarsen_or_keep
 from .source import fp8_block_attrs
 
 NAME = "deepseek-fp8"
@@ -84,6 +85,16 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
     weights are FP8 blockwise, all with one block size (the format has one
     `weight_block_size`)."""
     tensors, quantized = {}, set()
+    fp8 = [v for v in state.values() if isinstance(v, Fp8BlockwiseTensor)]
+    # Weights re-blocked along N (an experts gate/up join at I, not a multiple of the block)
+    # go back to the model's coarsest block where that is exact (experts.coarsen_fp8).
+    coarsest = tuple(max(v.block_size[d] for v in fp8) for d in (0, 1)) if fp8 else None
+    state = {
+        key: coarsen_or_keep(value, coarsest)
+        if isinstance(value, Fp8BlockwiseTensor) and not value.transposed
+        else value
+        for key, value in state.items()
+    }
     for key, value in state.items():
         if isinstance(value, Fp8BlockwiseTensor):
             untransposed = value.t() if value.transposed else value

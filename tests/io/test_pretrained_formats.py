@@ -296,14 +296,17 @@ def test_gpt_oss_mxfp4_experts_load_as_their_formula_says(tmp_path):
                prefix + "_bias": torch.randn(experts, rows, dtype=torch.bfloat16)}  # fmt: skip
     write_checkpoint(tmp_path, tensors, {"quantization_config": {"quant_method": "mxfp4"}})
     state = qshard.load_pretrained(tmp_path)
-    assert sorted(state) == [prefix + ".0.weight", prefix + ".1.weight", prefix + "_bias"]
+    assert sorted(state) == [prefix, prefix + "_bias"]
+    # transformers' GptOssExperts.down_proj is [E, in, out]: the [E, rows, k] experts transposed
+    w = state[prefix]
+    assert isinstance(w, qshard.Mxfp4Tensor) and w.transposed and w.shape == (experts, k, rows)
     for e in range(experts):
-        w = state[f"{prefix}.{e}.weight"]
-        assert isinstance(w, qshard.Mxfp4Tensor) and w.shape == (rows, k)
         # The format: 32 e2m1 codes per 16 bytes (low nibble = even index) times 2**(s - 127).
         codes = low_nibble_first(blocks[e].reshape(rows, -1))
         power = torch.exp2(scales[e].float() - 127).repeat_interleave(32, 1)
-        assert torch.equal(w.dequantize(torch.float32), e2m1_value(codes) * power)
+        expected = e2m1_value(codes) * power
+        assert torch.equal(w[e].dequantize(torch.float32), expected.t())
+        assert torch.equal(w.dequantize(torch.float32)[e], expected.t())
 
 
 # ---- export -> load, models, errors --------------------------------------------------------
