@@ -184,6 +184,70 @@ def bench_shape(name: str, tokens_list, methods) -> None:
     sys.stdout.flush()
 
 
+FP8_SWEEP = [  # (BLOCK_N, BLOCK_M or None: the launcher's, PREQUANT, warps, stages)
+    (32, None, False, 4, 3),
+    (64, None, False, 4, 3),
+    (32, None, False, 4, 4),
+    (64, None, True, 4, 3),
+    (128, None, True, 8, 3),
+    (128, None, True, 8, 4),
+    (128, 64, True, 4, 4),
+    (64, 128, True, 4, 4),
+]
+W4_SWEEP = [  # (BLOCK_N, BLOCK_M or None, BLOCK_K, warps, stages)
+    (32, None, 128, 4, 3),
+    (64, None, 128, 4, 3),
+    (32, None, 256, 4, 3),
+    (64, None, 256, 4, 2),
+    (128, None, 128, 8, 3),
+    (64, 64, 128, 4, 3),
+]
+
+
+def sweep(shape: str, tokens_list) -> None:
+    """The gate_up grouped matmul alone under each candidate config (launchers called
+    directly): the data for the launchers' defaults."""
+    from qshard.kernels import grouped_triton as g
+    from qshard.kernels.w4a16_triton import Format
+
+    experts, hidden, inter, top_k = SHAPES[shape]
+    torch.manual_seed(0)
+    w = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    fp8 = qshard.Fp8BlockwiseTensor.from_float(w)
+    int4 = qshard.Int4Tensor.from_float(w, qshard.Int4WeightOnlyConfig(group_size=128))
+    del w
+    print(f"\n## sweep, {shape} gate_up [{experts}, {2 * inter}, {hidden}], us per call\n")
+    for tokens in tokens_list:
+        count = 4 if tokens <= ROTATE_UP_TO else 1
+        routings = [routing(tokens, experts, top_k, hidden, seed=s) for s in range(count)]
+        block_m = g.token_block(tokens * top_k, experts)
+        cells = []
+        for bn, bm, pre, warps, stages in FP8_SWEEP:
+            config = {"BLOCK_N": bn, "BLOCK_M": bm or block_m, "PREQUANT": pre,
+                      "num_warps": warps, "num_stages": stages}  # fmt: skip
+
+            def run(rows, offs, counts, config=config):
+                g.fp8_grouped_launch(rows, offs, fp8.qdata, fp8.scale, None, 128, 128, 128,
+                                     False, config)  # fmt: skip
+
+            cells.append(f"fp8 {bn}x{bm or block_m}{'p' if pre else ''}w{warps}s{stages} "
+                         f"{time_us(run, routings):.0f}")  # fmt: skip
+        for bn, bm, bk, warps, stages in W4_SWEEP:
+            config = {"BLOCK_N": bn, "BLOCK_M": bm or block_m, "BLOCK_K": bk,
+                      "num_warps": warps, "num_stages": stages}  # fmt: skip
+
+            def run(rows, offs, counts, config=config):
+                g.w4a16_grouped_launch(
+                    Format.INT4_ASYM, rows, offs, int4.qdata, int4.scale, int4.zero,
+                    int4.scale, None, 128, hidden, config,
+                )  # fmt: skip
+
+            cells.append(f"int4 {bn}x{bm or block_m}k{bk}w{warps}s{stages} "
+                         f"{time_us(run, routings):.0f}")  # fmt: skip
+        print(f"T={tokens}: " + "; ".join(cells))
+        sys.stdout.flush()
+
+
 def versions() -> str:
     gpu = torch.cuda.get_device_name()
     return f"{gpu}; torch {torch.__version__}, triton {triton.__version__}"
@@ -195,11 +259,15 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     methods = ["bf16-grouped", "bf16-loop", "torch-fp8-rowwise", *QSHARD_CONFIGS]
     parser.add_argument("--methods", default=",".join(methods))
+    parser.add_argument("--sweep", action="store_true", help="time the kernels' configs")
     args = parser.parse_args()
     print(versions())
     tokens = [int(t) for t in args.tokens.split(",")]
     for shape in args.shapes.split(","):
-        bench_shape(shape, tokens, args.methods.split(","))
+        if args.sweep:
+            sweep(shape, tokens)
+        else:
+            bench_shape(shape, tokens, args.methods.split(","))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ FP8_PREQUANT_MIN_TOKENS = 32
 @triton.jit
 def _expert_block(offs_ptr, E, T, pid_m, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     """(expert, first row, end row, live) of token block `pid_m` (blocks numbered expert by
-    expert, each expert's rows cut into BLOCK_M); live is False past the last block."""
+    expert, each expert's rows cut into BLOCK_M). Past the last block (live False): the tail
+    rows past offs[-1] that block pid_m - blocks zeroes (first row, end row), expert E."""
     idx = tl.arange(0, E_POW2)
     ends = tl.load(offs_ptr + idx, mask=idx < E, other=0)
     starts = tl.load(offs_ptr + idx - 1, mask=(idx >= 1) & (idx < E), other=0)
@@ -64,6 +65,10 @@ def _expert_block(offs_ptr, E, T, pid_m, BLOCK_M: tl.constexpr, E_POW2: tl.const
     block = pid_m - tl.sum(tl.where(mine, cum - blocks, 0), 0)  # its index within the expert
     first = tl.sum(tl.where(mine, starts, 0), 0) + block * BLOCK_M
     end = tl.minimum(tl.sum(tl.where(mine, ends, 0), 0), T)
+    if e >= E:  # a tail block: rows offs[-1] + (pid_m - all blocks) * BLOCK_M onwards
+        routed = tl.max(tl.where(idx < E, ends, 0), 0)
+        first = routed + (pid_m - tl.sum(blocks, 0)) * BLOCK_M
+        end = T
     return e, first, end, e < E
 
 
@@ -80,7 +85,7 @@ def _fp8_grouped_kernel(
     if live:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = first + tl.arange(0, BLOCK_M)
-        n_ok, m_ok = offs_n < N, offs_m < end
+        n_ok, m_ok = offs_n < N, (offs_m < end) & (offs_m >= 0)
         offs_k = tl.arange(0, GROUP)
         w_ptr += e.to(tl.int64) * stride_we  # E * N * K may pass 2**31 (DeepSeek-V3: 7.5e9)
         w_scale_ptr += e.to(tl.int64) * stride_wse
@@ -107,6 +112,8 @@ def _fp8_grouped_kernel(
             w_ptrs += GROUP
         _store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, n_ok, m_ok, stride_be, stride_om,
                     HAS_BIAS)  # fmt: skip
+    else:
+        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M)
 
 
 @triton.jit
@@ -123,7 +130,7 @@ def _w4a16_grouped_kernel(
     if live:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = first + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < end
+        m_ok = (offs_m < end) & (offs_m >= 0)
         expert = e.to(tl.int64)
         q_ptr += expert * stride_qe
         s_ptr += expert * stride_se
@@ -142,6 +149,18 @@ def _w4a16_grouped_kernel(
                                EVEN_K, X_FP32)  # fmt: skip
         _store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, offs_n < N, m_ok, stride_be,
                     stride_om, HAS_BIAS)  # fmt: skip
+    else:
+        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M)
+
+
+@triton.jit
+def _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Zeros in out[first:end (at most BLOCK_M rows), this program's n-tile]."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = first + tl.arange(0, BLOCK_M)
+    mask = (offs_n < N)[:, None] & ((offs_m < end) & (offs_m >= 0))[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, tl.zeros((BLOCK_N, BLOCK_M), out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -165,7 +184,10 @@ def token_block(tokens: int, experts: int) -> int:
 
 
 def _grid(n: int, tokens: int, experts: int, block_n: int, block_m: int) -> tuple[int, int]:
-    return triton.cdiv(n, block_n), triton.cdiv(tokens, block_m) + experts
+    """(n-tiles, token blocks): the experts' blocks and the tail's (rows after offs[-1]),
+    together at most T (each block holds a row) and cdiv(T, BLOCK_M) + E + 1 (each hit expert
+    and the tail waste at most one partial block)."""
+    return triton.cdiv(n, block_n), min(tokens, triton.cdiv(tokens, block_m) + experts + 1)
 
 
 def _bias_args(bias: torch.Tensor | None, out: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -181,12 +203,12 @@ def fp8_grouped_launch(
     [E, ceil(N/bn), ceil(K/bk)]), bias [E, N] or None -> [T, N] in x's dtype."""
     tokens, k = x.shape
     experts, n, _ = qdata.shape
-    out = torch.zeros((tokens, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)  # every row is written
     if tokens == 0 or n == 0 or experts == 0:
-        return out
+        return out.zero_()
     block_m = token_block(tokens, experts)
     config = config or {
-        "BLOCK_N": 64 if block_m <= 32 else 128,
+        "BLOCK_N": 32 if block_m == 16 else 64 if block_m <= 32 else 128,
         "BLOCK_M": block_m,
         "PREQUANT": block_m >= FP8_PREQUANT_MIN_TOKENS,
         "num_warps": 4 if block_m <= 32 else 8,
@@ -221,12 +243,13 @@ def w4a16_grouped_launch(
     it), bias [E, N] or None -> [T, N] in x's dtype."""
     tokens = x.shape[0]
     experts, n, kh = qdata.shape
-    out = torch.zeros((tokens, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)  # every row is written
     if tokens == 0 or n == 0 or experts == 0:
-        return out
+        return out.zero_()
     block_m = token_block(tokens, experts)
     config = config or {
-        "BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+        "BLOCK_N": 32 if block_m == 16 else 64, "BLOCK_M": block_m, "BLOCK_K": 128,
+        "num_warps": 4, "num_stages": 3,
     }  # fmt: skip
     config = dict(config)
     if INTERPRETED:
