@@ -9,8 +9,11 @@ Formats, one file each (detect from config.json / hf_quant_config.json, load, ex
 `deepseek-fp8` (DeepSeek-V3/R1, Qwen3-FP8 block FP8), `modelopt-nvfp4` (NVIDIA ModelOpt),
 `compressed-tensors` (pack-quantized int4, nvfp4-pack-quantized, float-quantized FP8 per
 channel, per tensor and in blocks), `fbgemm-fp8` (Meta's / Hugging Face's row-wise FP8),
-`gpt-oss-mxfp4` (load only) and `torchao` (Float8Tensor per row, per tensor and in blocks;
-Int4Tensor; load only).
+`gpt-oss-mxfp4` and `torchao` (Float8Tensor per row, per tensor and in blocks; Int4Tensor;
+load only).
+Mixture-of-experts checkpoints load into transformers' fused 3-D experts (`...mlp.experts.
+gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]; gpt-oss's transposed [E, in, out]) as 3-D
+QTensors, and export writes them back per expert as each format stores them (`experts.py`).
 Each maps the stored codes and scales into the layout as they are (the tests check every
 format's dequantization formula, written out from its spec, against the loaded layout).
 """

@@ -172,7 +172,14 @@ def write_directory(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tens
     temporary = out.with_name(f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     temporary.mkdir()
     try:
-        plain = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        plain, storages = {}, set()
+        for key, value in tensors.items():
+            value = value.detach().contiguous().cpu()
+            storage = value.untyped_storage().data_ptr()
+            # Parts of one weight (an expert's gate and up) may share a tensor (NVFP4's global
+            # scale); safetensors stores each key's bytes of its own.
+            plain[key] = value.clone() if storage in storages else value
+            storages.add(storage)
         save_file(plain, str(temporary / "model.safetensors"), metadata={"format": "pt"})
         for name, content in json_files.items():
             (temporary / name).write_text(json.dumps(content, indent=2) + "\n")

@@ -242,7 +242,9 @@ class Checkpoint:
     ) -> torch.Tensor:
         """Rank `rank`'s chunk (torch.chunk sizes) of entry `key` along outer `dim`, reading only
         that slice from disk. A quantized entry is first re-packed for all `world` shard
-        boundaries (`QTensor.realign`), so every rank gets the packing `qshard.tp` would give."""
+        boundaries (`QTensor.realign`), so every rank gets the packing `qshard.tp` would give.
+        Along the experts dim of [E, N, K] experts a rank reads only its experts' bytes of every
+        inner tensor (experts are cut anywhere)."""
         record = self.record(key)
         header = self.file_of[record.key]
         size = record.outer_shape()[dim]

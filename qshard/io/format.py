@@ -20,6 +20,8 @@ with one record per entry:
     {"kind": "tensor", "tensor": stored}
     {"kind": "qtensor", "layout": "Fp8BlockwiseTensor", "shape": [N, K], "dtype": "bfloat16",
      "transposed": false, "attrs": {...}, "config": {...}, "inner": {"qdata": stored, ...}}
+                                          (experts: "shape": [E, N, K], every inner tensor with
+                                           a leading E; transposed: stored [E, K, N] outer)
     {"kind": "alias", "of": other key}
     stored = {"key": safetensors key, "dtype": "float8_e4m3fn", "shape": [...], "crc32": int,
               "chunk_bytes": 1048576, "chunk_crc32": [int, ...]}

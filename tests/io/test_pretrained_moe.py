@@ -332,3 +332,38 @@ def test_export_refuses_transposed_experts_in_a_per_expert_format(tmp_path):
     with pytest.raises(QShardError, match=r"stored transposed \[E, in, out\] \(gpt-oss\)"):
         qshard.export(model, tmp_path / "out", format="deepseek-fp8")
     assert not (tmp_path / "out").exists()
+
+
+# ---- qshard-quantized MoE models: export -> load_pretrained ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "config"),
+    [
+        ("deepseek-fp8", qshard.Fp8BlockwiseConfig()),
+        ("compressed-tensors", qshard.Int4WeightOnlyConfig(group_size=32)),
+        ("compressed-tensors", qshard.NVFP4WeightOnlyConfig()),
+        ("modelopt-nvfp4", qshard.NVFP4WeightOnlyConfig()),
+    ],
+    ids=["deepseek-fp8", "ct-int4", "ct-nvfp4", "modelopt-nvfp4"],
+)
+def test_a_quantized_moe_model_exports_per_expert_and_loads_back_the_same(fmt, config, tmp_path):
+    if fmt == "compressed-tensors":
+        pytest.importorskip("compressed_tensors")
+    model = moe_models.qwen3_moe().to(torch.bfloat16)
+    qshard.quantize_(model, config, exclude=["lm_head"])
+    out = qshard.export(model, tmp_path / "out", format=fmt)
+    written = load_file(out / "model.safetensors")
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in {
+        k.removesuffix("_packed") for k in written
+    }
+    assert not any(k.endswith("gate_up_proj") for k in written)
+    loaded = qshard.load_pretrained(out, model=moe_models.qwen3_moe().to(torch.bfloat16))
+    for name, module in experts_modules(model).items():
+        for param in ("gate_up_proj", "down_proj"):
+            mine, theirs = getattr(module, param), loaded.get_submodule(name).get_parameter(param)
+            assert type(mine) is type(theirs) and mine.shape == theirs.shape
+            torch.testing.assert_close(  # NVFP4: its global divisor round trip, one fp32 ulp
+                theirs.dequantize(torch.float32), mine.dequantize(torch.float32), rtol=2**-22,
+                atol=0,
+            )  # fmt: skip
