@@ -150,11 +150,14 @@ def _join_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             gate, up = gate.reblock(block_size), up.reblock(block_size)
             step = block
     if rows % step:
+        reblock = (f" (re-blocking finds no power-of-two block of {MIN_BLOCK} rows or more "
+                   f"dividing {rows})" if isinstance(gate, Fp8BlockwiseTensor) else "")  # fmt: skip
         raise CheckpointError(
             f"gate_proj and up_proj have I = {rows} rows, and {type(gate).__name__} packs rows "
             f"in steps of {step} {gate._packing_text()}: gate_up_proj would hold a partial "
-            f"block inside. Re-quantize the experts with qshard.quantize_ (whose blocks of the "
-            f"fused weight need no join), or use a checkpoint whose I is a multiple of {step}"
+            f"block inside{reblock}. Re-quantize the experts with qshard.quantize_ (whose "
+            f"blocks of the fused weight need no join), or use a checkpoint whose I is a "
+            f"multiple of {step}"
         )
     return torch.cat([gate, up])
 

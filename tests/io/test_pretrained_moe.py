@@ -367,3 +367,26 @@ def test_a_quantized_moe_model_exports_per_expert_and_loads_back_the_same(fmt, c
                 theirs.dequantize(torch.float32), mine.dequantize(torch.float32), rtol=2**-22,
                 atol=0,
             )  # fmt: skip
+
+
+def test_gate_and_up_that_no_fp8_block_of_16_rows_can_join_are_refused(tmp_path):
+    """I = 40: the join at row 40 falls on no power-of-two block of 16 rows or more (the
+    smallest FP8 block), so it cannot be made exact."""
+    torch.manual_seed(0)
+    tensors = {}
+    for e in range(2):
+        for projection, shape in (("gate_proj", (40, 64)), ("up_proj", (40, 64)),
+                                  ("down_proj", (64, 40))):  # fmt: skip
+            stored, _ = deepseek_fp8(torch.randn(shape) * 0.05, None)
+            prefix = f"model.layers.0.mlp.experts.{e}.{projection}"
+            tensors.update({f"{prefix}.{n}": t for n, t in stored.items()})
+    tmp_path.mkdir(exist_ok=True)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = {"torch_dtype": "bfloat16", "quantization_config": DEEPSEEK_QC}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    match = (
+        r"model.layers.0.mlp.experts: joining .* I = 40 rows, and Fp8BlockwiseTensor packs "
+        r"rows in steps of 128 .* no power-of-two block of 16 rows or more dividing 40"
+    )
+    with pytest.raises(CheckpointError, match=match):
+        qshard.load_pretrained(tmp_path)
