@@ -20,18 +20,38 @@ each the common one in GPTQ implementations:
 The rounding of each column, the scales and the final tensor are the layout's own functions
 (`quantize_int4` / `quantize_mxfp4` / `quantize_nvfp4` with given group parameters), so a
 calibrated weight is stored, saved, loaded, sharded and multiplied like any other.
+
+Experts ([E, N, K] weights of an experts module, `qshard.api.experts_params`) are calibrated
+per expert, on the tokens routed to it: each expert's x^T x is its own, and its [N, K] weight is
+rounded as a linear's. Their inputs are internal to the experts forward (the down projection's
+are the gated activations), so they are read from the matmuls themselves: while the calibration
+runs, a TorchFunctionMode follows the tensors derived from each selected experts weight
+(`w[e]`, `w[ids]`, `w.transpose(-2, -1)`, `.T`) into `F.linear`, `matmul`/`mm`, `bmm` and
+`_grouped_mm` (with its offsets), which is what transformers' "eager", "batched_mm" and
+"grouped_mm" experts implementations call. An expert no token reached is rounded to nearest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from .api import FilterFn, QuantizationReport, Target, _is_dtensor, _skip_reason, quantize_with
+from .api import (
+    FilterFn,
+    QuantizationReport,
+    Target,
+    _is_dtensor,
+    _skip_reason,
+    quantization_targets,
+    quantize_with,
+)
 from .errors import ConfigError, QShardError, UnsupportedWeightError
 from .kernels import int4, mxfp4, nvfp4
 from .kernels.packing import expand_groups, group_reduce
@@ -66,16 +86,18 @@ def gptq_(
     damp: float = 0.1,
     scale_search: bool = True,
 ) -> QuantizationReport:
-    """Quantize `model`'s nn.Linear weights in place with GPTQ, calibrated on `calibration`;
-    return `quantize_`'s report. Selection (filter_fn, include, exclude), tied weights and the
-    all-or-nothing rule are `quantize_`'s.
+    """Quantize `model`'s nn.Linear weights and expert weights in place with GPTQ, calibrated
+    on `calibration`; return `quantize_`'s report. Selection (filter_fn, include, exclude; an
+    expert weight is named `<experts module>.<param>`), tied weights and the all-or-nothing rule
+    are `quantize_`'s. Each expert is calibrated on the tokens routed to it, under the experts
+    implementation the model is set to (transformers' "eager", "grouped_mm" or "batched_mm").
 
     calibration: batches; each runs as `forward(model, batch)`, by default `model(*batch)` for
     a tuple and `model(batch)` otherwise: text like the model's use, and enough of it: with
     fewer tokens than a linear has inputs, its x^T x is rank-deficient (all-MiniLM-L6-v2's
     MXFP4 embedding cosine rose from 0.9668 with 305 tokens to 0.9733 with 1230;
-    bench/README.md). A selected linear that no batch reaches is rounded to nearest (with a
-    warning naming it). Run it before `qshard.tp.parallelize`.
+    bench/README.md). A selected linear or expert that no batch reaches is rounded to nearest
+    (with a warning naming it). Run it before `qshard.tp.parallelize`.
     """
     if isinstance(config, type):
         raise ConfigError(
@@ -89,33 +111,51 @@ def gptq_(
         )
     if not 0 < damp < 10:
         raise ConfigError(f"gptq_: damp={damp} must be in (0, 10); 0.1 is the default")
-    selected = _selected_linears(model, filter_fn, include, exclude)
-    hessians = _collect_hessians(model, selected, calibration, forward or _default_forward)
-    unreached = [name for name, m in selected if _key(m.weight) not in hessians]
-    if unreached:
-        warnings.warn(
-            f"gptq_: no calibration input reached {unreached}; rounded to nearest",
-            stacklevel=3,  # the caller's line (no_grad's wrapper is one frame)
-        )
+    linears, experts = _selected_targets(model, filter_fn, include, exclude)
     registered = _format_class(config).tensor
-    calibrated = {}
-    for name, module in selected:
-        key = _key(module.weight)
-        if key not in hessians or key in calibrated:
-            continue
+    for name, weight in _matrices(linears, experts):  # before a NaN spreads into the hessians
         try:
-            check_float_weight(registered.__name__, module.weight.detach())
-            calibrated[key] = _gptq_weight(module.weight.detach(), hessians[key], config, damp,
-                                           scale_search)  # fmt: skip
+            check_float_weight(registered.__name__, weight)
         except UnsupportedWeightError:
             continue  # quantize_ skips the module and reports why
         except QShardError as e:  # a non-finite weight: nothing is changed
             raise type(e)(f"gptq_: module {name!r}: {e}") from e
-        except torch.linalg.LinAlgError as e:
-            raise ConfigError(
-                f"gptq_: module {name!r}: its inputs' x^T x + damp is not positive definite "
-                f"({e}); raise damp (now {damp})"
-            ) from e
+    hessians = _collect_hessians(model, linears, experts, calibration, forward or _default_forward)
+    unreached = [t.name for t in linears if _key(t.weight) not in hessians]
+    for weight in experts:
+        missing = [e for e in range(weight.experts) if e not in weight.hessians]
+        if missing:
+            whole = len(missing) == weight.experts
+            unreached.append(weight.target.name if whole else f"{weight.target.name} {missing}")
+    if unreached:
+        warnings.warn(
+            f"gptq_: no calibration input reached {unreached}; rounded to nearest (a name with "
+            f"a list: those experts of it)",
+            stacklevel=3,  # the caller's line (no_grad's wrapper is one frame)
+        )
+    calibrated = {}
+    for target in linears:
+        key = _key(target.weight)
+        if key not in hessians or key in calibrated:
+            continue
+        try:
+            calibrated[key] = _calibrated(target.name, target.weight.detach(), hessians[key],
+                                          config, damp, scale_search)  # fmt: skip
+        except UnsupportedWeightError:
+            continue  # quantize_ skips the module and reports why
+    for weight in experts:
+        matrices = weight.matrices()
+        key = _key(matrices)
+        if key in calibrated:
+            continue
+        try:
+            calibrated[key] = registered.stack_experts([
+                _calibrated(f"{weight.target.name} expert {e}", w, weight.hessians.get(e), config,
+                            damp, scale_search)
+                for e, w in enumerate(matrices.unbind(0))
+            ])  # fmt: skip
+        except UnsupportedWeightError:
+            continue  # as above
 
     def handler(weight: torch.Tensor, cfg) -> torch.Tensor:
         found = calibrated.get(_key(weight))
@@ -133,23 +173,56 @@ def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     return weight.data_ptr(), tuple(weight.shape)
 
 
-def _selected_linears(model, filter_fn, include, exclude) -> list[tuple[str, nn.Linear]]:
-    selected = []
-    for name, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, nn.Linear):
+def _matrices(linears: list[Target], experts: list[_ExpertsWeight]):
+    """(name, [N, K] weight) of every selected linear and expert."""
+    for target in linears:
+        yield target.name, target.weight.detach()
+    for weight in experts:
+        for e, matrix in enumerate(weight.matrices().unbind(0)):
+            yield f"{weight.target.name} expert {e}", matrix
+
+
+def _calibrated(name, weight, hessian, config, damp, scale_search) -> torch.Tensor:
+    """The GPTQ layout tensor of one [N, K] weight (checked to be finite), rounded to nearest
+    without a hessian; errors name the weight."""
+    registered = _format_class(config).tensor
+    try:
+        check_float_weight(registered.__name__, weight)  # UnsupportedWeightError: skipped
+        if hessian is None:
+            return registered.from_float(weight, config)
+        return _gptq_weight(weight, hessian, config, damp, scale_search)
+    except UnsupportedWeightError:
+        raise
+    except QShardError as e:
+        raise type(e)(f"gptq_: module {name!r}: {e}") from e
+    except torch.linalg.LinAlgError as e:
+        raise ConfigError(
+            f"gptq_: module {name!r}: its inputs' x^T x + damp is not positive definite "
+            f"({e}); raise damp (now {damp})"
+        ) from e
+
+
+def _selected_targets(model, filter_fn, include, exclude):
+    """([Target of a selected nn.Linear], [_ExpertsWeight of a selected experts weight])."""
+    linears, experts = [], []
+    for target in quantization_targets(model):
+        if _skip_reason(target, include, exclude, filter_fn) is not None:
             continue
-        if _is_dtensor(module.weight):
+        if _is_dtensor(target.weight):
             raise ConfigError(
-                f"gptq_: module {name!r} is sharded (a DTensor weight); run gptq_ on the whole "
+                f"gptq_: {target.name!r} is sharded (a DTensor weight); run gptq_ on the whole "
                 f"model before qshard.tp.parallelize (the quantized weights shard like any other)"
             )
-        if _skip_reason(Target(name, module, "weight"), include, exclude, filter_fn) is None:
-            selected.append((name, module))
-    return selected
+        if target.weight.dim() == 3:
+            experts.append(_ExpertsWeight(target))
+        else:
+            linears.append(target)
+    return linears, experts
 
 
-def _collect_hessians(model, selected, calibration, forward) -> dict:
-    """{weight key: sum over the calibration of x^T x [K, K] (float64)} per selected linear."""
+def _collect_hessians(model, linears, experts, calibration, forward) -> dict:
+    """{weight key: sum over the calibration of x^T x [K, K] (float64)} per selected linear;
+    each selected experts weight's per-expert sums go into its `hessians`."""
     hessians: dict = {}
 
     def record(module, inputs):
@@ -157,11 +230,15 @@ def _collect_hessians(model, selected, calibration, forward) -> dict:
         key = _key(module.weight)
         hessians[key] = hessians.get(key, 0) + x.t() @ x
 
-    hooks = [module.register_forward_pre_hook(record) for _, module in selected]
+    hooks = [target.module.register_forward_pre_hook(record) for target in linears]
     batches = 0
     try:
         for batch in calibration:
-            forward(model, batch)
+            if experts:
+                with _ExpertsInputs(experts):
+                    forward(model, batch)
+            else:
+                forward(model, batch)
             batches += 1
     finally:
         for hook in hooks:
@@ -169,6 +246,168 @@ def _collect_hessians(model, selected, calibration, forward) -> dict:
     if batches == 0:
         raise ConfigError("gptq_: `calibration` gave no batch; pass an iterable of inputs")
     return hessians
+
+
+# ---- experts: each expert's inputs, read from the matmuls of the experts forward -------------
+
+
+@dataclasses.dataclass
+class _ExpertsWeight:
+    """A selected experts weight (stored [E, N, K], or [E, K, N] when `target.transposed`) and
+    the sum of x^T x over each expert's calibration inputs."""
+
+    target: Target
+    hessians: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @property
+    def experts(self) -> int:
+        return self.target.weight.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.target.weight.shape[1 if self.target.transposed else 2]
+
+    def matrices(self) -> torch.Tensor:
+        """The [E, N, K] view quantize_with hands the handler."""
+        weight = self.target.weight.detach()
+        return weight.transpose(-2, -1) if self.target.transposed else weight
+
+    def add(self, expert: int, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, self.k).double()
+        if x.shape[0]:
+            self.hessians[expert] = self.hessians.get(expert, 0) + x.t() @ x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Derived:
+    """A tensor made from an experts weight: the experts it holds (`ids` 0-D: one expert's
+    matrix; 1-D: a stack of matrices, one per entry) and whether its last two dims are swapped
+    from the stored weight's."""
+
+    weight: _ExpertsWeight
+    ids: torch.Tensor
+    swapped: bool
+
+
+_MATMULS = {"linear", "matmul", "__matmul__", "mm", "bmm"}
+_GROUPED = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}  # (x, w [E, K, N], offs)
+
+
+class _ExpertsInputs(TorchFunctionMode):
+    """Adds each expert's inputs to its x^T x while the experts forward runs (see the module
+    docstring). Anything it does not recognise is left alone: an expert whose weight is used
+    otherwise gets no hessian (rounded to nearest, with gptq_'s warning)."""
+
+    def __init__(self, weights: list[_ExpertsWeight]):
+        super().__init__()
+        self.derived: dict[int, tuple[weakref.ref, _Derived]] = {}
+        for w in weights:
+            param = w.target.weight
+            self._track(param, _Derived(w, torch.arange(w.experts, device=param.device), False))
+
+    def _track(self, t: torch.Tensor, derived: _Derived) -> None:
+        self.derived[id(t)] = (weakref.ref(t), derived)
+
+    def _of(self, t: Any) -> _Derived | None:
+        found = self.derived.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return found[1] if found is not None and found[0]() is t else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)  # the mode is off inside its own __torch_function__
+        name = getattr(func, "__name__", "")
+        if name in _MATMULS and len(args) >= 2:
+            self._matmul(name, args)
+        elif name in _GROUPED and len(args) >= 2:
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            self._grouped(args[0], args[1], offs)
+        elif args and isinstance(out, torch.Tensor):
+            source = self._of(args[0])
+            derived = source and _derive(func, name, args, kwargs, source, out)
+            if derived:
+                self._track(out, derived)
+        return out
+
+    def _matmul(self, name: str, args) -> None:
+        # linear(x, w) contracts w's last dim; x @ w its dim -2; w @ x its last dim.
+        if name != "linear" and self._of(args[0]) is not None:
+            w, x, x_first = self._of(args[0]), args[1], False
+        else:
+            w, x, x_first = self._of(args[1]), args[0], True
+        if w is None or not isinstance(x, torch.Tensor):
+            return
+        contracts_last = name == "linear" or not x_first
+        if not _contracts_k(w, contracts_last):
+            return
+        if not x_first:  # w @ x: x [..., K, M]
+            x = x.transpose(-2, -1)
+        if x.shape[-1] != w.weight.k:
+            return
+        if w.ids.dim() == 0:
+            w.weight.add(int(w.ids), x)
+        elif x.dim() == 3 and x.shape[0] == w.ids.shape[0]:  # one matrix per entry
+            for e in w.ids.unique().tolist():
+                w.weight.add(e, x[w.ids == e])
+
+    def _grouped(self, x: Any, w_tensor: Any, offs: Any) -> None:
+        w = self._of(w_tensor)
+        if w is None or not isinstance(offs, torch.Tensor) or w.ids.dim() != 1:
+            return
+        if not _contracts_k(w, contracts_last=False) or x.dim() != 2 or x.shape[1] != w.weight.k:
+            return
+        start = 0
+        for group, end in enumerate(offs.tolist()):
+            if end > start:
+                w.weight.add(int(w.ids[group]), x[start:end])
+            start = max(start, end)
+
+
+def _contracts_k(w: _Derived, contracts_last: bool) -> bool:
+    """Whether the matmul contracts the weight's K (not N): K is the stored last dim unless
+    the weight is stored transposed."""
+    stored_last = contracts_last != w.swapped
+    return stored_last != w.weight.target.transposed
+
+
+def _derive(func, name: str, args, kwargs, source: _Derived, out: torch.Tensor):
+    """What `out = func(source tensor, ...)` holds: a selection of experts (`w[e]`, `w[ids]`),
+    the same matrices with the last two dims swapped (`transpose(-2, -1)`, `.T`, `.mT`), or the
+    same matrices otherwise (`contiguous`, `to`, ...); None when it cannot tell."""
+    t = args[0]
+    if name == "__getitem__":
+        index = args[1]
+        if isinstance(index, tuple):
+            rest_whole = all(
+                i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in index[1:]
+            )
+            if not index or not rest_whole:
+                return None
+            index = index[0]
+        if source.ids.dim() == 0:
+            return None
+        try:
+            ids = source.ids[index.to(source.ids.device) if torch.is_tensor(index) else index]
+        except (IndexError, TypeError, RuntimeError):
+            return None
+        return _Derived(source.weight, ids, source.swapped) if out.dim() == ids.dim() + 2 else None
+    if out.dim() != t.dim() or out.shape[:-2] != t.shape[:-2]:
+        return None
+    if _swaps_last_two(func, name, args, kwargs, t.dim()):
+        if out.shape[-2:] != t.shape[-2:][::-1]:
+            return None
+        return _Derived(source.weight, source.ids, not source.swapped)
+    return source if out.shape[-2:] == t.shape[-2:] else None
+
+
+def _swaps_last_two(func, name: str, args, kwargs, ndim: int) -> bool:
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") in ("T", "mT")
+    if name == "t":
+        return True
+    if name == "transpose":
+        dims = list(args[1:3]) + [kwargs[k] for k in ("dim0", "dim1") if k in kwargs]
+        return len(dims) == 2 and {d % ndim for d in dims} == {ndim - 2, ndim - 1}
+    return False
 
 
 # ---- the formats: group parameters, one column rounded, the finished tensor --------------------
