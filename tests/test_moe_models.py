@@ -18,6 +18,7 @@ import functools
 import moe_models
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import qshard
@@ -304,36 +305,86 @@ def compile_counts(fn, calls) -> tuple[list[int], list[torch.Tensor], list[torch
     return counts, got, expected
 
 
+def random_routing(tokens: int, dtype=torch.bfloat16) -> tuple[torch.Tensor, ...]:
+    """(hidden, top_k_index, top_k_weights) of `tokens` tokens: an experts module's inputs."""
+    gen = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, moe_models.HIDDEN, generator=gen).to(dtype)
+    ids = torch.randint(0, moe_models.EXPERTS, (tokens, moe_models.TOP_K), generator=gen)
+    return hidden, ids, torch.rand(tokens, moe_models.TOP_K, generator=gen).to(dtype)
+
+
+# bf16 outputs, compiled vs eager: inductor computes the gate's elementwise ops in fp32 and
+# rounds once (measured 40-45 dB on the logits, 38+ on the experts).
+COMPILED_SQNR_DB = 30.0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("name", "layout"),
-    [("qwen3_moe", qshard.Int4Tensor), ("gpt_oss", qshard.Fp8BlockwiseTensor)],
-)
-def test_compiled_grouped_mm_experts_do_not_recompile(name, layout):
+def test_compiled_grouped_mm_experts_do_not_recompile():
     """torch.compile(fullgraph=True) of an experts module (grouped_mm) compiles once for every
     token count (one qshard::experts_linear node whatever the offsets). bf16: transformers uses
     its own fallback op for other dtypes under compile (see the xfail below)."""
-    model = moe_models.build(name).to(torch.bfloat16)
-    qshard.quantize_(model, REPRESENTATIVE[layout], include="*.experts.*")
+    model = moe_models.build("qwen3_moe").to(torch.bfloat16)
+    qshard.quantize_(model, REPRESENTATIVE[qshard.Int4Tensor], include="*.experts.*")
     model.set_experts_implementation("grouped_mm")
     experts = next(iter(experts_modules(model).values()))
-    calls = []
-    for tokens in (5, 11, 3):
-        gen = torch.Generator().manual_seed(tokens)
-        hidden = torch.randn(tokens, moe_models.HIDDEN, generator=gen).bfloat16()
-        ids = torch.randint(0, moe_models.EXPERTS, (tokens, moe_models.TOP_K), generator=gen)
-        weights = torch.rand(tokens, moe_models.TOP_K, generator=gen).bfloat16()
-        calls.append((hidden, ids, weights))
     torch._dynamo.utils.counters.clear()
-    counts, got, expected = compile_counts(experts, calls)
-    # The first call may reach the backend twice (with dynamic=True dynamo restarts its
-    # analysis once to make gpt-oss's float SwiGLU limit a tensor: _tensorify_python_scalars);
-    # a new token count must not reach it again.
+    counts, got, expected = compile_counts(experts, [random_routing(t) for t in (5, 11, 3)])
     assert counts[0] >= 1 and counts[1:] == [counts[0]] * 2, f"compilations after each: {counts}"
     assert not torch._dynamo.utils.counters["graph_break"]
     for g, e in zip(got, expected, strict=True):
-        # bf16 outputs; inductor fuses the gate's elementwise ops in fp32 (one bf16 ulp apart)
-        assert sqnr_db(e, g) >= 35.0
+        assert sqnr_db(e, g) >= COMPILED_SQNR_DB
+
+
+@pytest.mark.slow
+def test_compiled_whole_model_does_not_recompile():
+    """The whole gpt-oss model (transposed experts with biases, clamped SwiGLU; MXFP4, its own
+    checkpoints' layout, everywhere) compiles with fullgraph=True and not again for other
+    lengths. (Weight-only: with W8A8, inductor's fused bf16 elementwise ops round an
+    activation differently and its fp8 code moves: one FP8 linear after a fused silu compares
+    at 35 dB in bf16 (exact in float32), this model's logits at 26 dB.)"""
+    model = moe_models.build("gpt_oss").to(torch.bfloat16)
+    qshard.quantize_(model, REPRESENTATIVE[qshard.Mxfp4Tensor])
+    model.set_experts_implementation("grouped_mm")
+
+    def forward(ids):
+        return model(ids, use_cache=False).logits
+
+    # Ids whose routing has no near tie (top-2 router logits lead the third by >= 0.04 in
+    # every layer): with one, bf16 rounding that differs once compiled may pick the other
+    # expert (seen: 0.006 apart, 14 dB on that token), which says nothing about qshard.
+    ids = torch.randint(0, moe_models.VOCAB, (1, 9), generator=torch.Generator().manual_seed(7))
+    assert first_near_tie(model, ids, margin=0.04) == 9, "pick ids with no near tie"
+    calls = [(ids[:, :n],) for n in (7, 9, 4)]
+    torch._dynamo.utils.counters.clear()
+    counts, got, expected = compile_counts(forward, calls)
+    # The first call may reach the backend twice (with dynamic=True dynamo restarts its
+    # analysis once to make gpt-oss's float SwiGLU limit a tensor: _tensorify_python_scalars);
+    # a new length must not reach it again.
+    assert counts[0] >= 1 and counts[1:] == [counts[0]] * 2, f"compilations after each: {counts}"
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for g, e in zip(got, expected, strict=True):
+        assert sqnr_db(e, g) >= COMPILED_SQNR_DB
+
+
+def first_near_tie(model: nn.Module, ids: torch.Tensor, margin: float) -> int:
+    """The first position whose top-k router logits in some layer lead the next by less than
+    `margin` (gpt-oss's routers), or the length."""
+    gaps = []
+
+    def record(router, args, out):
+        scores = F.linear(args[0].float(), router.weight.float(), router.bias.float())
+        top = scores.topk(router.top_k + 1, dim=-1).values
+        gaps.append(top[:, -2] - top[:, -1])
+
+    hooks = [layer.mlp.router.register_forward_hook(record) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    tied = (torch.stack(gaps) < margin).any(0).nonzero()
+    return int(tied[0]) if len(tied) else ids.shape[1]
 
 
 @pytest.mark.xfail(
