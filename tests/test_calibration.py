@@ -335,3 +335,18 @@ def test_registered_experts_modules_are_calibrated_per_expert(cls, transposed):
     weight = model.w.transpose(-2, -1) if transposed else model.w
     assert torch.equal(weight[3].qdata, rounded[3].qdata)  # no token: rounded to nearest
     assert not torch.equal(weight[0].qdata, rounded[0].qdata)  # calibrated
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_gptq_whole_moe_model_quantizes_what_quantize_does(name):
+    """Linears and experts together, with quantize_'s selection and report."""
+    config = qshard.Int4WeightOnlyConfig(group_size=32)
+    rtn, gptq = moe_models.build(name), moe_models.build(name)
+    expected = qshard.quantize_(rtn, config)
+    report = qshard.gptq_(gptq, config, [tokens(seed) for seed in (1, 2)])
+    assert [(q.name, q.layout, q.shape, q.bytes_after) for q in report.quantized] == [
+        (q.name, q.layout, q.shape, q.bytes_after) for q in expected.quantized
+    ]
+    assert report.skipped_names() == expected.skipped_names()
+    with torch.no_grad():
+        assert torch.isfinite(gptq(tokens(seed=9)).logits).all()
