@@ -15,11 +15,11 @@ wastes at most one partial block) and the programs past the last block return at
 row index is also masked against T, so offsets that do not hold (decreasing, past T) never
 reach memory outside x and out (the reference path refuses them with a typed error).
 
-- FP8 blockwise W8A8 (`fp8_grouped_launch`): each 1 x GROUP activation group quantized in
-  registers (`_quantize_rows`, fused: the tokens of one tile are few in decode) or, for many
-  tokens per expert (prefill), once beforehand by the act-quant kernel (PREQUANT) so the tiles
-  of one token block do not each redo it; each group's fp8 dot is promoted with its scales in
-  fp32 (DeepSeek-V3 §3.3.2), as `fp8_blockwise_triton.py`.
+- FP8 blockwise W8A8 (`fp8_grouped_launch`): the activations quantized per 1 x GROUP group
+  once beforehand by the act-quant kernel (PREQUANT, the default: measured faster at every
+  size, `fp8_grouped_config`), or in registers by each tile (`_quantize_rows`); each group's
+  fp8 dot is promoted with its scales in fp32 (DeepSeek-V3 §3.3.2), as
+  `fp8_blockwise_triton.py`.
 - 4-bit weight-only (int4, MXFP4, NVFP4: `w4a16_grouped_launch`): the 2-D small-M kernel's
   steps (`_small_m_step`, `_small_m_mma`: codes decoded by bit placement, weights rounded to the
   activation dtype as the reference).
@@ -41,12 +41,9 @@ import triton.language as tl
 from .fp8_blockwise_triton import _quantize_rows, act_quant_launch
 from .w4a16_triton import Format, _global_scale, _scale_arg, _small_m_mma, _small_m_step
 
-__all__ = ["fp8_grouped_launch", "token_block", "w4a16_grouped_launch"]
+__all__ = ["fp8_grouped_config", "fp8_grouped_launch", "token_block", "w4a16_grouped_launch"]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Above this mean number of tokens per expert the FP8 kernel reads activations quantized once
-# beforehand (each token block is shared by N / BLOCK_N tiles).
-FP8_PREQUANT_MIN_TOKENS = 32
 
 
 @triton.jit
@@ -183,6 +180,18 @@ def token_block(tokens: int, experts: int) -> int:
     return min(128, max(16, triton.next_power_of_2(mean)))
 
 
+def fp8_grouped_config(block_m: int) -> dict:
+    """The best of the H100 sweep (bench/bench_moe.py --sweep, docs/kernels/grouped.md) on the
+    Qwen3-30B-A3B and DeepSeek-V3 gate_up: activations quantized beforehand at every size
+    (the act-quant kernel costs less than each tile redoing it: 15 vs 20 us at 1 token), 64
+    weight rows x 16 tokens for decode, 128 x 64 for prefill (546 us at 4096 tokens, vs 696
+    for 128 x 128 with 8 warps)."""
+    if block_m <= 32:
+        return {"BLOCK_N": 64, "BLOCK_M": block_m, "PREQUANT": True, "num_warps": 4,
+                "num_stages": 3}  # fmt: skip
+    return {"BLOCK_N": 128, "BLOCK_M": 64, "PREQUANT": True, "num_warps": 4, "num_stages": 4}
+
+
 def _grid(n: int, tokens: int, experts: int, block_n: int, block_m: int) -> tuple[int, int]:
     """(n-tiles, token blocks): the experts' blocks and the tail's (rows after offs[-1]),
     together at most T (each block holds a row) and cdiv(T, BLOCK_M) + E + 1 (each hit expert
@@ -206,14 +215,7 @@ def fp8_grouped_launch(
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)  # every row is written
     if tokens == 0 or n == 0 or experts == 0:
         return out.zero_()
-    block_m = token_block(tokens, experts)
-    config = config or {
-        "BLOCK_N": 32 if block_m == 16 else 64 if block_m <= 32 else 128,
-        "BLOCK_M": block_m,
-        "PREQUANT": block_m >= FP8_PREQUANT_MIN_TOKENS,
-        "num_warps": 4 if block_m <= 32 else 8,
-        "num_stages": 3,
-    }
+    config = config or fp8_grouped_config(token_block(tokens, experts))
     config = dict(config)
     if INTERPRETED:
         config.update(num_stages=1)
@@ -248,7 +250,7 @@ def w4a16_grouped_launch(
         return out.zero_()
     block_m = token_block(tokens, experts)
     config = config or {
-        "BLOCK_N": 32 if block_m == 16 else 64, "BLOCK_M": block_m, "BLOCK_K": 128,
+        "BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": 128,
         "num_warps": 4, "num_stages": 3,
     }  # fmt: skip
     config = dict(config)

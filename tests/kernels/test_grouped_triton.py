@@ -95,3 +95,22 @@ def test_int4_device_form_backends_refuse_experts():
     x = torch.randn(3, 64)
     with pytest.raises(qshard.errors.BackendUnavailableError, match="grouped"):
         q.grouped_linear(x, offsets([1, 2]).cpu())
+
+
+@pytest.mark.parametrize("prequant", [False, True], ids=["fused-act-quant", "prequant"])
+def test_fp8_grouped_kernel_both_activation_paths(prequant):
+    """The kernel's two ways of quantizing activations (the default config takes one)."""
+    from qshard.kernels.grouped_triton import fp8_grouped_launch
+
+    q = qshard.Fp8BlockwiseTensor.from_float(
+        (torch.randn(3, 96, 160, device=DEVICE) * 0.02).to(ACT_DTYPE),
+        qshard.Fp8BlockwiseConfig(block_size=(32, 32)),
+    )
+    x = torch.randn(12, 160, device=DEVICE, dtype=ACT_DTYPE)
+    offs = offsets([5, 0, 6])
+    config = {"BLOCK_N": 64, "BLOCK_M": 16, "PREQUANT": prequant, "num_warps": 4,
+              "num_stages": 2}  # fmt: skip
+    out = fp8_grouped_launch(x, offs, q.qdata, q.scale, None, 32, 32, 32, False, config)
+    expected = q.with_changes(backend=Backend.REFERENCE).grouped_linear(x, offs)
+    assert torch.equal(out[11:], torch.zeros_like(out[11:]))
+    assert relative_error(out[:11].float(), expected[:11].float()) <= MAX_RELATIVE_ERROR[x.dtype]
