@@ -142,36 +142,7 @@ def test_slicing_experts_rows_and_columns_commutes_with_packing(cls, config, dat
     assert torch.equal(q_t[e0:e1, c0:c1, r0:r1].dequantize(), sliced.dequantize().transpose(1, 2))
 
 
-def _quantize_like_3d_xfail(cls):
-    """quantize_like's `at` is 2-D in these layouts' overrides; see the test below."""
-    name = cls.__name__
-    if name == "Nvfp4Tensor":
-        return pytest.mark.xfail(
-            strict=True,
-            reason="Nvfp4Tensor.quantize_like (qshard/layouts/nvfp4.py) passes the whole "
-            "[E,1,1] global_scale to from_float, whose _expert_kwargs picks global_scale[i] for "
-            "the part's expert i, not expert at[0] + i: a slice of experts starting at e0 > 0 "
-            "is quantized with the wrong experts' global scales",
-        )
-    if name == "Fp8RowwiseTensor":
-        return pytest.mark.xfail(
-            strict=True,
-            reason="Fp8RowwiseTensor.quantize_like (qshard/layouts/fp8_rowwise.py) reads "
-            "self.scale[at[0]:at[0]+weight.shape[0]]: for experts at[0] is the expert offset and "
-            "the row offset at[1] is ignored, so each expert of a part of the rows gets all N "
-            "row scales; quantize_matrix does not check scale is [rows, 1] and broadcasts it "
-            "(qdata [N, c] for a logical [r1-r0, c]: an invalid tensor, or a RuntimeError)",
-        )
-    return ()
-
-
-QUANTIZE_LIKE_3D_CASES = [
-    pytest.param(cls, config, id=i, marks=_quantize_like_3d_xfail(cls))
-    for (cls, config), i in zip(LAYOUT_CASES, LAYOUT_IDS, strict=True)
-]
-
-
-@pytest.mark.parametrize(("cls", "config"), QUANTIZE_LIKE_3D_CASES)
+@pytest.mark.parametrize(("cls", "config"), LAYOUT_CASES, ids=LAYOUT_IDS)
 def test_quantize_like_takes_an_experts_offset(cls, config):
     """`q.quantize_like(W[e0:e1, r0:r1, c0:c1], at=(e0, r0, c0))` equals the slice: per-expert
     state (NVFP4's global scale, FP8 per-row scales) is that of experts e0..e1, rows r0..r1."""
@@ -186,16 +157,6 @@ def test_quantize_like_takes_an_experts_offset(cls, config):
 
 
 def _from_float_part_marks(cls):
-    if cls.__name__ == "Nvfp4Tensor":
-        return pytest.mark.xfail(
-            strict=True,
-            raises=IndexError,
-            reason="Nvfp4Tensor.from_float_part (qshard/layouts/nvfp4.py) computes one "
-            "global_scale_of(whole) over all experts ([1, 1]) and passes it to from_float, whose "
-            "_expert_kwargs indexes it per expert: IndexError for E > 1 (and one scale shared by "
-            "every expert for E = 1 of a larger whole); it needs one global scale per expert of "
-            "`whole` ([E, 1, 1]), and for a part of the experts (EP) the experts' offset",
-        )
     if cls.__name__ == "Fp8RowwiseTensor":
         return pytest.mark.skip(reason="from_float_part takes a DTensor whole (tests/tp)")
     return ()
@@ -729,13 +690,6 @@ def test_grouped_mm_with_no_tokens(cls, config):
         assert torch.equal(out, torch.zeros(rows, 64))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="qshard/qtensor/grouped.py _grouped_mm does not check the bias shape: a 1-D bias [N] "
-    "is silently misapplied (each expert's grouped_linear takes bias[e], a scalar, and adds it "
-    "to every output of expert e's rows), and a bias [E, N-1] raises a raw RuntimeError from "
-    "the broadcast; it should raise InputMismatchError unless the bias is [E, N]",
-)
 @pytest.mark.parametrize(
     ("cls", "config"), [LAYOUT_CASES[0], LAYOUT_CASES[-1]], ids=LAYOUT_IDS[::11]
 )
@@ -908,15 +862,6 @@ def test_compile_grouped_mm_dynamic_tokens_compiles_once(cls):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="qshard/qtensor/grouped.py: the input gradient of a grouped matmul "
-    "(_grouped_mm(grad, W) -> _grouped_times_weight) is plain Python that reads offs.tolist() "
-    "(check_offsets(values=True)); AOT autograd traces it into the joint graph and fails on "
-    "the data-dependent offsets (GuardOnDataDependentSymNode). The forward is one custom op "
-    "(qshard::experts_linear); the backward needs its own custom op with a fake, or an "
-    "autograd formula registered on experts_linear",
-)
 @pytest.mark.parametrize("cls", LAYOUT_CLASSES, ids=[c.__name__ for c in LAYOUT_CLASSES])
 def test_compile_grouped_mm_with_autograd(cls):
     """Grad enabled (an input that needs a gradient: LoRA on the experts' inputs), static

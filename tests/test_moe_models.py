@@ -322,7 +322,7 @@ COMPILED_SQNR_DB = 30.0
 def test_compiled_grouped_mm_experts_do_not_recompile():
     """torch.compile(fullgraph=True) of an experts module (grouped_mm) compiles once for every
     token count (one qshard::experts_linear node whatever the offsets). bf16: transformers uses
-    its own fallback op for other dtypes under compile (see the xfail below)."""
+    its own fallback op for other dtypes under compile (handled as _grouped_mm)."""
     model = moe_models.build("qwen3_moe").to(torch.bfloat16)
     qshard.quantize_(model, REPRESENTATIVE[qshard.Int4Tensor], include="*.experts.*")
     model.set_experts_implementation("grouped_mm")
@@ -387,13 +387,6 @@ def first_near_tie(model: nn.Module, ids: torch.Tensor, margin: float) -> int:
     return int(tied[0]) if len(tied) else ids.shape[1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=qshard.UnsupportedOpError,
-    reason="qshard does not implement transformers::grouped_mm_fallback, the op transformers' "
-    "grouped_mm experts call under torch.compile when the weights are not bf16 (and always "
-    "on torch <= 2.8 CPU); qshard/qtensor/grouped.py should handle it as _grouped_mm",
-)
 def test_transformers_grouped_mm_fallback_op_on_quantized_experts():
     import transformers.integrations.moe  # noqa: F401  (registers the op)
 

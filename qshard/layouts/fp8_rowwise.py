@@ -86,6 +86,11 @@ class Fp8RowwiseTensor(QTensor):
         config = checked_config(cls.__name__, Fp8RowwiseConfig, config)
         check_float_weight(cls.__name__, weight)
         weight = weight.detach()
+        if scale is not None and tuple(scale.shape) != (weight.shape[0], 1):
+            raise ConfigError(
+                f"Fp8RowwiseTensor.from_float: scale {list(scale.shape)} for a weight "
+                f"{list(weight.shape)}; the row scales are [{weight.shape[0]}, 1]"
+            )
         scale = row_scales(weight) if scale is None else scale.to(weight.device, torch.float32)
         return quantized(
             cls(
@@ -108,11 +113,14 @@ class Fp8RowwiseTensor(QTensor):
         amax = amax.redistribute(placements=placements).to_local()
         return cls.from_float(part, config, scale=scales_from_amax(amax, ScaleFormat.FP32))
 
-    def quantize_like(self, weight: torch.Tensor, at: tuple[int, int] = (0, 0)):
-        rows = self.scale[at[0] : at[0] + weight.shape[0]]
-        if rows.shape[0] != weight.shape[0]:
+    def quantize_like(self, weight: torch.Tensor, at: tuple[int, ...] = (0, 0)):
+        scale, row = self.scale, at[self.lead]  # experts: at = (expert, row, column)
+        if self.lead:
+            scale = scale[at[0] : at[0] + weight.shape[0]]
+        rows = scale[..., row : row + weight.shape[-2], :]
+        if tuple(rows.shape[:-1]) != tuple(weight.shape[:-1]):
             raise ConfigError(
-                f"Fp8RowwiseTensor.quantize_like: rows [{at[0]}, {at[0] + weight.shape[0]}) are "
+                f"Fp8RowwiseTensor.quantize_like: a part {list(weight.shape)} at {list(at)} is "
                 f"not all in this {list(self.logical_shape)} weight; pass the part's offset `at`"
             )
         return type(self).from_float(weight, self.config(), scale=rows)

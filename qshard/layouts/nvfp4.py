@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 
 from ..config import Backend, QuantConfig, parse_backend
-from ..errors import ConfigError
+from ..errors import ConfigError, UnsupportedWeightError
 from ..kernels.availability import load_w4a16_ops
 from ..kernels.nvfp4 import (
     E2M1_MAX,
@@ -113,10 +113,22 @@ class Nvfp4Tensor(QTensor):
 
     @classmethod
     def from_float_part(cls, part, whole, config) -> Nvfp4Tensor:
+        if whole.dim() == 3:  # experts: each part of an expert takes that expert's scale
+            if part.dim() != 3 or part.shape[0] != whole.shape[0]:
+                raise UnsupportedWeightError(
+                    f"Nvfp4Tensor.from_float_part: a part {list(part.shape)} of experts "
+                    f"{list(whole.shape)} that is not a part of every expert; quantize the "
+                    f"whole experts, then shard them (each expert keeps its global scale)"
+                )
+            scales = torch.stack([global_scale_of(expert) for expert in whole.unbind(0)])
+            return cls.from_float(part, config, global_scale=scales.to(part.device))
         return cls.from_float(part, config, global_scale=global_scale_of(whole).to(part.device))
 
-    def quantize_like(self, weight: torch.Tensor, at: tuple[int, int] = (0, 0)) -> Nvfp4Tensor:
-        return type(self).from_float(weight, self.config(), global_scale=self.global_scale)
+    def quantize_like(self, weight: torch.Tensor, at: tuple[int, ...] = (0, 0)) -> Nvfp4Tensor:
+        scale = self.global_scale  # experts: those of the experts the part starts at
+        if self.lead:
+            scale = scale[at[0] : at[0] + weight.shape[0]]
+        return type(self).from_float(weight, self.config(), global_scale=scale)
 
     @classmethod
     def contract_configs(cls) -> list[NVFP4WeightOnlyConfig]:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
@@ -64,6 +63,8 @@ Packing = dict[str, tuple[int, int] | None]
 
 # A packing side that spans the whole dim (see the module docstring).
 WHOLE = -1
+# Handlers of ops by name, for every QTensor (QTensor.implements_named).
+_NAMED_OPS: dict[str, Handler] = {}
 
 
 def spans_dim(packing: tuple[int, int] | None, dim: int) -> bool:
@@ -212,13 +213,10 @@ class QTensor(torch.Tensor):
         (sorted by expert) times W[e].T, + bias[e] ([E, N]); zeros past offs[-1]. The default
         runs each expert's `_linear` inside one custom op (qtensor/grouped.py); a layout with
         a fused grouped kernel overrides it."""
-        from ..io.format import attr_to_json
+        from .grouped import _op_args
 
-        attrs = json.dumps({name: attr_to_json(v) for name, v in self.attrs().items()})
-        inner = [getattr(self, name) for name in self.inner_names]
-        return torch.ops.qshard.experts_linear(
-            x, offs, inner, bias, type(self).__name__, attrs, self.dtype, list(self.logical_shape)
-        )
+        inner, layout, attrs, dtype, shape = _op_args(self)
+        return torch.ops.qshard.experts_linear(x, offs, inner, bias, layout, attrs, dtype, shape)
 
     def matrix_max_magnitude(self) -> float:
         """`max_magnitude()` of one [N, K] weight."""
@@ -372,6 +370,12 @@ class QTensor(torch.Tensor):
         return _register(cls._torch_fn_ops, funcs)
 
     @classmethod
+    def implements_named(cls, name: str) -> Callable[[Handler], Handler]:
+        """Register an aten-level handler for the op called `name` ("namespace::op"), for ops
+        of libraries that may not be imported yet (transformers' own custom ops)."""
+        return _register(_NAMED_OPS, name)
+
+    @classmethod
     def _lookup(cls, table_name: str, func: Any) -> Handler | None:
         for klass in cls.__mro__:
             table = klass.__dict__.get(table_name)
@@ -391,7 +395,7 @@ class QTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        handler = cls._lookup("_aten_ops", func)
+        handler = cls._lookup("_aten_ops", func) or _NAMED_OPS.get(func.name())
         if handler is None and func.namespace in ("c10d", "_c10d_functional"):
             raise UnsupportedOpError(
                 f"{cls.__name__} cannot go through the collective {func}: shard quantized "

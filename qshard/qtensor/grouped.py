@@ -127,21 +127,45 @@ def _grouped_mm(func, args, kwargs):
         )
     check_offsets(x, offs, w.experts, values=False)
     if w.transposed:  # x @ W[e].T: the forward of every experts implementation
+        experts, n = w.experts, w.matrix_shape[0]
+        if bias is not None and tuple(bias.shape) != (experts, n):
+            raise InputMismatchError(
+                f"torch._grouped_mm: bias {list(bias.shape)}; quantized experts take one bias "
+                f"row per expert, [{experts}, {n}] (or none)"
+            )
         out = w.with_changes(transposed=False).grouped_linear(x, offs, bias)
     else:  # x @ W[e]: the input gradient of the above, through the dequantized weight
         if bias is not None:
             raise UnsupportedOpError("torch._grouped_mm: x @ W[e] takes no bias")
-        out = _grouped_times_weight(x, w, offs)
+        out = torch.ops.qshard.experts_times_weight(x, offs, *_op_args(w))
     return out if out_dtype in (None, out.dtype) else out.to(out_dtype)
+
+
+@QTensor.implements_named("transformers::grouped_mm_fallback")
+def _transformers_grouped_mm(func, args, kwargs):
+    """transformers' own grouped matmul op (`integrations/moe.py`: under torch.compile with
+    weights other than bf16, and on old torch), `(x, w [E, K, N], offs)`: `_grouped_mm`."""
+    return _grouped_mm(func, args, kwargs)
 
 
 def _grouped_mm_args(self, mat2, offs=None, bias=None, out_dtype=None):
     return self, mat2, offs, bias, out_dtype
 
 
-def _grouped_times_weight(x: torch.Tensor, w: QTensor, offs: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("qshard::experts_times_weight", mutates_args=())
+def experts_times_weight(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    inner: list[torch.Tensor],
+    layout: str,
+    attrs: str,
+    dtype: torch.dtype,
+    shape: list[int],
+) -> torch.Tensor:
     """Rows of each expert times its [N, K] weight W[e] (not W[e].T), dequantized: what
-    autograd asks for as the input gradient of a grouped linear (as `_mm_grad_input`)."""
+    autograd asks for as the input gradient of a grouped linear (as `_mm_grad_input`). One
+    op, as `experts_linear`, so that a compiled backward reads no offsets."""
+    w = _rebuild(inner, layout, attrs, dtype, shape)
     check_offsets(x, offs, w.experts, values=True)
     out = x.new_zeros(x.shape[0], w.matrix_shape[1])
     start = 0
@@ -150,6 +174,21 @@ def _grouped_times_weight(x: torch.Tensor, w: QTensor, offs: torch.Tensor) -> to
             out[start:end] = x[start:end] @ w.expert(e).dequantize(x.dtype)
         start = end
     return out
+
+
+@experts_times_weight.register_fake
+def _(x, offs, inner, layout, attrs, dtype, shape):
+    return x.new_empty(x.shape[0], shape[2])
+
+
+def _op_args(w: QTensor) -> tuple:
+    """(inner tensors, layout name, JSON attributes, dtype, logical shape): how the generic
+    experts ops receive a QTensor."""
+    from ..io.format import attr_to_json
+
+    attrs = json.dumps({name: attr_to_json(v) for name, v in w.attrs().items()})
+    inner = [getattr(w, name) for name in w.inner_names]
+    return inner, type(w).__name__, attrs, w.dtype, list(w.logical_shape)
 
 
 @QTensor.implements(aten.bmm.default)

@@ -375,11 +375,12 @@ def qtensor_problem(q: qshard.QTensor) -> str | None:
     apart from the layout's declarations: inner_specs and the attribute annotations)."""
     cls = type(q)
     shape = getattr(q, "logical_shape", None)
-    if not (isinstance(shape, tuple) and len(shape) == 2 and all(type(s) is int for s in shape)):
+    sizes = isinstance(shape, tuple) and len(shape) in (2, 3)
+    if not (sizes and all(type(s) is int for s in shape)):
         return f"logical_shape {shape!r}"
     if not all(0 <= s < 2**31 for s in shape) or type(q.transposed) is not bool:
         return f"logical_shape {shape!r}, transposed {q.transposed!r}"
-    outer = shape[::-1] if q.transposed else shape
+    outer = (*shape[:-2], shape[-1], shape[-2]) if q.transposed else shape
     if tuple(q.shape) != outer or q.requires_grad:
         return f"outer shape {tuple(q.shape)} for logical {shape} (requires_grad={q.requires_grad})"
     for name, hint in attr_types(cls).items():
