@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 from ..api import _is_dtensor
 from ..errors import MisalignedSliceError, QShardError
 from ..qtensor import QTensor
+from .experts import ExpertParallel, ExpertsStyle, ExpertTensorParallel
 from .styles import QuantColwiseParallel, QuantRowwiseParallel, param_placements, shard_cuts
 
 __all__ = [
@@ -46,7 +47,12 @@ __all__ = [
 ]
 
 CANDIDATE_TP_SIZES = tuple(range(1, 65))  # what an error lists as sizes that work
-_STYLE_NAMES = {"colwise": QuantColwiseParallel, "rowwise": QuantRowwiseParallel}
+_STYLE_NAMES = {
+    "colwise": QuantColwiseParallel,
+    "rowwise": QuantRowwiseParallel,
+    "expert_parallel": ExpertParallel,
+    "expert_tensor_parallel": ExpertTensorParallel,
+}
 
 
 def _quant_aware(style: ParallelStyle | str, pattern: str) -> ParallelStyle:
@@ -178,6 +184,8 @@ def _validate(model: nn.Module, resolved: Mapping[str, ParallelStyle], world: in
     """Everything that can be checked before the model changes."""
     for name, style in resolved.items():
         _check_entry(name, model.get_submodule(name), style)
+        if isinstance(style, ExpertsStyle):  # experts modules: their own shard rules
+            style.check(name, model.get_submodule(name), world)
     _check_alignment(list(_sharded_weights(model, resolved)), world)
 
 

@@ -1,0 +1,240 @@
+"""Expert parallelism and tensor parallelism of quantized experts (qshard.tp.ExpertParallel,
+ExpertTensorParallel) on CPU with gloo, world sizes 2 and 4.
+
+Each test spawns one group of processes and runs several cases in it (process start-up and
+imports dominate on the 2-core CI machine). Every rank builds the same tiny transformers MoE
+model, quantizes it, keeps an unsharded copy as the single-device reference, shards the other.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import moe_models
+import pytest
+import torch
+from test_tensor_parallel import spawn
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import qshard
+import qshard.tp
+from qshard.tp import ExpertParallel, ExpertParallelError, ExpertTensorParallel
+from qshard.tp.experts import local_experts
+
+FP8 = qshard.Fp8BlockwiseConfig(block_size=(32, 32))
+INT4 = qshard.Int4WeightOnlyConfig(group_size=32)
+MXFP4 = qshard.MXFP4WeightOnlyConfig()
+EXPERTS = "model.layers.*.mlp.experts"
+# A token's expert outputs are summed across ranks (EP) and a row-parallel down projection's
+# K parts by the all-reduce (TP), not in one device's order: fp32 rounding (outputs are O(1)).
+TOLERANCE = {"rtol": 1e-5, "atol": 2e-5}
+TOKENS = 13
+
+
+def qwen3_moe(intermediate: int = 32, experts: int = moe_models.EXPERTS) -> nn.Module:
+    """moe_models.qwen3_moe with another expert intermediate size or expert count."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **moe_models.COMMON,
+        head_dim=16,
+        intermediate_size=64,
+        moe_intermediate_size=intermediate,
+        num_experts=experts,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    return moe_models._seeded(lambda: Qwen3MoeForCausalLM(config), seed=5)
+
+
+MODELS = {
+    "qwen3_moe": moe_models.qwen3_moe,
+    "qwen3_moe_i64": lambda: qwen3_moe(intermediate=64),
+    "gpt_oss": moe_models.gpt_oss,
+}
+
+
+def routing(tokens: int, experts: int = moe_models.EXPERTS, dtype=torch.float32, seed: int = 0):
+    """(hidden, top_k_index, top_k_weights): an experts module's inputs, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, moe_models.HIDDEN, generator=gen).to(dtype)
+    scores = torch.rand(tokens, experts, generator=gen)
+    weights, ids = scores.topk(moe_models.TOP_K, dim=-1)
+    return hidden, ids, (weights / weights.sum(-1, keepdim=True)).to(dtype)
+
+
+def experts_of(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if n.endswith("mlp.experts")}
+
+
+def realigned_reference(reference: nn.Module, world: int) -> None:
+    """Give the unsharded reference the packing the TP shards got (FP8 re-blocked at a shard
+    boundary inside a block), so that both quantize activations in the same groups."""
+    for module in experts_of(reference).values():
+        interleaved = not module.is_concatenated
+        for name, dim in (("gate_up_proj", 1), ("down_proj", 2)):
+            weight = getattr(module, name)
+            if not isinstance(weight, qshard.QTensor):
+                continue
+            size = weight.logical_shape[dim]
+            if name == "gate_up_proj":
+                from qshard.tp.experts import _gate_up_cuts
+
+                cuts = _gate_up_cuts(size, world, interleaved)
+            else:
+                cuts = qshard.tp.shard_cuts(size, world)
+            setattr(module, name, nn.Parameter(weight.realign(dim, cuts), requires_grad=False))
+
+
+def check_case(rank, world, mesh, name, config, style, implementation="grouped_mm") -> None:
+    model = MODELS[name]()
+    qshard.quantize_(model, config)
+    model.set_experts_implementation(implementation)
+    reference = copy.deepcopy(model)
+    if isinstance(style, ExpertTensorParallel):
+        realigned_reference(reference, world)
+    qshard.tp.parallelize(model, mesh, {EXPERTS: style})
+    where = f"{name} {type(config).__name__} {type(style).__name__} world {world} rank {rank}"
+
+    for module_name, module in experts_of(model).items():
+        for pname, param in module.named_parameters(recurse=False):
+            assert isinstance(param, DTensor), (where, pname)
+            local = param.to_local()
+            full = getattr(reference.get_submodule(module_name), pname)
+            assert param.shape == full.shape, (where, pname)
+            if isinstance(style, ExpertParallel):
+                assert param.placements == (Shard(0),)
+                assert local.shape[0] == full.shape[0] // world
+                if isinstance(full, qshard.QTensor):  # a compact copy of this rank's experts
+                    lo = rank * local.shape[0]
+                    expected = full.slice_logical(0, lo, lo + local.shape[0]).dequantize()
+                    assert torch.equal(local.dequantize(), expected), (where, pname)
+                    for t in local.inner_tensors().values():
+                        assert t.untyped_storage().nbytes() == t.nbytes, (where, pname)
+        ref_module = reference.get_submodule(module_name)
+        for seed in range(2):
+            args = routing(TOKENS, seed=seed)
+            with torch.no_grad():
+                expected, got = ref_module(*args), module(*args)
+            torch.testing.assert_close(got, expected, **TOLERANCE, msg=lambda m: f"{where}: {m}")
+    # The whole model, on ids whose routing is identical (logits through two MoE layers).
+    ids = torch.randint(0, moe_models.VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4, msg=where
+        )
+
+
+def _cases_worker(rank, world, mesh, cases):
+    for case in cases:
+        check_case(rank, world, mesh, *case)
+
+
+EP_CASES = [
+    ("qwen3_moe", FP8, ExpertParallel()),
+    ("qwen3_moe", INT4, ExpertParallel()),
+    ("gpt_oss", MXFP4, ExpertParallel()),
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_equals_one_device(world):
+    """Each rank holds E/world experts (Shard(0), compact copies); the experts' and the whole
+    model's outputs equal the unsharded quantized model's."""
+    spawn(_cases_worker, world, EP_CASES)
+
+
+def _tp_worker(rank, world, mesh):
+    cases = [("qwen3_moe_i64", FP8, ExpertTensorParallel())]
+    if world == 2:
+        cases += [
+            # I = 32 at TP 2: 16-row shards, half a 32x32 FP8 block, re-blocked exactly.
+            ("qwen3_moe", FP8, ExpertTensorParallel()),
+            ("qwen3_moe_i64", INT4, ExpertTensorParallel()),
+            ("gpt_oss", FP8, ExpertTensorParallel()),  # interleaved gate/up, biases
+        ]
+    for case in cases:
+        check_case(rank, world, mesh, *case)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_tensor_parallel_equals_one_device(world):
+    """Every expert's intermediate dim split: gate_up paired column-parallel, down row-parallel
+    with an all-reduce; FP8 shards of half a block re-blocked as dense shards are."""
+    spawn(_tp_worker, world)
+
+
+def _refusals_worker(rank, world, mesh):
+    # 6 experts over 4 ranks: refused with the sizes that work, nothing changed (the attention
+    # entry of the same plan is not applied either).
+    model = qwen3_moe(experts=6)
+    qshard.quantize_(model, FP8)
+    before = {n: p for n, p in model.named_parameters()}
+    plan = {"model.layers.*.self_attn.q_proj": "colwise", EXPERTS: ExpertParallel()}
+    with pytest.raises(ExpertParallelError, match=r"6 experts.*4 ranks.*\[1, 2, 3, 6\]"):
+        qshard.tp.parallelize(model, mesh, plan)
+    after = dict(model.named_parameters())
+    assert all(after[n] is p and not isinstance(p, DTensor) for n, p in before.items())
+    assert all(m.num_experts == 6 for m in experts_of(model).values())
+    # int4 g32 with I = 32 at TP 4: down's K shards of 8 cut its groups.
+    model = moe_models.qwen3_moe()
+    qshard.quantize_(model, INT4)
+    with pytest.raises(ExpertParallelError, match=r"Sizes that work: \[1\]"):
+        qshard.tp.parallelize(model, mesh, {EXPERTS: ExpertTensorParallel()})
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    # Not an experts module.
+    with pytest.raises(ExpertParallelError, match="not a transformers experts module"):
+        qshard.tp.parallelize(model, mesh, {"model.layers.0.self_attn": ExpertParallel()})
+
+
+def test_uneven_experts_and_misaligned_shards_are_refused():
+    spawn(_refusals_worker, 4)
+
+
+def _placements_worker(rank, world, mesh):
+    """Float experts (plain tensors go through DTensor for real): the paired gate/up placement
+    gathers back to the full weight, and the float TP/EP outputs equal one device's."""
+    for name, style in (("qwen3_moe", ExpertTensorParallel()), ("gpt_oss", ExpertParallel())):
+        model = MODELS[name]()
+        reference = copy.deepcopy(model)
+        qshard.tp.parallelize(model, mesh, {EXPERTS: style})
+        for module_name, module in experts_of(model).items():
+            ref = reference.get_submodule(module_name)
+            for pname, param in module.named_parameters(recurse=False):
+                full = param.redistribute(mesh, [Replicate()]).to_local()
+                assert torch.equal(full, getattr(ref, pname)), (name, pname, param.placements)
+            args = routing(TOKENS)
+            with torch.no_grad():
+                torch.testing.assert_close(module(*args), ref(*args), **TOLERANCE)
+            assert local_experts(module) is not None
+
+
+def test_float_experts_placements_gather_back():
+    spawn(_placements_worker, 2)
+
+
+def _compile_worker(rank, world, mesh):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = moe_models.qwen3_moe().to(torch.bfloat16)
+    qshard.quantize_(model, INT4, include="*.experts.*")
+    model.set_experts_implementation("grouped_mm")
+    qshard.tp.parallelize(model, mesh, {EXPERTS: ExpertParallel()})
+    experts = next(iter(experts_of(model).values()))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(experts, backend=counter, fullgraph=True, dynamic=True)
+    counts = []
+    for tokens in (5, 11, 3):
+        args = routing(tokens, dtype=torch.bfloat16, seed=tokens)
+        with torch.no_grad():
+            got, expected = compiled(*args), experts(*args)
+        counts.append(counter.frame_count)
+        # bf16: inductor computes the gate's elementwise ops in fp32 and rounds once.
+        assert qshard.sqnr_db(expected.float(), got.float()) > 30
+    assert counts == [1, 1, 1], counts
+
+
+def test_expert_parallel_compiles_fullgraph_once():
+    spawn(_compile_worker, 2)
