@@ -248,7 +248,9 @@ class ExpertTensorParallel(ExpertsStyle):
             working = [
                 size
                 for size in range(1, 65)
-                if all(_weight_problem(w, p, size, interleaved) is None for p, w in quantized.items())
+                if all(
+                    _weight_problem(w, p, size, interleaved) is None for p, w in quantized.items()
+                )
             ]
             raise ExpertParallelError(
                 f"qshard.tp.ExpertTensorParallel: {name or 'the model'!r} at tensor-parallel size "

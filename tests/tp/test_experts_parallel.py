@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import qshard
 import qshard.tp
 from qshard.tp import ExpertParallel, ExpertParallelError, ExpertTensorParallel
-from qshard.tp.experts import local_experts
+from qshard.tp.experts import _gate_up_cuts, _gate_up_rows, local_experts
 
 FP8 = qshard.Fp8BlockwiseConfig(block_size=(32, 32))
 INT4 = qshard.Int4WeightOnlyConfig(group_size=32)
@@ -79,12 +79,25 @@ def realigned_reference(reference: nn.Module, world: int) -> None:
                 continue
             size = weight.logical_shape[dim]
             if name == "gate_up_proj":
-                from qshard.tp.experts import _gate_up_cuts
-
                 cuts = _gate_up_cuts(size, world, interleaved)
             else:
                 cuts = qshard.tp.shard_cuts(size, world)
             setattr(module, name, nn.Parameter(weight.realign(dim, cuts), requires_grad=False))
+
+
+def tp_shard(full: qshard.QTensor, name: str, module, world: int, rank: int) -> torch.Tensor:
+    """The dequantized rows (gate_up: gate and up rows of this rank's units) or columns (down)
+    that ExpertTensorParallel gives `rank`, cut from the full weight (logical [E, N, K])."""
+    dense = full.dequantize()
+    if full.transposed:
+        dense = dense.transpose(-2, -1)
+    if name == "gate_up_proj":
+        rows = _gate_up_rows(dense.shape[1], world, rank, not module.is_concatenated)
+        out = torch.cat([dense[:, a:b] for a, b in rows], dim=1)
+    else:
+        a, b = qshard.tp.chunk_bounds(dense.shape[2], world, rank)
+        out = dense[:, :, a:b]
+    return out.transpose(-2, -1) if full.transposed else out
 
 
 def check_case(rank, world, mesh, name, config, style, implementation="grouped_mm") -> None:
@@ -112,6 +125,9 @@ def check_case(rank, world, mesh, name, config, style, implementation="grouped_m
                     assert torch.equal(local.dequantize(), expected), (where, pname)
                     for t in local.inner_tensors().values():
                         assert t.untyped_storage().nbytes() == t.nbytes, (where, pname)
+            elif isinstance(full, qshard.QTensor):  # the reference got the shards' packing
+                assert local.attrs() == full.attrs(), (where, pname, local.attrs())
+                assert torch.equal(local.dequantize(), tp_shard(full, pname, module, world, rank))
         ref_module = reference.get_submodule(module_name)
         for seed in range(2):
             args = routing(TOKENS, seed=seed)
@@ -177,10 +193,10 @@ def _refusals_worker(rank, world, mesh):
     after = dict(model.named_parameters())
     assert all(after[n] is p and not isinstance(p, DTensor) for n, p in before.items())
     assert all(m.num_experts == 6 for m in experts_of(model).values())
-    # int4 g32 with I = 32 at TP 4: down's K shards of 8 cut its groups.
+    # int4 g32 with I = 32 at TP 4: down's K shards of 8 cut its groups (TP 2 re-groups to 16).
     model = moe_models.qwen3_moe()
     qshard.quantize_(model, INT4)
-    with pytest.raises(ExpertParallelError, match=r"Sizes that work: \[1\]"):
+    with pytest.raises(ExpertParallelError, match=r"size 4 cuts.*Sizes that work: \[1, 2\]"):
         qshard.tp.parallelize(model, mesh, {EXPERTS: ExpertTensorParallel()})
     assert not any(isinstance(p, DTensor) for p in model.parameters())
     # Not an experts module.
