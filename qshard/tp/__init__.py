@@ -10,7 +10,7 @@ qshard.tp.parallelize(model, mesh, {"model.layers.*.mlp.experts": qshard.tp.Expe
 qshard.tp.parallelize(model, mesh, {"model.layers.*.mlp.experts": "expert_tensor_parallel"})
 """
 
-from .experts import ExpertParallel, ExpertParallelError, ExpertTensorParallel
+from .experts import ExpertParallel, ExpertParallelError, ExpertTensorParallel, experts_to_local
 from .local import LocalLinear, to_local
 from .plan import CANDIDATE_TP_SIZES, parallelize, resolve_plan
 from .styles import QuantColwiseParallel, QuantRowwiseParallel, chunk_bounds, shard_cuts
@@ -24,6 +24,7 @@ __all__ = [
     "QuantColwiseParallel",
     "QuantRowwiseParallel",
     "chunk_bounds",
+    "experts_to_local",
     "parallelize",
     "resolve_plan",
     "shard_cuts",

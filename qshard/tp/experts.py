@@ -56,6 +56,7 @@ __all__ = [
     "ExpertParallelError",
     "ExpertTensorParallel",
     "ExpertsStyle",
+    "experts_to_local",
     "local_experts",
 ]
 
@@ -76,6 +77,20 @@ def local_experts(module: nn.Module) -> nn.Module | None:
     """The plain module holding this rank's shards that a sharded experts module's forward runs
     (the module itself keeps DTensor parameters, for checkpoints), or None if not sharded here."""
     return module.__dict__.get(_LOCAL_ATTR)
+
+
+def experts_to_local(model: nn.Module) -> nn.Module:
+    """Give every experts module sharded here its local shards as plain parameters in place of
+    the DTensors (what `qshard.tp.to_local` does for linears; run it before that, which refuses
+    DTensors outside linears). Their forward already runs on the local shards; afterwards the
+    model no longer carries placements for `qshard.save`. Returns the model."""
+    for module in model.modules():
+        local = local_experts(module)
+        if local is not None:
+            for name, param in list(module._parameters.items()):
+                if isinstance(param, DTensor):
+                    module._parameters[name] = local._parameters[name]
+    return model
 
 
 def _experts_weights(name: str, module: nn.Module, style: str) -> dict[str, bool]:

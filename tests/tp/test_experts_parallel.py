@@ -250,6 +250,15 @@ def _compile_worker(rank, world, mesh):
         # bf16: inductor computes the gate's elementwise ops in fp32 and rounds once.
         assert qshard.sqnr_db(expected.float(), got.float()) > 30
     assert counts == [1, 1, 1], counts
+    # Frozen (weights constants of the graph), after the experts and then every sharded linear
+    # are made local: the graph holds no DTensor and no process group, only the group's name.
+    qshard.tp.to_local(qshard.tp.experts_to_local(model))
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    torch._dynamo.reset()
+    args = routing(7, dtype=torch.bfloat16, seed=7)
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        frozen = torch.compile(experts, fullgraph=True)(*args)
+        assert qshard.sqnr_db(experts(*args).float(), frozen.float()) > 30
 
 
 def test_expert_parallel_compiles_fullgraph_once():
