@@ -4,6 +4,13 @@ tokens per second for bf16 and each qshard layout (and torchao's), compiled, at 
     python bench/bench_decode.py [--layouts bf16,int4-g128,fp8-block,fp8-row,nvfp4,mxfp4,...]
         [--batches 1,32] [--prompt 1024] [--new 256] [--config llama-3.1-8b|tiny]
     python bench/bench_decode.py --tp 2 ...     # TP 2: each measurement under torchrun (NCCL)
+    python bench/bench_decode.py --config qwen3-30b-a3b [--layers 12]   # mixture of experts
+
+`--config qwen3-30b-a3b`: Qwen3-30B-A3B's shapes (128 experts of 768, top-8, hidden 2048,
+`qshard.models.moe`: grouped matmuls over the experts, qshard's grouped kernels once quantized),
+with `--layers` of its 48 layers (tokens/s scale with the layers; the speedups do not depend
+on them); quantized one layer at a time so the bf16 model and its quantized copy never both
+fill the GPU.
 
 Each layout: the model built on the GPU in bf16, every linear quantized (the output head
 included), sharded by `qshard.models.TP_PLAN` under torchrun, KV caches for prompt + new tokens
@@ -75,7 +82,9 @@ def build(config: LlamaConfig, layout: str, device: torch.device, mesh=None) -> 
 
         torchao_quantize(model, torchao_config(layout))
     elif layout != "bf16":
-        qshard.quantize_(model, CONFIGS[layout]())
+        for layer in model.layers:  # a layer at a time: the peak is the bf16 model + a layer
+            qshard.quantize_(layer, CONFIGS[layout]())
+        qshard.quantize_(model.output, CONFIGS[layout]())
     if mesh is not None:
         qshard.tp.parallelize(model, mesh, TP_PLAN)
     return model
@@ -116,7 +125,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=256)
-    parser.add_argument("--config", default="llama-3.1-8b", choices=["llama-3.1-8b", "tiny"])
+    parser.add_argument(
+        "--config",
+        default="llama-3.1-8b",
+        choices=["llama-3.1-8b", "tiny", "qwen3-30b-a3b", "tiny-moe"],
+    )
+    parser.add_argument("--layers", type=int, default=None, help="layers of a MoE config")
     parser.add_argument("--tp", type=int, default=1, help="processes (GPUs) through torchrun")
     parser.add_argument(
         "--no-freezing",
@@ -135,7 +149,8 @@ def main() -> None:
 
         print(f"GPU: {torch.cuda.get_device_name()} x {args.tp}; torch {torch.__version__}, "
               f"triton {triton.__version__}, torchao {_version('torchao')}")  # fmt: skip
-    print(f"{args.config}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
+    layers = f" ({args.layers} layers)" if args.layers else ""
+    print(f"{args.config}{layers}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
           f"decode step (inductor freezing {'on' if args.freezing else 'off'}), "
           f"TP {args.tp}; each (layout, batch) in a fresh process\n")  # fmt: skip
     batches = args.batches.split(",")
@@ -164,6 +179,7 @@ def run_child(args, layout: str, batch: str) -> dict | str:
         return "n/a (torchao: TP 1 only)"
     script = [__file__, "--child", "--layouts", layout, "--batches", batch, "--prompt",
               str(args.prompt), "--new", str(args.new), "--config", args.config]  # fmt: skip
+    script += ["--layers", str(args.layers)] if args.layers else []
     script += [] if args.freezing else ["--no-freezing"]
     launcher = [sys.executable]
     if args.tp > 1:
@@ -178,6 +194,16 @@ def run_child(args, layout: str, batch: str) -> dict | str:
             return json.loads(line.removeprefix("RESULT "))
     errors = [line for line in done.stderr.splitlines() if "Error" in line] or ["no result"]
     return f"fails: {errors[-1].strip()[:80]}"
+
+
+def model_config(name: str, layers: int | None) -> LlamaConfig:
+    if name == "qwen3-30b-a3b":
+        return LlamaConfig.qwen3_30b_a3b(layers or 48)
+    if name == "tiny-moe":
+        return LlamaConfig(vocab_size=512, dim=256, n_layers=layers or 2, n_heads=4,
+                           n_kv_heads=2, hidden=256, n_experts=8, top_k=2,
+                           expert_hidden=128)  # fmt: skip
+    return LlamaConfig.llama_3_1_8b() if name == "llama-3.1-8b" else LlamaConfig.tiny()
 
 
 def child(args) -> None:
@@ -197,7 +223,7 @@ def child(args) -> None:
     # int4 decode CPU-bound (docs/decode.md). Under TP the sharded linears are first made local
     # (`qshard.tp.to_local`): a graph over DTensor weights cannot be frozen (their DeviceMesh).
     torch._inductor.config.freezing = args.freezing
-    config = LlamaConfig.llama_3_1_8b() if args.config == "llama-3.1-8b" else LlamaConfig.tiny()
+    config = model_config(args.config, args.layers)
     model = build(config, args.layouts, device, mesh)
     if mesh is not None:
         model = qshard.tp.to_local(model)

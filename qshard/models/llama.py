@@ -35,6 +35,11 @@ class LlamaConfig:
     hidden: int = 14336
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    # Mixture of experts (`models/moe.py`): n_experts > 0 replaces every layer's feed-forward
+    # by top-k of n_experts experts with intermediate size `expert_hidden`.
+    n_experts: int = 0
+    top_k: int = 0
+    expert_hidden: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -43,6 +48,13 @@ class LlamaConfig:
     @classmethod
     def llama_3_1_8b(cls) -> LlamaConfig:
         return cls()
+
+    @classmethod
+    def qwen3_30b_a3b(cls, n_layers: int = 48) -> LlamaConfig:
+        """Qwen3-30B-A3B's shapes (facts.md §8): 128 experts of 768, top-8, hidden 2048."""
+        return cls(vocab_size=151936, dim=2048, n_layers=n_layers, n_heads=32, n_kv_heads=4,
+                   hidden=768, rope_theta=1e6, norm_eps=1e-6, n_experts=128, top_k=8,
+                   expert_hidden=768)  # fmt: skip
 
     @classmethod
     def tiny(cls) -> LlamaConfig:
@@ -111,7 +123,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, c: LlamaConfig):
         super().__init__()
-        if c.hidden % self.UNIT:
+        if c.hidden % self.UNIT and not c.n_experts:
             raise ConfigError(f"Llama: hidden={c.hidden} is not a multiple of the gate/up unit "
                               f"{self.UNIT}")  # fmt: skip
         self.w13 = nn.Linear(c.dim, 2 * c.hidden, bias=False)  # [gate_i, up_i] per unit i
@@ -129,7 +141,12 @@ class Block(nn.Module):
         self.attention_norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
         self.attention = Attention(c)
         self.ffn_norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
-        self.feed_forward = FeedForward(c)
+        if c.n_experts:
+            from .moe import MoEFeedForward
+
+            self.feed_forward = MoEFeedForward(c.dim, c.n_experts, c.top_k, c.expert_hidden)
+        else:
+            self.feed_forward = FeedForward(c)
 
     def forward(self, x, rope, mask, input_pos):
         x = x + self.attention(self.attention_norm(x), rope, mask, input_pos)
@@ -164,14 +181,14 @@ class Llama(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.max_seq = 0
         for p in self.parameters():
-            if p.dim() == 2 and p.device.type != "meta":
+            if p.dim() in (2, 3) and p.device.type != "meta":
                 nn.init.normal_(p, std=init_std)
 
     def setup_caches(self, batch: int, max_seq: int, tp_world: int = 1) -> None:
         """Static KV caches for `batch` sequences of up to `max_seq` tokens (on the weights'
         device and in the norm's dtype), sized for this rank's KV heads under TP."""
         c = self.config
-        units = c.hidden // FeedForward.UNIT
+        units = 1 if c.n_experts else c.hidden // FeedForward.UNIT
         if c.n_kv_heads % tp_world or units % tp_world:
             works = [n for n in range(1, c.n_kv_heads + 1) if c.n_kv_heads % n == 0 == units % n]
             raise ConfigError(
