@@ -9,7 +9,8 @@ with global expert ids. Two styles shard it over a 1-D mesh, for `qshard.tp.para
   (DTensor `Shard(0)`, its own slice of the quantized tensor made into a compact copy). The
   forward maps the global ids to this rank's local ids (routes to other ranks' experts become
   the sentinel id `num_local_experts` with weight 0, which transformers' grouped_mm / batched_mm
-  implementations skip, as in its `AllReduceEP`), runs the module's own experts implementation
+  implementations skip, as in its `AllReduceEP`; under "eager", whose loops do not all accept
+  the sentinel, local expert 0 with weight 0), runs the module's own experts implementation
   on the local experts only, and sums the ranks' partial outputs with one all-reduce.
 - `ExpertTensorParallel()`: each rank keeps every expert's slice of the intermediate dim I:
   gate_up column-parallel (gate rows and up rows of the same units, so the gate stays paired;
@@ -223,7 +224,14 @@ class ExpertParallel(ExpertsStyle):
         start, end = module.qshard_expert_range
         ids = top_k_index - start
         off_rank = (ids < 0) | (ids >= end - start)
-        ids = ids.masked_fill(off_rank, end - start)
+        # The sentinel id skips a route's rows in grouped_mm / batched_mm. transformers' eager
+        # loops do not all take it (gpt-oss's one_hot has num_experts classes): there the route
+        # goes to local expert 0 with weight 0, an exact zero, at the cost of wasted rows.
+        eager = getattr(getattr(module, "config", None), "_experts_implementation", None) in (
+            None,
+            "eager",
+        )
+        ids = ids.masked_fill(off_rank, 0 if eager else end - start)
         return ids, top_k_weights.masked_fill(off_rank, 0.0)
 
 
