@@ -52,6 +52,7 @@ MODELS = {
     "qwen3_moe": moe_models.qwen3_moe,
     "qwen3_moe_i64": lambda: qwen3_moe(intermediate=64),
     "gpt_oss": moe_models.gpt_oss,
+    "deepseek_v3": moe_models.deepseek_v3,
 }
 
 
@@ -175,6 +176,9 @@ def _tp_worker(rank, world, mesh):
             ("qwen3_moe", FP8, ExpertTensorParallel()),
             ("qwen3_moe_i64", INT4, ExpertTensorParallel()),
             ("gpt_oss", FP8, ExpertTensorParallel()),  # interleaved gate/up, biases
+            # DeepSeek-V3's moe_intermediate 2048 at TP 32 is 64 per rank, half a 128 block:
+            # the same cut as I = 32 with 32x32 blocks at TP 2.
+            ("deepseek_v3", FP8, ExpertTensorParallel()),
         ]
     for case in cases:
         check_case(rank, world, mesh, *case)
