@@ -60,16 +60,20 @@ class LocalLinear(nn.Linear):
 
 def to_local(model: nn.Module) -> nn.Module:
     """Swap every `nn.Linear` that `qshard.tp.parallelize` sharded column- or row-wise for a
-    `LocalLinear` on its shard; return the model (the new `LocalLinear` when `model` itself is
-    the sharded linear: write `model = qshard.tp.to_local(model)`). Everything is checked before
+    `LocalLinear` on its shard, and give every experts module it sharded (ExpertParallel,
+    ExpertTensorParallel) its local shards (`experts_to_local`); return the model (the new
+    `LocalLinear` when `model` itself is the sharded linear: write
+    `model = qshard.tp.to_local(model)`). Everything is checked before
     anything changes: a DTensor anywhere else (a sharded embedding or norm), a style with other
     than its default input / output layouts, or a subclass of nn.Linear is refused."""
+    from .experts import experts_to_local, local_experts
+
     locals_: dict[int, LocalLinear] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         if id(module) not in locals_ and _is_sharded_linear(module):
             locals_[id(module)] = _local_linear(name, module)
     for module_name, module in model.named_modules():
-        if id(module) in locals_:
+        if id(module) in locals_ or local_experts(module) is not None:  # experts: below
             continue
         for name, tensor in [*module.named_parameters(recurse=False),
                              *module.named_buffers(recurse=False)]:  # fmt: skip
@@ -80,6 +84,7 @@ def to_local(model: nn.Module) -> nn.Module:
                     f"sharded nn.Linear; to_local makes only those local (keep the DTensor model, "
                     f"or shard only linears)"
                 )
+    experts_to_local(model)  # experts modules sharded by ExpertParallel / ExpertTensorParallel
     if id(model) in locals_:  # the model is the linear
         return locals_[id(model)]
     for module in list(model.modules()):

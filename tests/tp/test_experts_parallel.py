@@ -262,7 +262,7 @@ def _compile_worker(rank, world, mesh):
     assert counts == [1, 1, 1], counts
     # Frozen (weights constants of the graph), after the experts and then every sharded linear
     # are made local: the graph holds no DTensor and no process group, only the group's name.
-    qshard.tp.to_local(qshard.tp.experts_to_local(model))
+    qshard.tp.to_local(model)  # experts too (experts_to_local)
     assert not any(isinstance(p, DTensor) for p in model.parameters())
     torch._dynamo.reset()
     args = routing(7, dtype=torch.bfloat16, seed=7)
