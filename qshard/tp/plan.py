@@ -60,7 +60,7 @@ def _quant_aware(style: ParallelStyle | str, pattern: str) -> ParallelStyle:
         if style not in _STYLE_NAMES:
             raise QShardError(
                 f"qshard.tp plan: style {style!r} for {pattern!r} is not one of "
-                f"{sorted(_STYLE_NAMES)}; or pass a ParallelStyle instance"
+                f"{list(_STYLE_NAMES)}; or pass a ParallelStyle instance"
             )
         return _STYLE_NAMES[style]()
     for stock, quant in (

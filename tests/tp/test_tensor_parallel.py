@@ -303,7 +303,7 @@ def _errors_worker(rank, world, mesh):
         assert value is before[key] and not isinstance(value, DTensor)
     with pytest.raises(QShardError, match="matches no module"):
         qshard.tp.parallelize(model, mesh, {"mlp.*": "colwise"})
-    with pytest.raises(QShardError, match="'colwise', .*'rowwise'"):
+    with pytest.raises(QShardError, match="'colwise', 'rowwise'"):
         qshard.tp.parallelize(model, mesh, {"qkv": "columnwise"})
 
 
