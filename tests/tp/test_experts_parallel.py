@@ -25,6 +25,8 @@ from qshard.tp.experts import _gate_up_cuts, _gate_up_rows, local_experts
 FP8 = qshard.Fp8BlockwiseConfig(block_size=(32, 32))
 INT4 = qshard.Int4WeightOnlyConfig(group_size=32)
 MXFP4 = qshard.MXFP4WeightOnlyConfig()
+NVFP4 = qshard.NVFP4WeightOnlyConfig()  # a global scale per expert, sliced with its expert
+FP8_ROW = qshard.Fp8RowwiseConfig()
 EXPERTS = "model.layers.*.mlp.experts"
 # A token's expert outputs are summed across ranks (EP) and a row-parallel down projection's
 # K parts by the all-reduce (TP), not in one device's order: fp32 rounding (outputs are O(1)).
@@ -158,6 +160,9 @@ OTHER_IMPLEMENTATION_CASES = [
     ("qwen3_moe", FP8, ExpertParallel(), "eager"),
     ("gpt_oss", MXFP4, ExpertParallel(), "batched_mm"),
     ("gpt_oss", MXFP4, ExpertParallel(), "eager"),
+    # Every other layout, at world 2.
+    ("qwen3_moe", NVFP4, ExpertParallel()),
+    ("qwen3_moe", FP8_ROW, ExpertParallel()),
 ]
 
 
@@ -179,6 +184,9 @@ def _tp_worker(rank, world, mesh):
             # DeepSeek-V3's moe_intermediate 2048 at TP 32 is 64 per rank, half a 128 block:
             # the same cut as I = 32 with 32x32 blocks at TP 2.
             ("deepseek_v3", FP8, ExpertTensorParallel()),
+            # The FP4 layouts: down's K shards of 32 keep whole MXFP4 blocks, NVFP4 groups.
+            ("qwen3_moe_i64", MXFP4, ExpertTensorParallel()),
+            ("qwen3_moe_i64", NVFP4, ExpertTensorParallel()),
         ]
     for case in cases:
         check_case(rank, world, mesh, *case)
