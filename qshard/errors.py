@@ -9,6 +9,7 @@ __all__ = [
     "BackendUnavailableError",
     "CheckpointError",
     "ConfigError",
+    "ExpertParallelError",
     "InputMismatchError",
     "InvalidDimError",
     "LayoutMismatchError",
@@ -62,3 +63,8 @@ class BackendUnavailableError(QShardError, RuntimeError):
 
 class CheckpointError(QShardError, ValueError):
     """A checkpoint file that is damaged, inconsistent, or does not fit the model it loads into."""
+
+
+class ExpertParallelError(QShardError, ValueError):
+    """An experts module that cannot be sharded over this mesh by the chosen style (qshard.tp:
+    ExpertParallel, ExpertTensorParallel)."""

@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..errors import MisalignedSliceError, QShardError
+from ..errors import ExpertParallelError, MisalignedSliceError
 from ..qtensor import QTensor
 from .styles import chunk_bounds, shard_cuts
 
@@ -60,10 +60,6 @@ __all__ = [
     "experts_to_local",
     "local_experts",
 ]
-
-
-class ExpertParallelError(QShardError, ValueError):
-    """An experts module that cannot be sharded over this mesh by the chosen style."""
 
 
 # The experts module's parameter pairs, by name: (weight, its per-expert bias).
