@@ -7,13 +7,20 @@ qshard.save(model, "ckpt/")
 model = qshard.load("ckpt/", model_built_on_meta)
 """
 
-from .api import QuantizationReport, quantize_, register_handler, repack_for_device
+from .api import (
+    QuantizationReport,
+    quantize_,
+    register_experts,
+    register_handler,
+    repack_for_device,
+)
 from .calibration import gptq_
 from .config import Backend, QuantConfig, ScaleFormat, config_from_dict
 from .errors import (
     BackendUnavailableError,
     CheckpointError,
     ConfigError,
+    ExpertParallelError,
     InputMismatchError,
     LayoutMismatchError,
     MisalignedSliceError,
@@ -52,6 +59,7 @@ __all__ = [
     "BackendUnavailableError",
     "CheckpointError",
     "ConfigError",
+    "ExpertParallelError",
     "Fp8BlockwiseConfig",
     "Fp8BlockwiseTensor",
     "Fp8RowwiseConfig",
@@ -80,6 +88,7 @@ __all__ = [
     "load",
     "load_pretrained",
     "quantize_",
+    "register_experts",
     "register_handler",
     "register_layout",
     "registered_layouts",
