@@ -316,7 +316,7 @@ class BatchedTransposedExperts(nn.Module):
     ("cls", "transposed"), [(LoopExperts, False), (BatchedTransposedExperts, True)]
 )
 def test_registered_experts_modules_are_calibrated_per_expert(cls, transposed):
-    qshard.api.register_experts(cls, transposed=transposed)
+    qshard.register_experts(cls, transposed=transposed)
     torch.manual_seed(5)
     model = cls()
     x, ids = correlated_inputs(256, 64, seed=1), torch.randint(0, 3, (256,))  # expert 3: none
