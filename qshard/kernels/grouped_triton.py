@@ -136,23 +136,14 @@ def _w4a16_grouped_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]  # x.T
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        # The codes, scales and activations of each step are loaded one step ahead by hand:
-        # Triton pipelines only loads that feed a dot, and the codes feed the decoding (as the
-        # 2-D small-M kernel's PREFETCH 1). A load at k >= K loads no row.
-        codes, scale, zero = _small_m_step(q_ptr, s_ptr, z_ptr, offs_n, 0, N, K, KH, stride_qn,
-                                           stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
-        x = tl.load(x_ptrs, mask=m_ok[None, :] & (offs_k < K)[:, None], other=0.0)
         for step in range(0, tl.cdiv(K, BLOCK_K)):
-            k1 = (step + 1) * BLOCK_K
-            next_codes, next_scale, next_zero = _small_m_step(
-                q_ptr, s_ptr, z_ptr, offs_n, k1, N, K, KH, stride_qn, stride_sn, FORMAT, GROUP,
-                BLOCK_K, EVEN_K,
-            )  # fmt: skip
-            next_x = tl.load(x_ptrs + k1, mask=m_ok[None, :] & (k1 + offs_k < K)[:, None],
-                             other=0.0)  # fmt: skip
+            k0 = step * BLOCK_K
+            codes, scale, zero = _small_m_step(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH,
+                                               stride_qn, stride_sn, FORMAT, GROUP, BLOCK_K,
+                                               EVEN_K)  # fmt: skip
+            x = tl.load(x_ptrs + k0, mask=m_ok[None, :] & (k0 + offs_k < K)[:, None], other=0.0)
             acc = _small_m_mma(acc, codes, scale, zero, x, global_scale, FORMAT, GROUP, BLOCK_K,
                                EVEN_K, X_FP32)  # fmt: skip
-            codes, scale, zero, x = next_codes, next_scale, next_zero, next_x
         _store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, offs_n < N, m_ok, stride_be,
                     stride_om, HAS_BIAS)  # fmt: skip
     else:
