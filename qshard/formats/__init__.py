@@ -104,6 +104,7 @@ def load_pretrained(
     state = FORMATS[name].load(SafetensorsDir(directory), config, hf_quant, dtype)
     # Per-expert linears into the model's fused 3-D experts (all of them without a model)
     targets = None if model is None else model.state_dict(keep_vars=True)
+    state = experts.rename_legacy_experts(state)  # Mixtral's block_sparse_moe.experts.{e}.w1..
     state = experts.fuse_experts(state, str(directory), targets)
     check_state(state, directory, name)
     if targets is not None:

@@ -18,6 +18,11 @@ memory of gate_up grows by 128 / that block. This is exact and keeps the checkpo
 packing along N is at most 2 rows, and FP8 where no block of at least 16 rows divides I, are
 refused with a CheckpointError naming I and the packing.
 
+Mixtral's checkpoints name the same linears the older way (transformers' conversion mapping for
+"mixtral"): `...block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down) and the router
+`...block_sparse_moe.gate`; `rename_legacy_experts` gives them transformers 5.x's names
+(`...mlp.experts.{e}.gate_proj`, ..., `...mlp.gate`) before the join.
+
 `split_experts` is the inverse, for export: each 3-D experts QTensor back to its per-expert
 2-D linears under the checkpoint's keys; `coarsen_fp8` undoes a re-blocking where it is exact.
 """
@@ -41,6 +46,7 @@ __all__ = [
     "coarsen_or_keep",
     "expert_modules",
     "fuse_experts",
+    "rename_legacy_experts",
     "split_experts",
 ]
 
@@ -48,6 +54,24 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 FUSED = ("gate_up_proj", "down_proj")
 EXPERT_KEY = re.compile(r"(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|"
                         r"down_proj)\.weight")  # fmt: skip
+
+
+LEGACY_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+LEGACY_EXPERT = re.compile(r"(?P<module>.+\.experts\.\d+)\.(?P<w>w[123])\.(?P<rest>.+)")
+
+
+def rename_legacy_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with Mixtral's `block_sparse_moe` / `w1, w3, w2` names as transformers 5.x names
+    them (`mlp`, `gate_proj, up_proj, down_proj`); other keys unchanged."""
+    out = {}
+    for key, value in state.items():
+        if ".block_sparse_moe." in key:
+            key = key.replace(".block_sparse_moe.", ".mlp.")
+            match = LEGACY_EXPERT.fullmatch(key)
+            if match:
+                key = f"{match['module']}.{LEGACY_PROJECTIONS[match['w']]}.{match['rest']}"
+        out[key] = value
+    return out
 
 
 def expert_modules(keys: Collection[str]) -> dict[str, dict[str, dict[int, str]]]:

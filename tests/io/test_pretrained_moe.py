@@ -390,3 +390,36 @@ def test_gate_and_up_that_no_fp8_block_of_16_rows_can_join_are_refused(tmp_path)
     )
     with pytest.raises(CheckpointError, match=match):
         qshard.load_pretrained(tmp_path)
+
+
+# ---- Mixtral's own names: block_sparse_moe.experts.{e}.w1 / w3 / w2 -------------------------
+
+
+def mixtral_names(key: str) -> str:
+    """A transformers 5.x key under the names Mixtral checkpoints use (transformers'
+    conversion mapping for "mixtral"): `mlp` -> `block_sparse_moe`, gate/up/down -> w1/w3/w2."""
+    key = key.replace(".mlp.", ".block_sparse_moe.")
+    for new, old in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+        key = key.replace(f".{new}.", f".{old}.")
+    return key
+
+
+def test_mixtral_named_fp8_experts_load_as_the_transformers_names_do(tmp_path):
+    model = moe_models.build("mixtral").to(torch.bfloat16)
+    tensors, expected = per_expert_checkpoint(model, deepseek_fp8)
+    legacy = {mixtral_names(k): v for k, v in tensors.items()}
+    assert any(".block_sparse_moe.experts.0.w3.weight_scale_inv" in k for k in legacy)
+    assert any(k.endswith(".block_sparse_moe.gate.weight") for k in legacy)  # the router
+    write_checkpoint(tmp_path / "legacy", legacy, model, DEEPSEEK_QC)
+    write_checkpoint(tmp_path / "modern", tensors, model, DEEPSEEK_QC)
+
+    state = qshard.load_pretrained(tmp_path / "legacy")  # no model: transformers' key names
+    assert set(state) == set(qshard.load_pretrained(tmp_path / "modern"))
+    for key, value in expected.items():
+        assert torch.equal(state[key].dequantize(torch.float32), value), key
+    loaded = qshard.load_pretrained(
+        tmp_path / "legacy", model=moe_models.build("mixtral").to(torch.bfloat16)
+    )
+    ref = reference(moe_models.build("mixtral").to(torch.bfloat16), expected)
+    error = relative_error(logits(loaded), logits(ref))
+    assert error < W8A8_TOLERANCE, f"logits relative error {error:.4f}, allowed {W8A8_TOLERANCE}"
