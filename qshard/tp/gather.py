@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import QShardError
-from ..qtensor import QTensor, spans_dim
+from ..qtensor import QTensor
 
 __all__ = ["full_tensor"]
 
@@ -38,7 +38,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return local
     if not isinstance(placement, Shard):
         raise QShardError(f"qshard: cannot gather a quantized DTensor placed as {placement}")
-    return _gather_shards(local, placement.dim % 2, tensor.device_mesh.get_group())
+    return _gather_shards(local, placement.dim % local.dim(), tensor.device_mesh.get_group())
 
 
 def _gather_shards(local: QTensor, outer_dim: int, group) -> QTensor:
@@ -50,11 +50,12 @@ def _gather_shards(local: QTensor, outer_dim: int, group) -> QTensor:
     shapes = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(shapes, mine, group=group)
     shapes = [tuple(int(v) for v in s.tolist()) for s in shapes]
-    attrs, packing = local.attrs(), local.packing()
+    attrs = local.attrs()
     specs = [local.inner_specs(shape, attrs) for shape in shapes]
     pieces: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
     for name, tensor in local.inner_tensors().items():
-        if spans_dim(packing[name], logical):  # a value every rank's part shares
+        if local.inner_step(name, logical) is None:  # a value every rank's part shares
+            # (never along experts: NVFP4's global scale is per expert)
             for piece in pieces:
                 piece[name] = tensor
             continue

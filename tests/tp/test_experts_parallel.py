@@ -281,3 +281,26 @@ def _compile_worker(rank, world, mesh):
 
 def test_expert_parallel_compiles_fullgraph_once():
     spawn(_compile_worker, 2)
+
+
+def _sharded_save_worker(rank, world, mesh, directory):
+    """qshard.save of an expert-parallel model gathers each experts weight along its experts
+    (NVFP4: with every rank's own per-expert global scales) and loads back as the unsharded
+    quantized model."""
+    model = MODELS["qwen3_moe"]()
+    qshard.quantize_(model, NVFP4)
+    reference = copy.deepcopy(model)
+    qshard.tp.parallelize(model, mesh, {EXPERTS: ExpertParallel()})
+    qshard.save(model, directory)
+    loaded = qshard.load(directory, MODELS["qwen3_moe"]())
+    for name, expected in reference.named_parameters():
+        got = loaded.get_parameter(name)
+        if isinstance(expected, qshard.QTensor):
+            for inner, tensor in expected.inner_tensors().items():
+                assert torch.equal(getattr(got, inner), tensor), (name, inner)
+        else:
+            assert torch.equal(got, expected), name
+
+
+def test_a_sharded_save_of_experts_gathers_them_whole(tmp_path):
+    spawn(_sharded_save_worker, 2, tmp_path / "ckpt")
