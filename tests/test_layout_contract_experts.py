@@ -153,6 +153,9 @@ def test_quantize_like_takes_an_experts_offset(cls, config):
     expected = q[e0:e1, r0:r1, c0:c1]
     assert_same_qtensor(q.quantize_like(w[e0:e1, r0:r1, c0:c1], at=(e0, r0, c0)), expected)
     assert_same_qtensor(q.quantize_like(w[e0:e1], at=(e0, 0, 0)), q[e0:e1])
+    # A 2-D part of one expert: that expert's per-expert state, its rows'.
+    part = q.quantize_like(w[e1, r0:r1, c0:c1], at=(e1, r0, c0))
+    assert_same_qtensor(part, q[e1, r0:r1, c0:c1])
     assert_same_qtensor(q.quantize_like(w), q)
 
 

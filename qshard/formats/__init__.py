@@ -104,7 +104,7 @@ def load_pretrained(
     state = FORMATS[name].load(SafetensorsDir(directory), config, hf_quant, dtype)
     # Per-expert linears into the model's fused 3-D experts (all of them without a model)
     targets = None if model is None else model.state_dict(keep_vars=True)
-    state = experts.rename_legacy_experts(state)  # Mixtral's block_sparse_moe.experts.{e}.w1..
+    state = experts.rename_legacy_experts(state, targets)  # Mixtral's block_sparse_moe...w1
     state = experts.fuse_experts(state, str(directory), targets)
     check_state(state, directory, name)
     if targets is not None:
@@ -175,7 +175,12 @@ def export(
 
     state = {k: _full(v) for k, v in _state_dict(model).items()}
     if format != gpt_oss_mxfp4.NAME:  # its experts stay 3-D; the others store per-expert linears
-        state = experts.split_experts(state, format)
+        transposed = set()  # experts parameters stored [E, in, out] (float ones say it nowhere)
+        if isinstance(model, nn.Module):
+            from ..api import quantization_targets
+
+            transposed = {t.name for t in quantization_targets(model) if t.transposed}
+        state = experts.split_experts(state, format, transposed)
     linear_names = []
     if isinstance(model, nn.Module):
         linear_names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]

@@ -60,12 +60,16 @@ LEGACY_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 LEGACY_EXPERT = re.compile(r"(?P<module>.+\.experts\.\d+)\.(?P<w>w[123])\.(?P<rest>.+)")
 
 
-def rename_legacy_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def rename_legacy_experts(
+    state: Mapping[str, torch.Tensor], wanted: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
     """`state` with Mixtral's `block_sparse_moe` / `w1, w3, w2` names as transformers 5.x names
-    them (`mlp`, `gate_proj, up_proj, down_proj`); other keys unchanged."""
+    them (`mlp`, `gate_proj, up_proj, down_proj`); other keys, and keys a model given by its
+    keys `wanted` holds under the old names (an older model class), unchanged."""
+    wanted = set(wanted) if wanted is not None else set()
     out = {}
     for key, value in state.items():
-        if ".block_sparse_moe." in key:
+        if ".block_sparse_moe." in key and key not in wanted:
             key = key.replace(".block_sparse_moe.", ".mlp.")
             match = LEGACY_EXPERT.fullmatch(key)
             if match:
@@ -195,10 +199,13 @@ def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
 # ---- export -----------------------------------------------------------------------------------
 
 
-def split_experts(state: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+def split_experts(
+    state: Mapping[str, torch.Tensor], fmt: str, transposed: Collection[str] = ()
+) -> dict[str, torch.Tensor]:
     """`state` with each experts module's `<m>.gate_up_proj` [E, 2I, H] and `<m>.down_proj`
     [E, H, I] (quantized or float) replaced by the per-expert linears the checkpoints store,
-    `<m>.{e}.gate_proj.weight` ...; every other entry as it is."""
+    `<m>.{e}.gate_proj.weight` ...; every other entry as it is. `transposed`: the keys of
+    experts weights stored [E, in, out] (gpt-oss; a float one cannot say so itself): refused."""
     modules = {
         key.removesuffix(".gate_up_proj")
         for key, value in state.items()
@@ -210,7 +217,7 @@ def split_experts(state: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torc
         if module not in modules or name not in FUSED:
             out[key] = value
             continue
-        if value.dim() != 3 or getattr(value, "transposed", False):
+        if value.dim() != 3 or getattr(value, "transposed", False) or key in transposed:
             raise QShardError(
                 f"qshard.export(format='{fmt}'): {key!r} is a {_describe(value)}"
                 f"{' stored transposed [E, in, out] (gpt-oss)' if value.dim() == 3 else ''}; "

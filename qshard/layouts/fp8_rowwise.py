@@ -114,6 +114,8 @@ class Fp8RowwiseTensor(QTensor):
         return cls.from_float(part, config, scale=scales_from_amax(amax, ScaleFormat.FP32))
 
     def quantize_like(self, weight: torch.Tensor, at: tuple[int, ...] = (0, 0)):
+        if self.lead and weight.dim() == 2:  # a part of one expert
+            return self.expert(at[0]).quantize_like(weight, at[1:])
         scale, row = self.scale, at[self.lead]  # experts: at = (expert, row, column)
         if self.lead:
             scale = scale[at[0] : at[0] + weight.shape[0]]

@@ -332,6 +332,12 @@ def test_export_refuses_transposed_experts_in_a_per_expert_format(tmp_path):
     with pytest.raises(QShardError, match=r"stored transposed \[E, in, out\] \(gpt-oss\)"):
         qshard.export(model, tmp_path / "out", format="deepseek-fp8")
     assert not (tmp_path / "out").exists()
+    # Float experts say nothing of their orientation: the model's experts module does.
+    model = moe_models.gpt_oss().to(torch.bfloat16)
+    qshard.quantize_(model, qshard.Fp8BlockwiseConfig(block_size=(32, 32)), exclude="*.experts.*")
+    with pytest.raises(QShardError, match=r"stored transposed \[E, in, out\] \(gpt-oss\)"):
+        qshard.export(model, tmp_path / "out", format="deepseek-fp8")
+    assert not (tmp_path / "out").exists()
 
 
 # ---- qshard-quantized MoE models: export -> load_pretrained ------------------------------------
