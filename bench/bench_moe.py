@@ -31,6 +31,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import qshard
+from qshard.layouts import layout_for
 
 SHAPES = {  # E, hidden H, expert intermediate I, top-k
     "deepseek-v3": (256, 7168, 2048, 8),
@@ -118,12 +119,8 @@ def build(method: str, gate_up, down):
     if method == "torch-fp8-rowwise":
         return fp8_rowwise_method(gate_up, down)
     config = QSHARD_CONFIGS[method]
-    layout = next(c for c in qshard.registered_layouts() if isinstance(config, _config_of(c)))
+    layout = layout_for(config)
     return grouped_method(layout.from_float(gate_up, config), layout.from_float(down, config))
-
-
-def _config_of(cls):
-    return tuple({type(c) for c in cls.contract_configs()})
 
 
 def time_us(run, routings) -> float:

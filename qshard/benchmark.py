@@ -25,8 +25,9 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from .convert import CONFIGS, DEFAULT_EXCLUDE, _is_excluded, _layout_for
+from .convert import CONFIGS, DEFAULT_EXCLUDE, _is_excluded
 from .errors import QShardError
+from .layouts import layout_for
 
 __all__ = ["MODEL_SHAPES", "bench_linears", "model_shapes", "plot", "print_table"]
 
@@ -123,7 +124,7 @@ def bench_linears(
     makers = {"bf16": lambda w: w}
     for name in configs:
         config = CONFIGS[name]()
-        makers[name] = lambda w, c=config: _layout_for(c).from_float(w, c)
+        makers[name] = lambda w, c=config: layout_for(c).from_float(w, c)
     results: dict[str, dict[int, float | str]] = {}
     for name, make in makers.items():
         results[name] = {}

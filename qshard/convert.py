@@ -25,6 +25,7 @@ from .layouts import (
     Int4WeightOnlyConfig,
     MXFP4WeightOnlyConfig,
     NVFP4WeightOnlyConfig,
+    layout_for,
 )
 from .qtensor import FLOAT_DTYPES, QTensor, stored_nbytes
 from .safejson import read_json_file
@@ -82,7 +83,7 @@ def quantize_directory(
             linear = (name.endswith(".weight") and tensor.dim() == 2
                       and tensor.dtype in FLOAT_DTYPES)  # fmt: skip
             if linear and not _is_excluded(module, exclude):
-                state[name] = _layout_for(quant_config).from_float(tensor, quant_config)
+                state[name] = layout_for(quant_config).from_float(tensor, quant_config)
                 done["quantized"].append(name)
             else:
                 state[name] = tensor
@@ -198,12 +199,6 @@ def _quantized_by_headers(reader: SafetensorsDir) -> tuple[bool, str | None]:
         if key.endswith(QUANTIZED_SUFFIXES):
             return False, f"{header.path.name} holds {key!r}, the part of a quantized weight"
     return False, None
-
-
-def _layout_for(config) -> type[QTensor]:
-    from .layouts.registry import config_class_of, registered_layouts
-
-    return next(c for c in registered_layouts() if config_class_of(c) is type(config))
 
 
 def inspect_checkpoint(path: str | os.PathLike, out=None) -> dict:

@@ -5,7 +5,7 @@ from .fp8_rowwise import Fp8RowwiseConfig, Fp8RowwiseTensor
 from .int4 import Int4Tensor, Int4WeightOnlyConfig
 from .mxfp4 import Mxfp4Tensor, MXFP4WeightOnlyConfig
 from .nvfp4 import Nvfp4Tensor, NVFP4WeightOnlyConfig
-from .registry import config_class_of, register_layout, registered_layouts
+from .registry import config_class_of, layout_for, register_layout, registered_layouts
 
 __all__ = [
     "Fp8BlockwiseConfig",
@@ -19,6 +19,7 @@ __all__ = [
     "NVFP4WeightOnlyConfig",
     "Nvfp4Tensor",
     "config_class_of",
+    "layout_for",
     "register_layout",
     "registered_layouts",
 ]

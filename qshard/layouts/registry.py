@@ -17,6 +17,7 @@ __all__ = [
     "attr_types",
     "config_class_of",
     "layout_by_name",
+    "layout_for",
     "register_layout",
     "registered_layouts",
 ]
@@ -57,6 +58,11 @@ def registered_layouts() -> list[type[QTensor]]:
 
 def config_class_of(tensor_cls: type[QTensor]) -> type[QuantConfig]:
     return _LAYOUTS[tensor_cls]
+
+
+def layout_for(config: QuantConfig) -> type[QTensor]:
+    """The registered layout that `config` (an instance of its config class) quantizes to."""
+    return next(cls for cls, config_cls in _LAYOUTS.items() if config_cls is type(config))
 
 
 def layout_by_name(name: str) -> type[QTensor] | None:

@@ -12,6 +12,7 @@ from helpers import relative_error
 import qshard
 from qshard.config import Backend
 from qshard.kernels.availability import triton_unavailable_reason
+from qshard.layouts import layout_for
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(
@@ -38,14 +39,6 @@ CONFIGS = [
 IDS = ["fp8-64", "fp8-128-ue8m0", "int4-g32", "int4-sym-g64", "int4-fzero", "mxfp4", "nvfp4"]
 
 
-def layout_of(config):
-    return next(c for c in qshard.registered_layouts() if type(config) in _configs(c))
-
-
-def _configs(cls):
-    return {type(c) for c in cls.contract_configs()}
-
-
 def offsets(counts: list[int]) -> torch.Tensor:
     return torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
 
@@ -68,7 +61,7 @@ COUNTS = {"mixed": [3, 0, 17, 1, 0], "decode": [1, 1, 0, 0, 2], "prefill": [40, 
 def test_grouped_kernel_matches_reference(config, counts):
     experts, n, k = len(counts), 80, 192  # N: a partial 64-row tile; K: a partial 128-block
     weight = torch.randn(experts, n, k, device=DEVICE) * 0.02
-    q = layout_of(config).from_float(weight.to(ACT_DTYPE), config)
+    q = layout_for(config).from_float(weight.to(ACT_DTYPE), config)
     tokens = sum(counts) + 2  # two rows past offs[-1] (expert-parallel sentinels)
     x = torch.randn(tokens, k, device=DEVICE, dtype=ACT_DTYPE)
     bias = torch.randn(experts, n, device=DEVICE, dtype=ACT_DTYPE) if counts[0] == 3 else None
@@ -79,7 +72,7 @@ def test_grouped_kernel_matches_reference(config, counts):
 def test_grouped_kernel_transposed_experts_and_grouped_mm(config):
     """The op transformers' grouped_mm calls on gpt-oss's transposed storage runs the kernel."""
     weight = torch.randn(4, 64, 128, device=DEVICE) * 0.02
-    q = layout_of(config).from_float(weight.to(ACT_DTYPE), config)
+    q = layout_for(config).from_float(weight.to(ACT_DTYPE), config)
     stored = q.transpose(-2, -1)  # [E, K, N], as gpt-oss keeps its experts
     x = torch.randn(9, 128, device=DEVICE, dtype=ACT_DTYPE)
     offs = offsets([2, 4, 0, 3])
