@@ -113,14 +113,9 @@ class Fp8RowwiseTensor(QTensor):
         amax = amax.redistribute(placements=placements).to_local()
         return cls.from_float(part, config, scale=scales_from_amax(amax, ScaleFormat.FP32))
 
-    def quantize_like(self, weight: torch.Tensor, at: tuple[int, ...] = (0, 0)):
-        if self.lead and weight.dim() == 2:  # a part of one expert
-            return self.expert(at[0]).quantize_like(weight, at[1:])
-        scale, row = self.scale, at[self.lead]  # experts: at = (expert, row, column)
-        if self.lead:
-            scale = scale[at[0] : at[0] + weight.shape[0]]
-        rows = scale[..., row : row + weight.shape[-2], :]
-        if tuple(rows.shape[:-1]) != tuple(weight.shape[:-1]):
+    def quantize_matrix_like(self, weight: torch.Tensor, at: tuple[int, int] = (0, 0)):
+        rows = self.scale[at[0] : at[0] + weight.shape[0]]
+        if rows.shape[0] != weight.shape[0]:
             raise ConfigError(
                 f"Fp8RowwiseTensor.quantize_like: a part {list(weight.shape)} at {list(at)} is "
                 f"not all in this {list(self.logical_shape)} weight; pass the part's offset `at`"

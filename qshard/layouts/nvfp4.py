@@ -124,13 +124,8 @@ class Nvfp4Tensor(QTensor):
             return cls.from_float(part, config, global_scale=scales.to(part.device))
         return cls.from_float(part, config, global_scale=global_scale_of(whole).to(part.device))
 
-    def quantize_like(self, weight: torch.Tensor, at: tuple[int, ...] = (0, 0)) -> Nvfp4Tensor:
-        if self.lead and weight.dim() == 2:  # a part of one expert
-            return self.expert(at[0]).quantize_like(weight, at[1:])
-        scale = self.global_scale  # experts: those of the experts the part starts at
-        if self.lead:
-            scale = scale[at[0] : at[0] + weight.shape[0]]
-        return type(self).from_float(weight, self.config(), global_scale=scale)
+    def quantize_matrix_like(self, weight: torch.Tensor, at=(0, 0)) -> Nvfp4Tensor:
+        return type(self).from_float(weight, self.config(), global_scale=self.global_scale)
 
     @classmethod
     def contract_configs(cls) -> list[NVFP4WeightOnlyConfig]:

@@ -186,11 +186,9 @@ class QTensor(torch.Tensor):
         global scale) is computed over `whole`: shard-then-quantize equals quantize-then-shard."""
         return cls.from_float(part, config)
 
-    def quantize_like(self, weight: torch.Tensor, at: tuple[int, int] = (0, 0)) -> QTensor:
-        """`weight` (a part of the float weight this tensor came from, whose top-left element
-        is logical element `at` of this one) quantized as this tensor quantized it: its config,
-        and any state a part cannot recompute (NVFP4's global scale, the per-row FP8 scales of
-        rows at[0]...). Slicing commutes with this (design.md invariant 1)."""
+    def quantize_matrix_like(self, weight: torch.Tensor, at: tuple[int, int] = (0, 0)) -> QTensor:
+        """`quantize_like` for an [N, K] weight: a layout with state a part cannot recompute
+        (NVFP4's global scale, the per-row FP8 scales of rows at[0]...) overrides it."""
         return type(self).from_float(weight, self.config())
 
     @classmethod
@@ -227,6 +225,23 @@ class QTensor(torch.Tensor):
         return None
 
     # ---- what every layout gets from those hooks, for a weight or for experts -------------
+
+    def quantize_like(self, weight: torch.Tensor, at: tuple[int, ...] = (0, 0)) -> QTensor:
+        """`weight` (a part of the float weight this tensor came from, whose first element is
+        logical element `at` of this one) quantized as this tensor quantized it: its config,
+        and any state a part cannot recompute. Slicing commutes with this (design.md
+        invariant 1). For experts, `at` = (expert, row, column) and `weight` is a part of one
+        expert ([n, k]) or of several ([e, n, k]), each quantized as its own expert was."""
+        if self.experts is None:
+            return self.quantize_matrix_like(weight, at)
+        first, inner_at = at[0], tuple(at[1:])
+        if weight.dim() == 2:
+            return self.expert(first).quantize_matrix_like(weight, inner_at)
+        if weight.dim() != 3 or not weight.shape[0]:
+            return type(self).from_float(weight, self.config())  # its typed refusal
+        parts = [self.expert(first + i).quantize_matrix_like(w, inner_at)
+                 for i, w in enumerate(weight.unbind(0))]  # fmt: skip
+        return self.stack_experts(parts)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, config: Any = None, **kwargs: Any) -> QTensor:
