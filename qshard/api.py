@@ -345,9 +345,11 @@ def quantize_with(
     config's registered handler (`qshard.gptq_` passes one that returns its calibrated
     weights): the same selection, tied weights, report, sharded-model agreement, and nothing
     changed unless every selected weight quantized."""
-    sharded = _sharded_weights(model)
+    targets = quantization_targets(model)
+    sharded = [(t.name, t.weight) for t in targets if _is_dtensor(t.weight)]  # module order
     try:
-        report, pending = _quantize_all(model, handler, config, include, exclude, filter_fn)
+        report, pending = _quantize_all(model, targets, handler, config, include, exclude,
+                                        filter_fn)  # fmt: skip
     except QShardError:
         _agree_across_ranks(sharded, failed=True, skipped=set())  # the other ranks raise too
         raise
@@ -363,14 +365,13 @@ def quantize_with(
 Pending = list[tuple[Target, nn.Parameter]]
 
 
-def _quantize_all(model, handler, config, include, exclude, filter_fn):
+def _quantize_all(model, targets, handler, config, include, exclude, filter_fn):
     """(report, [(target, quantized Parameter)]) without changing the model."""
     report = QuantizationReport(config)
     pending: Pending = []
     # A weight shared by several modules stays shared: id(float weight) -> (first target's
     # name, its quantized Parameter, or None when that one was skipped).
     done: dict[int, tuple[str, nn.Parameter | None]] = {}
-    targets = quantization_targets(model)
     foreign = _other_sharers(model, targets)
     for target in targets:
         name, weight = target.name, target.weight
@@ -418,13 +419,6 @@ def _quantize_all(model, handler, config, include, exclude, filter_fn):
 
 
 # ---- sharded models: every rank quantizes its own shard, and all must agree -----------------
-
-
-def _sharded_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, weight) of every target weight that is a DTensor, in module order (the same on
-    every rank)."""
-    targets = quantization_targets(model)
-    return [(t.name, t.weight) for t in targets if _is_dtensor(t.weight)]
 
 
 def _shard_text(weight: torch.Tensor) -> str:
