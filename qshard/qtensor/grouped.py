@@ -76,13 +76,21 @@ def experts_linear_reference(
     x: torch.Tensor, offs: torch.Tensor, weight: QTensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """Each expert's 2-D matmul on its rows; zeros past offs[-1]."""
+
+    def linear(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return weight.expert(e)._linear(rows, None if bias is None else bias[e])
+
+    return _each_experts_rows(x, offs, weight, weight.matrix_shape[0], linear)
+
+
+def _each_experts_rows(x, offs, weight: QTensor, width: int, fn) -> torch.Tensor:
+    """[T, width]: fn(e, rows of expert e) for each expert with rows, zeros past offs[-1]."""
     check_offsets(x, offs, weight.experts, values=True)
-    out = x.new_zeros(x.shape[0], weight.matrix_shape[0])
+    out = x.new_zeros(x.shape[0], width)
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            expert_bias = None if bias is None else bias[e]
-            out[start:end] = weight.expert(e)._linear(x[start:end], expert_bias)
+            out[start:end] = fn(e, x[start:end])
         start = end
     return out
 
@@ -166,14 +174,11 @@ def experts_times_weight(
     autograd asks for as the input gradient of a grouped linear (as `_mm_grad_input`). One
     op, as `experts_linear`, so that a compiled backward reads no offsets."""
     w = _rebuild(inner, layout, attrs, dtype, shape)
-    check_offsets(x, offs, w.experts, values=True)
-    out = x.new_zeros(x.shape[0], w.matrix_shape[1])
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            out[start:end] = x[start:end] @ w.expert(e).dequantize(x.dtype)
-        start = end
-    return out
+
+    def times_weight(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return rows @ w.expert(e).dequantize(x.dtype)
+
+    return _each_experts_rows(x, offs, w, w.matrix_shape[1], times_weight)
 
 
 @experts_times_weight.register_fake
