@@ -77,10 +77,13 @@ def test_a_float_zero_point_is_the_value_of_code_8():
     assert torch.equal(q.dequantize()[2, :128], torch.zeros(128))
     group = w[0, :128]  # codes span the group's own range: min -> 0, max -> 15
     assert u[0, :128].min() == 0 and u[0, :128].max() == 15 and group.min() > 0
+    # More accurate than integer zero points on Gaussian weights: by +0.13 dB on average on this
+    # 24 x 256 weight, but below it on 3 of 40 draws (20.87 vs 20.91 dB once); on 256 x 1024 the
+    # float zero point was ahead on all of 30 draws (+0.045 to +0.11 dB), so compare there.
+    w = gaussian(256, 1024)
+    floats = qshard.Int4Tensor.from_float(w, config)
     integer = qshard.Int4Tensor.from_float(w, Int4WeightOnlyConfig(group_size=128))
-    # As accurate as integer zero points on Gaussian weights: the two differ by a few hundredths
-    # of a dB either way with the draw (20.87 vs 20.91 dB seen once), so not "strictly better".
-    assert qshard.sqnr_db(w, q.dequantize()) > qshard.sqnr_db(w, integer.dequantize()) - 0.5
+    assert qshard.sqnr_db(w, floats.dequantize()) > qshard.sqnr_db(w, integer.dequantize())
 
 
 def test_float_zero_points_refuse_what_cannot_hold_them():
