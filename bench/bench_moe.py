@@ -14,7 +14,13 @@ error of each method's output vs bf16's on one routing.
 Methods: bf16-grouped (torch._grouped_mm), bf16-loop (F.linear per expert with tokens, the
 token counts known on the host), torch-fp8-rowwise (torch._scaled_grouped_mm, row-wise scales,
 plain-torch activation quantization; where it runs), qshard-fp8 (blockwise 128x128, 1x128
-activations), qshard-int4 (g128 asymmetric), qshard-mxfp4, qshard-nvfp4.
+activations), qshard-int4 (g128 asymmetric), qshard-mxfp4, qshard-nvfp4, and
+qshard-int4-dequant (the int4 experts dequantized to bf16 by the 2-D dequantize kernel, then bf16
+`torch._grouped_mm`; the dequantization timed: the prefill alternative of
+docs/kernels/grouped.md). `--no-gemv` times the 4-bit methods without the decode GEMV (the
+tensor-core kernel at every size: the kernels before it, for a before/after in one run).
+`--sweep` times the FP8 and int4 gate_up configs; `--sweep-w4` the 4-bit configs of gate_up
+and down (the GEMV's at up to 2 rows per expert), per format.
 """
 
 from __future__ import annotations
@@ -111,9 +117,32 @@ def fp8_rowwise_method(gate_up, down):
     return run
 
 
+def dequant_method(gate_up, down):
+    """int4 g128 experts, all dequantized to bf16 (one 2-D dequantize launch per weight: the
+    experts' rows stacked), then bf16 torch._grouped_mm."""
+    from qshard.kernels.w4a16_triton import Format, dequantize_launch
+
+    config = QSHARD_CONFIGS["qshard-int4"]
+    up_q, down_q = (qshard.Int4Tensor.from_float(w, config) for w in (gate_up, down))
+
+    def dequantize(q):
+        e, n, kh = q.qdata.shape
+        rows = (t.reshape(e * n, -1) for t in (q.qdata, q.scale, q.zero))
+        w = dequantize_launch(Format.INT4_ASYM, *rows, q.scale, 128, 2 * kh, torch.bfloat16)
+        return w.view(e, n, 2 * kh)
+
+    def run(rows, offs, counts):
+        h = torch._grouped_mm(rows, dequantize(up_q).transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(act(h), dequantize(down_q).transpose(-2, -1), offs=offs)
+
+    return run
+
+
 def build(method: str, gate_up, down):
     if method == "bf16-grouped":
         return grouped_method(gate_up, down)
+    if method == "qshard-int4-dequant":
+        return dequant_method(gate_up, down)
     if method == "bf16-loop":
         return loop_method(gate_up, down)
     if method == "torch-fp8-rowwise":
@@ -245,6 +274,71 @@ def sweep(shape: str, tokens_list) -> None:
         sys.stdout.flush()
 
 
+W4_FORMATS = {  # name: (config, Format name)
+    "int4": (qshard.Int4WeightOnlyConfig(group_size=128), "INT4_ASYM"),
+    "mxfp4": (qshard.MXFP4WeightOnlyConfig(), "MXFP4"),
+    "nvfp4": (qshard.NVFP4WeightOnlyConfig(), "NVFP4"),
+}
+GEMV_SWEEP = [  # (BLOCK_N, BLOCK_M, BLOCK_W, warps)
+    (8, 1, 128, 4),
+    (16, 1, 128, 4),
+    (32, 1, 128, 4),
+    (16, 1, 64, 4),
+    (32, 1, 64, 4),
+    (16, 1, 256, 8),
+    (8, 2, 128, 4),
+    (16, 2, 64, 4),
+]
+
+
+def sweep_w4(shape: str, tokens_list) -> None:
+    """Each 4-bit format's gate_up and down grouped matmuls alone (launchers called directly)
+    under the default config and, at up to 2 rows per expert, each GEMV config."""
+    from qshard.kernels import grouped_triton as g
+    from qshard.kernels.w4a16_triton import Format
+
+    experts, hidden, inter, top_k = SHAPES[shape]
+    torch.manual_seed(0)
+    weights = {
+        "gate_up": torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16),
+        "down": torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16),
+    }
+    print(f"\n## 4-bit sweep, {shape}, us per call\n")
+    for fmt_name, (config, fmt) in W4_FORMATS.items():
+        layout = layout_for(config)
+        for proj, w in weights.items():
+            q = layout.from_float(w * 0.02, config)
+            k = w.shape[-1]
+            zero = getattr(q, "zero", q.scale)
+            zero = zero if fmt == "INT4_ASYM" else zero.new_empty(0)
+            gscale = getattr(q, "global_scale", q.qdata)
+            group = 16 if fmt == "NVFP4" else q.group_size
+            args = (Format[fmt], q.qdata, q.scale, zero, gscale, None, group, k)
+            for tokens in tokens_list:
+                count = 4 if tokens <= ROTATE_UP_TO else 1
+                routings = [routing(tokens, experts, top_k, k, seed=s) for s in range(count)]
+                rows = tokens * top_k
+                configs = [("default", None)]
+                if rows <= g.GEMV_MAX_ROWS_PER_EXPERT * experts:
+                    configs.append(("tc", {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128,
+                                           "num_warps": 4, "num_stages": 3}))  # fmt: skip
+                    configs += [(f"{bn}x{bm}w{bw}n{nw}", {"KERNEL": "gemv", "BLOCK_N": bn,
+                                 "BLOCK_M": bm, "BLOCK_W": bw, "num_warps": nw})
+                                for bn, bm, bw, nw in GEMV_SWEEP]  # fmt: skip
+                cells = []
+                for name, cfg in configs:
+
+                    def run(rows, offs, counts, cfg=cfg, args=args):
+                        g.w4a16_grouped_launch(args[0], rows, offs, *args[1:], cfg)
+
+                    cells.append(f"{name} {time_us(run, routings):.1f}")
+                print(f"{fmt_name} {proj} T={tokens}: " + "; ".join(cells))
+                sys.stdout.flush()
+            del q
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def versions() -> str:
     gpu = torch.cuda.get_device_name()
     return f"{gpu}; torch {torch.__version__}, triton {triton.__version__}"
@@ -257,11 +351,20 @@ def main() -> None:
     methods = ["bf16-grouped", "bf16-loop", "torch-fp8-rowwise", *QSHARD_CONFIGS]
     parser.add_argument("--methods", default=",".join(methods))
     parser.add_argument("--sweep", action="store_true", help="time the kernels' configs")
+    parser.add_argument("--sweep-w4", action="store_true", help="time the 4-bit configs")
+    parser.add_argument("--no-gemv", action="store_true", help="4-bit: no decode GEMV")
     args = parser.parse_args()
     print(versions())
+    if args.no_gemv:
+        from qshard.kernels import grouped_triton
+
+        grouped_triton.GEMV_MAX_ROWS_PER_EXPERT = 0
+        print("4-bit decode GEMV off (tensor-core kernel at every size)")
     tokens = [int(t) for t in args.tokens.split(",")]
     for shape in args.shapes.split(","):
-        if args.sweep:
+        if args.sweep_w4:
+            sweep_w4(shape, tokens)
+        elif args.sweep:
             sweep(shape, tokens)
         else:
             bench_shape(shape, tokens, args.methods.split(","))

@@ -39,11 +39,30 @@ import triton
 import triton.language as tl
 
 from .fp8_blockwise_triton import _quantize_rows, act_quant_launch
-from .w4a16_triton import Format, _global_scale, _scale_arg, _small_m_mma, _small_m_step
+from .w4a16_triton import (
+    _MXFP4,
+    Format,
+    _global_scale,
+    _group_scale,
+    _group_terms,
+    _halves_to_fp32,
+    _int4_nibble,
+    _scale_arg,
+    _small_m_mma,
+    _small_m_step,
+    _word_pair,
+)
 
-__all__ = ["fp8_grouped_config", "fp8_grouped_launch", "token_block", "w4a16_grouped_launch"]
+__all__ = [
+    "fp8_grouped_config",
+    "fp8_grouped_launch",
+    "token_block",
+    "w4a16_grouped_config",
+    "w4a16_grouped_launch",
+]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+GEMV_MAX_ROWS_PER_EXPERT = 2  # mean routed rows per expert up to which the 4-bit GEMV runs
 
 
 @triton.jit
@@ -110,7 +129,7 @@ def _fp8_grouped_kernel(
         _store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, n_ok, m_ok, stride_be, stride_om,
                     HAS_BIAS)  # fmt: skip
     else:
-        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M)
+        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M, tl.program_id(0))
 
 
 @triton.jit
@@ -147,13 +166,112 @@ def _w4a16_grouped_kernel(
         _store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, offs_n < N, m_ok, stride_be,
                     stride_om, HAS_BIAS)  # fmt: skip
     else:
-        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M)
+        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M, tl.program_id(0))
 
 
 @triton.jit
-def _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Zeros in out[first:end (at most BLOCK_M rows), this program's n-tile]."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_words_step(acc, x_ptrs, s_ptr, z_ptr, offs_n, n_ok, m_ok, w0, KW, NG,
+                     stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_W: tl.constexpr, words, MASK_K: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_M tokens, BLOCK_N rows] + the step at word w0 (`words` [1, BLOCK_N, BLOCK_W],
+    already loaded): each nibble plane decoded once in place (as the 2-D word GEMV,
+    `w4a16_triton._gemv_words_kernel`) and multiplied with every token of the block; each
+    group's sum then takes its scale (int4: and zero point, `_group_terms`). e2m1 sums are
+    value * 2**-14 (the caller scales them back). MASK_K: the last, partial step (words past KW
+    are zero codes and their activations zero)."""
+    WG: tl.constexpr = GROUP // 8 if GROUP // 8 < BLOCK_W else BLOCK_W  # words per group
+    G: tl.constexpr = BLOCK_W // WG  # groups per step
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    BLOCK_N: tl.constexpr = acc.shape[1]
+    word = w0 + tl.arange(0, BLOCK_W)
+    x_mask = m_ok[:, None, None]
+    if MASK_K:
+        x_mask = x_mask & (word < KW)[None, None, :]
+    group = (w0 + tl.arange(0, G) * WG) // (GROUP // 8)
+    g_ok = n_ok[:, None] & (group < NG)[None, :]
+    scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :], g_ok,
+                               FORMAT)  # fmt: skip
+    partial = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)
+    if FORMAT >= _MXFP4:
+        for j in tl.static_range(4):
+            low, high = _halves_to_fp32(_word_pair(words, j))
+            x_low = tl.load(x_ptrs + j, mask=x_mask, other=0.0).to(tl.float32)
+            x_high = tl.load(x_ptrs + j + 4, mask=x_mask, other=0.0).to(tl.float32)
+            partial += low * x_low
+            partial += high * x_high
+        group_sum = tl.sum(tl.reshape(partial, (BLOCK_M, BLOCK_N, G, WG)), axis=3)
+        acc += tl.sum(group_sum * scale[None, :, :], axis=2)
+    else:
+        x_sum = tl.zeros((BLOCK_M, 1, BLOCK_W), dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_ptrs + j, mask=x_mask, other=0.0).to(tl.float32)
+            partial += _int4_nibble(words, j) * xj
+            x_sum += xj
+        group_sum = tl.sum(tl.reshape(partial, (BLOCK_M, BLOCK_N, G, WG)), axis=3)
+        group_x = tl.sum(tl.reshape(x_sum, (BLOCK_M, 1, G, WG)), axis=3)
+        terms = _group_terms(group_sum, group_x, scale[None, :, :], zero[None, :, :], FORMAT)
+        acc += tl.sum(terms, axis=2)
+    return acc
+
+
+@triton.jit
+def _w4a16_grouped_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, offs_ptr,
+    E, T, N, KW, stride_xm, stride_qe, stride_qw, stride_se, stride_sn, stride_ze,
+    stride_be, stride_om,
+    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, E_POW2: tl.constexpr,
+):  # fmt: skip
+    """Decode (a few tokens per expert): out[token block, n-band] by CUDA-core FMAs on the codes
+    as 32-bit words (K a multiple of 8; q_ptr an int32 view), no tensor-core tile to fill. A
+    program per (token block of BLOCK_M rows, BLOCK_N weight rows); the token blocks are the
+    grid's fast axis, so the blocks of one expert run together and share its band through L2.
+    Steps of BLOCK_W words; a last masked step when KW is not a multiple of it."""
+    e, first, end, live = _expert_block(offs_ptr, E, T, tl.program_id(0), BLOCK_M, E_POW2)
+    if live:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = first + tl.arange(0, BLOCK_M)
+        n_ok, m_ok = offs_n < N, (offs_m < end) & (offs_m >= 0)
+        expert = e.to(tl.int64)
+        q_ptr += expert * stride_qe
+        s_ptr += expert * stride_se
+        z_ptr += expert * stride_ze
+        NG = tl.cdiv(KW * 8, GROUP)
+        word = tl.arange(0, BLOCK_W)
+        q_ptrs = q_ptr + offs_n[None, :, None] * stride_qw + word[None, None, :]
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None, None] * stride_xm + word[None, None, :] * 8
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        full = KW - KW % BLOCK_W
+        words = tl.load(q_ptrs, mask=(offs_n < N * (full > 0))[None, :, None], other=0)
+        for w0 in range(0, full, BLOCK_W):  # the codes loaded a step ahead (not a dot's loads)
+            next_ok = offs_n < N * (w0 + BLOCK_W < full)  # (no rows past the last)
+            next_words = tl.load(q_ptrs + w0 + BLOCK_W, mask=next_ok[None, :, None], other=0)
+            acc = _gemv_words_step(acc, x_ptrs + w0 * 8, s_ptr, z_ptr, offs_n, n_ok, m_ok,
+                                   w0, KW, NG, stride_sn, FORMAT, GROUP, BLOCK_W, words,
+                                   False)  # fmt: skip
+            words = next_words
+        if full < KW:
+            k_ok = (full + word < KW)[None, None, :]
+            words = tl.load(q_ptrs + full, mask=n_ok[None, :, None] & k_ok, other=0)
+            acc = _gemv_words_step(acc, x_ptrs + full * 8, s_ptr, z_ptr, offs_n, n_ok,
+                                   m_ok, full, KW, NG, stride_sn, FORMAT, GROUP, BLOCK_W, words,
+                                   True)  # fmt: skip
+        if FORMAT >= _MXFP4:  # the decoded e2m1 values are value * 2**-14
+            acc = acc * (_global_scale(g_ptr + e, FORMAT) * 16384.0)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + e * stride_be + offs_n, mask=n_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M, tl.program_id(1))
+
+
+@triton.jit
+def _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+               n_tile):  # fmt: skip
+    """Zeros in out[first:end (at most BLOCK_M rows), n-tile n_tile]."""
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = first + tl.arange(0, BLOCK_M)
     mask = (offs_n < N)[:, None] & ((offs_m < end) & (offs_m >= 0))[None, :]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -235,6 +353,20 @@ def fp8_grouped_launch(
     return out
 
 
+def w4a16_grouped_config(fmt: Format, tokens: int, experts: int, k: int) -> dict:
+    """The grouped 4-bit kernel and its config for `tokens` routed rows over `experts`:
+    - the word GEMV (KERNEL "gemv") while the mean rows per expert T / E is at most
+      GEMV_MAX_ROWS_PER_EXPERT (decode: 1-16 tokens of every shape in bench_moe.py) and K is a
+      multiple of 8 (whole 32-bit words per row); a token block of one row, so each hit expert's
+      band is decoded once per token and read from HBM once (its blocks run together);
+    - else the tensor-core kernel, 64 weight rows x `token_block` tokens x 128 K per step."""
+    if k % 8 == 0 and tokens <= GEMV_MAX_ROWS_PER_EXPERT * experts:
+        rows = 8 if fmt >= Format.MXFP4 else 16
+        return {"KERNEL": "gemv", "BLOCK_N": rows, "BLOCK_M": 1, "BLOCK_W": 128, "num_warps": 4}
+    return {"BLOCK_N": 64, "BLOCK_M": token_block(tokens, experts), "BLOCK_K": 128,
+            "num_warps": 4, "num_stages": 3}  # fmt: skip
+
+
 def w4a16_grouped_launch(
     fmt: Format, x: torch.Tensor, offs: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     zero: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, group: int,
@@ -242,31 +374,37 @@ def w4a16_grouped_launch(
 ) -> torch.Tensor:  # fmt: skip
     """x [T, k] sorted by expert, offs int32 [E], 4-bit experts (qdata [E, N, ceil(k/2)], scale
     and zero [E, N, groups], global_scale [E, 1, 1]: each read only by the formats that have
-    it), bias [E, N] or None -> [T, N] in x's dtype."""
+    it), bias [E, N] or None -> [T, N] in x's dtype. `config`: `w4a16_grouped_config`'s by
+    default."""
     tokens = x.shape[0]
     experts, n, kh = qdata.shape
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)  # every row is written
     if tokens == 0 or n == 0 or experts == 0:
         return out.zero_()
-    block_m = token_block(tokens, experts)
-    config = config or {
-        "BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": 128,
-        "num_warps": 4, "num_stages": 3,
-    }  # fmt: skip
-    config = dict(config)
-    if INTERPRETED:
-        config.update(num_stages=1)
+    config = dict(config or w4a16_grouped_config(fmt, tokens, experts, k))
     has_zero = zero.numel() > 0
     zero_arg, stride_ze = (zero, zero.stride(0)) if has_zero else (qdata, 0)
     bias_arg, stride_be = _bias_args(bias.to(x.dtype) if bias is not None else None, out)
+    common = dict(FORMAT=int(fmt), GROUP=group, HAS_BIAS=bias is not None,
+                  E_POW2=triton.next_power_of_2(experts))  # fmt: skip
     grid = _grid(n, tokens, experts, config["BLOCK_N"], config["BLOCK_M"])
+    if config.pop("KERNEL", None) == "gemv":
+        assert k % 8 == 0, "the grouped GEMV reads whole 32-bit words of codes: K % 8 == 0"
+        words = qdata.view(torch.int32)  # 8 codes per word, element 8w + j at bits 4j
+        _w4a16_grouped_gemv_kernel[grid[::-1]](
+            x, words, _scale_arg(scale), zero_arg, global_scale, bias_arg, out, offs,
+            experts, tokens, n, words.shape[2], x.stride(0), words.stride(0), words.stride(1),
+            scale.stride(0), scale.stride(1), stride_ze, stride_be, out.stride(0),
+            **common, **config,
+        )  # fmt: skip
+        return out
+    if INTERPRETED:
+        config.update(num_stages=1)
     _w4a16_grouped_kernel[grid](
         x, qdata, _scale_arg(scale), zero_arg, global_scale, bias_arg, out, offs,
         experts, tokens, n, k, kh, x.stride(0), qdata.stride(0), qdata.stride(1),
         scale.stride(0), scale.stride(1), stride_ze, stride_be, out.stride(0),
-        FORMAT=int(fmt), GROUP=group, HAS_BIAS=bias is not None,
-        EVEN_K=k % config["BLOCK_K"] == 0, X_FP32=x.dtype == torch.float32,
-        E_POW2=triton.next_power_of_2(experts), **config,
+        EVEN_K=k % config["BLOCK_K"] == 0, X_FP32=x.dtype == torch.float32, **common, **config,
     )  # fmt: skip
     return out
 

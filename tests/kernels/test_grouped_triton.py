@@ -107,3 +107,46 @@ def test_fp8_grouped_kernel_both_activation_paths(prequant):
     expected = q.with_changes(backend=Backend.REFERENCE).grouped_linear(x, offs)
     assert torch.equal(out[11:], torch.zeros_like(out[11:]))
     assert relative_error(out[:11].float(), expected[:11].float()) <= MAX_RELATIVE_ERROR[x.dtype]
+
+
+# The decode GEMV (`w4a16_grouped_config` picks it up to 2 rows per expert): token blocks of 1,
+# 2 and 4 rows, and steps of 128, 8 and 16 words, so that K = 176 (22 words, partial groups of
+# 32 and 64) runs as a masked step alone and as whole steps plus a masked one.
+GEMV_BLOCKS = [(16, 1, 128), (8, 2, 8), (16, 4, 16)]  # BLOCK_N, BLOCK_M, BLOCK_W
+
+
+@pytest.mark.parametrize("config", CONFIGS[2:], ids=IDS[2:])
+@pytest.mark.parametrize("block", GEMV_BLOCKS, ids=["m1w128", "m2w8", "m4w16"])
+def test_grouped_gemv_matches_reference(config, block, monkeypatch):
+    from qshard.kernels import grouped_triton
+
+    block_n, block_m, block_w = block
+    gemv = {"KERNEL": "gemv", "BLOCK_N": block_n, "BLOCK_M": block_m, "BLOCK_W": block_w,
+            "num_warps": 4}  # fmt: skip
+    monkeypatch.setattr(grouped_triton, "w4a16_grouped_config", lambda *args: dict(gemv))
+    counts = [2, 0, 5, 1, 0, 1]
+    experts, n, k = len(counts), 40, 176
+    weight = torch.randn(experts, n, k, device=DEVICE) * 0.02
+    q = layout_for(config).from_float(weight.to(ACT_DTYPE), config)
+    x = torch.randn(sum(counts) + 3, k, device=DEVICE, dtype=ACT_DTYPE)
+    bias = torch.randn(experts, n, device=DEVICE, dtype=ACT_DTYPE) if block_m == 2 else None
+    check_against_reference(q, x, offsets(counts), bias)
+
+
+def test_grouped_config_picks_the_gemv_for_decode_only():
+    from qshard.kernels.grouped_triton import w4a16_grouped_config
+    from qshard.kernels.w4a16_triton import Format
+
+    assert w4a16_grouped_config(Format.MXFP4, 8, 128, 2048)["KERNEL"] == "gemv"  # 1 token
+    assert w4a16_grouped_config(Format.INT4_ASYM, 256, 128, 2048)["KERNEL"] == "gemv"
+    assert "KERNEL" not in w4a16_grouped_config(Format.INT4_ASYM, 257, 128, 2048)
+    assert "KERNEL" not in w4a16_grouped_config(Format.INT4_ASYM, 8, 128, 2044)  # K % 8
+
+
+def test_grouped_decode_with_k_not_a_multiple_of_8():
+    """Rows that are not whole words: decode takes the tensor-core kernel."""
+    config = qshard.Int4WeightOnlyConfig(group_size=32, backend="triton")
+    q = layout_for(config).from_float((torch.randn(3, 48, 100, device=DEVICE) * 0.02).to(ACT_DTYPE),
+                                      config)  # fmt: skip
+    x = torch.randn(4, 100, device=DEVICE, dtype=ACT_DTYPE)
+    check_against_reference(q, x, offsets([1, 0, 2]))
