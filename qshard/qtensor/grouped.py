@@ -206,11 +206,11 @@ def _bmm(func, args, kwargs):
         w = _experts_operand("torch.bmm", b, a)
         s, k, m = b.shape
         out = _per_entry(w, b.transpose(1, 2).reshape(s * m, k), m)
-        return out.view(s, m, -1).transpose(1, 2)
+        return out.view(s, m, w.matrix_shape[0]).transpose(1, 2)
     if isinstance(b, QTensor) and b.transposed:  # x[s] @ W[s].T, x [S, M, K]
         w = _experts_operand("torch.bmm", a, b).with_changes(transposed=False)
         s, m, k = a.shape
-        return _per_entry(w, a.reshape(s * m, k), m).view(s, m, -1)
+        return _per_entry(w, a.reshape(s * m, k), m).view(s, m, w.matrix_shape[0])
     raise UnsupportedOpError(
         f"torch.bmm({type(a).__name__} {list(a.shape)}, {type(b).__name__} {list(b.shape)}): "
         f"quantized experts compute W[s] @ x[s] (bmm(w, x)) or x[s] @ W[s].T "

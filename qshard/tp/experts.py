@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -48,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..errors import ExpertParallelError, MisalignedSliceError
+from ..errors import ExpertParallelError, InputMismatchError, MisalignedSliceError
 from ..qtensor import QTensor
 from .styles import chunk_bounds, shard_cuts
 
@@ -119,22 +120,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _place(module: nn.Module, name: str, local: torch.Tensor, mesh, placement, full) -> None:
-    """Register `local` (this rank's shard of parameter `full`) as a DTensor parameter."""
-    dtensor = DTensor.from_local(
-        local, mesh, [placement], run_check=False, shape=full.shape, stride=full.stride()
-    )
-    module.register_parameter(name, nn.Parameter(dtensor, requires_grad=False))
-
-
 def _compact(t: torch.Tensor) -> torch.Tensor:
     """A copy that owns only its own bytes (so the full weight can be freed)."""
     out = t.clone()
     return out.repack_for_device() if isinstance(out, QTensor) else out.contiguous()
 
 
+class _Placed(NamedTuple):
+    """One parameter of a sharded experts module: this rank's shard as the DTensor parameter
+    stores it (`stored`, with its `placements` on the style's mesh) and as the local forward
+    runs it (`run`: the same tensor, except a row-parallel bias, which only one rank adds)."""
+
+    stored: torch.Tensor
+    placements: tuple[Placement, ...]
+    run: torch.Tensor
+
+
 class ExpertsStyle(ParallelStyle):
-    """What the two styles share: checks before anything changes, the local module, the forward."""
+    """What the styles share: checks before anything changes, the local module, the forward."""
 
     name = ""
 
@@ -143,10 +146,24 @@ class ExpertsStyle(ParallelStyle):
         `qshard.tp.parallelize` for every entry before any module changes)."""
         raise NotImplementedError
 
-    def _shard(self, module: nn.Module, mesh: DeviceMesh, local: nn.Module) -> None:
+    def _placed(self, module: nn.Module, world: int, rank: int) -> dict[str, _Placed]:
+        """Rank `rank`'s shard of every parameter this style shards (the rest stay whole)."""
         raise NotImplementedError
 
-    def _route(self, module, mesh, top_k_index, top_k_weights):
+    def _param_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh the DTensor parameters live on (`_placed`'s placements index it)."""
+        return mesh
+
+    def _resize(self, module: nn.Module, local: nn.Module, world: int, rank: int) -> None:
+        """Set the size attributes the experts forward reads to this rank's shard's."""
+
+    def _run(self, module, local, group: str, world: int, hidden, top_k_index, top_k_weights):
+        """This rank's part of the experts' output for `hidden`, summed over the ranks."""
+        top_k_index, top_k_weights = self._route(module, top_k_index, top_k_weights)
+        out = local(hidden, top_k_index, top_k_weights)
+        return funcol.wait_tensor(funcol.all_reduce(out, "sum", group))
+
+    def _route(self, module, top_k_index, top_k_weights):
         return top_k_index, top_k_weights
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -154,81 +171,230 @@ class ExpertsStyle(ParallelStyle):
             raise ExpertParallelError(
                 f"qshard.tp.{self.name}: a {device_mesh.ndim}-D device mesh; pass a 1-D mesh"
             )
-        self.check("", module, device_mesh.size())
+        world, rank = device_mesh.size(), device_mesh.get_local_rank()
+        self.check("", module, world)
+        placed = self._placed(module, world, rank)
+        mesh = self._param_mesh(device_mesh)
         # A shallow twin (shared config, act_fn, hooks; its own parameter table) that holds the
         # local shards as plain tensors: the forward runs it, so a compiled graph sees no DTensor.
         local = copy.copy(module)
         local._parameters = dict(module._parameters)
         local.__dict__.pop("forward", None)
-        self._shard(module, device_mesh, local)
+        for pname, part in placed.items():
+            full = module._parameters[pname].detach()
+            local._parameters[pname] = nn.Parameter(part.run, requires_grad=False)
+            dtensor = DTensor.from_local(
+                part.stored,
+                mesh,
+                part.placements,
+                run_check=False,
+                shape=full.shape,
+                stride=full.stride(),
+            )
+            module.register_parameter(pname, nn.Parameter(dtensor, requires_grad=False))
+        self._resize(module, local, world, rank)
         module.__dict__[_LOCAL_ATTR] = local
         group = device_mesh.get_group().group_name
-        module.forward = _sharded_forward(self, module, device_mesh, local, group)
+        module.forward = _sharded_forward(self, module, local, group, world)
         return module
 
 
-def _sharded_forward(style, module, mesh, local, group: str) -> Callable:
+def _sharded_forward(style, module, local, group: str, world: int) -> Callable:
     def forward(hidden_states, top_k_index, top_k_weights):
         if isinstance(hidden_states, DTensor):
             hidden_states = hidden_states.to_local()
         if isinstance(top_k_weights, DTensor):
             top_k_weights = top_k_weights.to_local()
-        top_k_index, top_k_weights = style._route(module, mesh, top_k_index, top_k_weights)
-        out = local(hidden_states, top_k_index, top_k_weights)
-        out = funcol.wait_tensor(funcol.all_reduce(out, "sum", group))
+        out = style._run(module, local, group, world, hidden_states, top_k_index, top_k_weights)
         return out.to(hidden_states.dtype)
 
     return forward
 
 
+_DISPATCHES = ("all_reduce", "all_to_all")
+
+
 class ExpertParallel(ExpertsStyle):
     """Whole experts per rank (see the module docstring): every 3-D weight and per-expert bias
-    `Shard(0)`, E / world experts each; E must divide evenly."""
+    `Shard(0)`, E / (world / tensor_parallel) experts each; E must divide evenly.
+
+    tensor_parallel: ranks that share each expert, cutting its intermediate dim as
+        ExpertTensorParallel does (EP x TP: world = ep x tensor_parallel, consecutive ranks
+        share experts); 1 keeps experts whole.
+    dispatch: "all_reduce" (every rank holds the same tokens: the routes to other ranks'
+        experts are skipped and one all-reduce sums the outputs) or "all_to_all" (each rank
+        holds its own tokens, as with data-parallel attention: each route is sent to its
+        expert's rank and the result back; tensor_parallel 1 only).
+    """
 
     name = "ExpertParallel"
 
+    def __init__(self, *, tensor_parallel: int = 1, dispatch: str = "all_reduce"):
+        super().__init__()
+        if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int):
+            raise ExpertParallelError(
+                f"qshard.tp.ExpertParallel: tensor_parallel={tensor_parallel!r}; pass a positive "
+                f"int (the ranks that share each expert; 1 keeps experts whole)"
+            )
+        if tensor_parallel < 1:
+            raise ExpertParallelError(
+                f"qshard.tp.ExpertParallel: tensor_parallel={tensor_parallel}; pass 1 or more"
+            )
+        if dispatch not in _DISPATCHES:
+            raise ExpertParallelError(
+                f"qshard.tp.ExpertParallel: dispatch={dispatch!r}; pass one of {_DISPATCHES}"
+            )
+        if dispatch == "all_to_all" and tensor_parallel != 1:
+            raise ExpertParallelError(
+                f"qshard.tp.ExpertParallel: dispatch='all_to_all' with tensor_parallel="
+                f"{tensor_parallel}; the all-to-all sends each route to one rank, so each expert "
+                f"must be whole there: use tensor_parallel=1, or dispatch='all_reduce'"
+            )
+        self.tensor_parallel = tensor_parallel
+        self.dispatch = dispatch
+
+    def __repr__(self) -> str:
+        return f"ExpertParallel(tensor_parallel={self.tensor_parallel}, dispatch={self.dispatch!r})"
+
     def check(self, name: str, module: nn.Module, world: int) -> None:
         _experts_weights(name, module, self.name)
-        experts = module.num_experts
-        if experts % world:
+        where = f"qshard.tp.ExpertParallel: {name or 'the model'!r}"
+        tp = self.tensor_parallel
+        if world % tp:
             raise ExpertParallelError(
-                f"qshard.tp.ExpertParallel: {name or 'the model'!r} has {experts} experts, which "
-                f"do not split evenly over {world} ranks; expert-parallel sizes that work: "
+                f"{where}: tensor_parallel={tp} does not divide the {world} ranks of the mesh; "
+                f"values that do: {_divisors(world)}"
+            )
+        experts, ep = module.num_experts, world // tp
+        if experts % ep:
+            on = f"{ep} expert-parallel groups ({world} ranks / tensor_parallel {tp})"
+            raise ExpertParallelError(
+                f"{where} has {experts} experts, which do not split evenly over "
+                f"{on if tp > 1 else f'{world} ranks'}; expert-parallel sizes that work: "
                 f"{_divisors(experts)} (or shard each expert with ExpertTensorParallel)"
             )
+        if tp > 1:
+            _check_tensor_parallel(
+                name, module, tp, f"qshard.tp.ExpertParallel(tensor_parallel={tp})"
+            )
 
-    def _shard(self, module: nn.Module, mesh: DeviceMesh, local: nn.Module) -> None:
-        world, rank = mesh.size(), mesh.get_local_rank()
+    def _ranks(self, world: int, rank: int) -> tuple[int, int, int]:
+        """(expert-parallel size, this rank's expert group, its rank within the group)."""
+        return world // self.tensor_parallel, *divmod(rank, self.tensor_parallel)
+
+    def _param_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        if self.tensor_parallel == 1:
+            return mesh
+        # The same ranks as a 2-D mesh: experts split over dim 0, each expert over dim 1.
+        sizes = (mesh.size() // self.tensor_parallel, self.tensor_parallel)
+        names = ("qshard_ep", "qshard_etp")
+        if mesh.mesh_dim_names:
+            return mesh._unflatten(0, sizes, names)
+        # An unnamed mesh cannot be unflattened; a new mesh of the same ranks can be built
+        # (every rank of the default group makes the subgroups) when it spans the whole world.
+        if mesh.size() != torch.distributed.get_world_size():
+            raise ExpertParallelError(
+                f"qshard.tp.ExpertParallel(tensor_parallel={self.tensor_parallel}): an unnamed "
+                f"mesh of {mesh.size()} of the {torch.distributed.get_world_size()} ranks; name "
+                f"its dim (init_device_mesh(..., mesh_dim_names=('tp',)), or a named sub-mesh)"
+            )
+        return DeviceMesh(mesh.device_type, mesh.mesh.view(sizes), mesh_dim_names=names)
+
+    def _placed(self, module: nn.Module, world: int, rank: int) -> dict[str, _Placed]:
+        ep, group, group_rank = self._ranks(world, rank)
         experts = module.num_experts
-        start, end = chunk_bounds(experts, world, rank)
-        for pname, param in list(module.named_parameters(recurse=False)):
+        start, end = chunk_bounds(experts, ep, group)
+        sliced = {}
+        for pname, param in module.named_parameters(recurse=False):
             if param.dim() == 0 or param.shape[0] != experts:
                 continue  # not per expert: kept whole on every rank
             full = param.detach()
-            if isinstance(full, QTensor):
-                shard = _compact(full.slice_logical(0, start, end))
-            else:
-                shard = _compact(full[start:end])
-            local._parameters[pname] = nn.Parameter(shard, requires_grad=False)
-            _place(module, pname, shard, mesh, Shard(0), full)
+            sliced[pname] = (
+                full.slice_logical(0, start, end) if isinstance(full, QTensor) else full[start:end]
+            )
+        if self.tensor_parallel == 1:
+            return {p: _Placed(shard, (Shard(0),), shard) for p, shard in _compacts(sliced).items()}
+        placed = {p: _Placed(s, (Shard(0), Replicate()), s) for p, s in _compacts(sliced).items()}
+        cut = _tensor_parallel_shards(module, sliced, self.tensor_parallel, group_rank)
+        for pname, part in cut.items():
+            placed[pname] = _Placed(part.stored, (Shard(0), *part.placements), part.run)
+        return placed
+
+    def _resize(self, module: nn.Module, local: nn.Module, world: int, rank: int) -> None:
+        ep, group, group_rank = self._ranks(world, rank)
+        start, end = chunk_bounds(module.num_experts, ep, group)
         # transformers' EP convention: ids >= num_experts are routes to other ranks' experts.
         module.num_experts = local.num_experts = end - start
         module._is_expert_parallel = local._is_expert_parallel = True
-        module.qshard_expert_range = (start, end)
+        module.qshard_expert_range = local.qshard_expert_range = (start, end)
+        if self.tensor_parallel > 1:
+            _resize_intermediate(local, self.tensor_parallel, group_rank)
 
-    def _route(self, module, mesh, top_k_index, top_k_weights):
+    def _route(self, module, top_k_index, top_k_weights):
         start, end = module.qshard_expert_range
         ids = top_k_index - start
         off_rank = (ids < 0) | (ids >= end - start)
         # The sentinel id skips a route's rows in grouped_mm / batched_mm. transformers' eager
         # loops do not all take it (gpt-oss's one_hot has num_experts classes): there the route
         # goes to local expert 0 with weight 0, an exact zero, at the cost of wasted rows.
-        eager = getattr(getattr(module, "config", None), "_experts_implementation", None) in (
-            None,
-            "eager",
-        )
-        ids = ids.masked_fill(off_rank, 0 if eager else end - start)
+        ids = ids.masked_fill(off_rank, 0 if _runs_eager(module) else end - start)
         return ids, top_k_weights.masked_fill(off_rank, 0.0)
+
+    def _run(self, module, local, group: str, world: int, hidden, top_k_index, top_k_weights):
+        if self.dispatch == "all_reduce":
+            return super()._run(module, local, group, world, hidden, top_k_index, top_k_weights)
+        return _all_to_all_experts(local, group, world, hidden, top_k_index, top_k_weights)
+
+
+def _runs_eager(module: nn.Module) -> bool:
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    return implementation in (None, "eager")
+
+
+def _compacts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: _compact(t) for name, t in tensors.items()}
+
+
+def _all_to_all_experts(local, group: str, world: int, hidden, top_k_index, top_k_weights):
+    """Each rank's own tokens through the experts of every rank: each (token, expert) route is
+    sent to its expert's rank (sorted by expert, so a rank receives its experts' rows grouped),
+    run there top-1 with unit weight, sent back, and weighted and summed per token here.
+
+    The split sizes are read back to the host once per call (one sync; torch.compile breaks the
+    graph there). A route to an expert id outside [0, E) on any rank makes every rank raise
+    InputMismatchError before the tokens move (the counts exchange carries each rank's count of
+    bad ids, so no rank is left waiting in a collective)."""
+    experts_here = local.num_experts
+    experts = experts_here * world
+    tokens, top_k = top_k_index.shape
+    ids = top_k_index.reshape(-1).long()
+    bad = (ids < 0) | (ids >= experts)
+    ids = ids.masked_fill(bad, 0)
+    order = torch.argsort(ids, stable=True)
+    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device)
+    counts = counts.scatter_add_(0, ids, torch.ones_like(ids)).view(world, experts_here)
+    # Every destination also gets this rank's count of bad ids, in a last column.
+    sent = torch.cat([counts, bad.sum().expand(world, 1)], dim=1)
+    received = funcol.wait_tensor(funcol.all_to_all_single(sent.reshape(-1), None, None, group))
+    received = received.view(world, experts_here + 1)
+    recv_counts = received[:, :experts_here]
+    sizes = torch.cat([counts.sum(1), recv_counts.sum(1), received[:, -1]]).tolist()
+    send_sizes, recv_sizes, bad_counts = sizes[:world], sizes[world : 2 * world], sizes[2 * world :]
+    if any(bad_counts):
+        raise InputMismatchError(
+            f"qshard.tp.ExpertParallel(dispatch='all_to_all'): top_k_index holds expert ids "
+            f"outside [0, {experts}) (counts by rank: {bad_counts}); route to the model's experts"
+        )
+    rows = funcol.all_to_all_single_autograd(hidden[order // top_k], recv_sizes, send_sizes, group)
+    rows = funcol.wait_tensor(rows)
+    local_ids = torch.arange(experts_here, device=ids.device).repeat(world)
+    local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_sizes))
+    out = local(rows, local_ids[:, None], torch.ones(len(local_ids), 1, dtype=rows.dtype))
+    back = funcol.all_to_all_single_autograd(out, send_sizes, recv_sizes, group)
+    back = funcol.wait_tensor(back)
+    routes = torch.empty_like(back).index_copy_(0, order, back)
+    weights = top_k_weights.to(routes.dtype).unsqueeze(-1)
+    return (routes.view(tokens, top_k, hidden.shape[-1]) * weights).sum(1)
 
 
 def _gate_up_cuts(size: int, world: int, interleaved: bool) -> list[int]:
@@ -250,6 +416,82 @@ def _gate_up_rows(size: int, world: int, rank: int, interleaved: bool) -> list[t
     return [(start, end), (units + start, units + end)]
 
 
+def _check_tensor_parallel(name: str, module: nn.Module, world: int, style: str) -> None:
+    """ExpertParallelError if cutting each expert's intermediate dim `world` ways cuts a
+    quantized block that cannot be re-blocked, naming the sizes that work."""
+    weights = _experts_weights(name, module, style)
+    interleaved = not getattr(module, "is_concatenated", True)
+    quantized = {p: getattr(module, p) for p in weights}
+    quantized = {p: w for p, w in quantized.items() if isinstance(w, QTensor)}
+    problems = {p: _weight_problem(w, p, world, interleaved) for p, w in quantized.items()}
+    failures = [f"{p}: {problem}" for p, problem in problems.items() if problem]
+    if failures:
+        working = [
+            size
+            for size in range(1, 65)
+            if all(_weight_problem(w, p, size, interleaved) is None for p, w in quantized.items())
+        ]
+        raise ExpertParallelError(
+            f"{style}: {name or 'the model'!r} at tensor-parallel size {world} cuts quantized "
+            f"blocks: " + "; ".join(failures) + f". Sizes that work: {working}; or re-quantize "
+            f"the experts with smaller blocks"
+        )
+
+
+def _tensor_parallel_shards(
+    module: nn.Module, params: dict[str, torch.Tensor], world: int, rank: int
+) -> dict[str, _Placed]:
+    """Rank `rank`'s slice of every expert's intermediate dim, of `params` (the module's
+    gate_up/down weights and biases, or a range of experts of them): gate_up column-parallel
+    with gate and up paired, down row-parallel (its bias whole, added by rank 0 only)."""
+    interleaved = not module.is_concatenated
+    transposed = module.is_transposed
+    placed = {}
+    for pname in (_GATE_UP, _DOWN):
+        full = params[pname]
+        full_bias = params.get(_BIAS[pname])
+        if pname == _GATE_UP:
+            size = full.shape[2 if transposed else 1]
+            rows = _gate_up_rows(size, world, rank, interleaved)
+            if isinstance(full, QTensor):
+                realigned = full.realign(1, _gate_up_cuts(size, world, interleaved))
+                parts = [realigned.slice_logical(1, a, b) for a, b in rows]
+            else:
+                parts = [full.narrow(2 if transposed else 1, a, b - a) for a, b in rows]
+            outer = 2 if transposed else 1
+            shard = _compact(torch.cat(parts, dim=outer) if len(parts) > 1 else parts[0])
+            placement = Shard(outer) if interleaved else _paired(outer)
+            if full_bias is not None:
+                bias = _compact(torch.cat([full_bias[:, a:b] for a, b in rows], dim=1))
+                placed[_BIAS[pname]] = _Placed(
+                    bias, (Shard(1) if interleaved else _paired(1),), bias
+                )
+        else:
+            size = full.shape[1 if transposed else 2]
+            start, end = chunk_bounds(size, world, rank)
+            outer = 1 if transposed else 2
+            if isinstance(full, QTensor):
+                realigned = full.realign(2, shard_cuts(size, world))
+                shard = _compact(realigned.slice_logical(2, start, end))
+            else:
+                shard = _compact(full.narrow(outer, start, end - start))
+            placement = Shard(outer)
+            if full_bias is not None:
+                # Row-parallel: the partial sums are all-reduced, so the bias is added by rank 0.
+                bias = _compact(full_bias)
+                run = bias if rank == 0 else torch.zeros_like(bias)
+                placed[_BIAS[pname]] = _Placed(bias, (Replicate(),), run)
+        placed[pname] = _Placed(shard, (placement,), shard)
+    return placed
+
+
+def _resize_intermediate(local: nn.Module, world: int, rank: int) -> None:
+    for attr in ("intermediate_dim", "intermediate_size"):
+        if isinstance(getattr(local, attr, None), int):
+            start, end = chunk_bounds(getattr(local, attr), world, rank)
+            setattr(local, attr, end - start)
+
+
 class ExpertTensorParallel(ExpertsStyle):
     """Every expert sliced along its intermediate dim I (see the module docstring): gate_up
     column-parallel with gate and up paired, down row-parallel, one all-reduce."""
@@ -257,72 +499,14 @@ class ExpertTensorParallel(ExpertsStyle):
     name = "ExpertTensorParallel"
 
     def check(self, name: str, module: nn.Module, world: int) -> None:
-        weights = _experts_weights(name, module, self.name)
-        interleaved = not getattr(module, "is_concatenated", True)
-        quantized = {p: getattr(module, p) for p in weights}
-        quantized = {p: w for p, w in quantized.items() if isinstance(w, QTensor)}
-        problems = {p: _weight_problem(w, p, world, interleaved) for p, w in quantized.items()}
-        failures = [f"{p}: {problem}" for p, problem in problems.items() if problem]
-        if failures:
-            working = [
-                size
-                for size in range(1, 65)
-                if all(
-                    _weight_problem(w, p, size, interleaved) is None for p, w in quantized.items()
-                )
-            ]
-            raise ExpertParallelError(
-                f"qshard.tp.ExpertTensorParallel: {name or 'the model'!r} at tensor-parallel size "
-                f"{world} cuts quantized blocks: " + "; ".join(failures) + f". Sizes that work: "
-                f"{working}; or re-quantize the experts with smaller blocks"
-            )
+        _check_tensor_parallel(name, module, world, f"qshard.tp.{self.name}")
 
-    def _shard(self, module: nn.Module, mesh: DeviceMesh, local: nn.Module) -> None:
-        world, rank = mesh.size(), mesh.get_local_rank()
-        interleaved = not module.is_concatenated
-        transposed = module.is_transposed
-        for pname in (_GATE_UP, _DOWN):
-            full = getattr(module, pname).detach()
-            bias_name = _BIAS[pname]
-            full_bias = getattr(module, bias_name, None)
-            full_bias = None if full_bias is None else full_bias.detach()
-            if pname == _GATE_UP:
-                size = full.shape[2 if transposed else 1]
-                rows = _gate_up_rows(size, world, rank, interleaved)
-                if isinstance(full, QTensor):
-                    realigned = full.realign(1, _gate_up_cuts(size, world, interleaved))
-                    parts = [realigned.slice_logical(1, a, b) for a, b in rows]
-                else:
-                    parts = [full.narrow(2 if transposed else 1, a, b - a) for a, b in rows]
-                outer = 2 if transposed else 1
-                shard = _compact(torch.cat(parts, dim=outer) if len(parts) > 1 else parts[0])
-                placement = Shard(outer) if interleaved else _paired(outer)
-                bias = None
-                if full_bias is not None:
-                    bias = _compact(torch.cat([full_bias[:, a:b] for a, b in rows], dim=1))
-                    bias_placement = Shard(1) if interleaved else _paired(1)
-            else:
-                size = full.shape[1 if transposed else 2]
-                start, end = chunk_bounds(size, world, rank)
-                outer = 1 if transposed else 2
-                if isinstance(full, QTensor):
-                    realigned = full.realign(2, shard_cuts(size, world))
-                    shard = _compact(realigned.slice_logical(2, start, end))
-                else:
-                    shard = _compact(full.narrow(outer, start, end - start))
-                placement = Shard(outer)
-                bias, bias_placement = full_bias, Replicate()
-            local._parameters[pname] = nn.Parameter(shard, requires_grad=False)
-            _place(module, pname, shard, mesh, placement, full)
-            if full_bias is not None:
-                # Row-parallel: the partial sums are all-reduced, so the bias is added by rank 0.
-                run_bias = bias if pname == _GATE_UP or rank == 0 else torch.zeros_like(bias)
-                local._parameters[bias_name] = nn.Parameter(run_bias, requires_grad=False)
-                _place(module, bias_name, bias, mesh, bias_placement, full_bias)
-        for attr in ("intermediate_dim", "intermediate_size"):
-            if isinstance(getattr(local, attr, None), int):
-                start, end = chunk_bounds(getattr(local, attr), world, rank)
-                setattr(local, attr, end - start)
+    def _placed(self, module: nn.Module, world: int, rank: int) -> dict[str, _Placed]:
+        params = {name: p.detach() for name, p in module.named_parameters(recurse=False)}
+        return _tensor_parallel_shards(module, params, world, rank)
+
+    def _resize(self, module: nn.Module, local: nn.Module, world: int, rank: int) -> None:
+        _resize_intermediate(local, world, rank)
 
 
 def _paired(dim: int) -> Placement:
