@@ -279,15 +279,15 @@ W4_FORMATS = {  # name: (config, Format name)
     "mxfp4": (qshard.MXFP4WeightOnlyConfig(), "MXFP4"),
     "nvfp4": (qshard.NVFP4WeightOnlyConfig(), "NVFP4"),
 }
-GEMV_SWEEP = [  # (BLOCK_N, BLOCK_M, BLOCK_W, warps)
-    (8, 1, 128, 4),
-    (16, 1, 128, 4),
-    (32, 1, 128, 4),
-    (16, 1, 64, 4),
-    (32, 1, 64, 4),
-    (16, 1, 256, 8),
-    (8, 2, 128, 4),
-    (16, 2, 64, 4),
+GEMV_SWEEP = [  # (BLOCK_N, BLOCK_W, warps)
+    (8, 128, 4),
+    (16, 128, 4),
+    (32, 128, 4),
+    (16, 64, 4),
+    (32, 64, 4),
+    (64, 32, 4),
+    (32, 32, 2),
+    (16, 64, 2),
 ]
 
 
@@ -322,9 +322,9 @@ def sweep_w4(shape: str, tokens_list) -> None:
                 if rows <= g.GEMV_MAX_ROWS_PER_EXPERT * experts:
                     configs.append(("tc", {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128,
                                            "num_warps": 4, "num_stages": 3}))  # fmt: skip
-                    configs += [(f"{bn}x{bm}w{bw}n{nw}", {"KERNEL": "gemv", "BLOCK_N": bn,
-                                 "BLOCK_M": bm, "BLOCK_W": bw, "num_warps": nw})
-                                for bn, bm, bw, nw in GEMV_SWEEP]  # fmt: skip
+                    configs += [(f"{bn}w{bw}n{nw}", {"KERNEL": "gemv", "BLOCK_N": bn,
+                                 "BLOCK_W": bw, "num_warps": nw})
+                                for bn, bw, nw in GEMV_SWEEP]  # fmt: skip
                 cells = []
                 for name, cfg in configs:
 

@@ -129,7 +129,7 @@ def _fp8_grouped_kernel(
         _store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, n_ok, m_ok, stride_be, stride_om,
                     HAS_BIAS)  # fmt: skip
     else:
-        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M, tl.program_id(0))
+        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M)
 
 
 @triton.jit
@@ -166,112 +166,119 @@ def _w4a16_grouped_kernel(
         _store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, offs_n < N, m_ok, stride_be,
                     stride_om, HAS_BIAS)  # fmt: skip
     else:
-        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M, tl.program_id(0))
+        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M)
 
 
 @triton.jit
-def _gemv_words_step(acc, x_ptrs, s_ptr, z_ptr, offs_n, n_ok, m_ok, w0, KW, NG,
+def _load_x(ptrs, ok, MASK_K: tl.constexpr):
+    if MASK_K:
+        return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    else:
+        return tl.load(ptrs).to(tl.float32)
+
+
+@triton.jit
+def _gemv_words_step(acc, group_acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, KW, NG,
                      stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr,
-                     BLOCK_W: tl.constexpr, words, MASK_K: tl.constexpr):  # fmt: skip
-    """acc [BLOCK_M tokens, BLOCK_N rows] + the step at word w0 (`words` [1, BLOCK_N, BLOCK_W],
-    already loaded): each nibble plane decoded once in place (as the 2-D word GEMV,
-    `w4a16_triton._gemv_words_kernel`) and multiplied with every token of the block; each
-    group's sum then takes its scale (int4: and zero point, `_group_terms`). e2m1 sums are
-    value * 2**-14 (the caller scales them back). MASK_K: the last, partial step (words past KW
-    are zero codes and their activations zero)."""
+                     BLOCK_W: tl.constexpr, MASK_K: tl.constexpr):  # fmt: skip
+    """The 2-D word GEMV's step (`w4a16_triton._gemv_words_kernel`) at word w0, `words`
+    [BLOCK_N, BLOCK_W] already loaded: nibble plane j of every word decoded in place times the
+    activations x[8w + j]; int4 adds each group's scaled terms to acc [BLOCK_N], e2m1 its group
+    sums times their scales to group_acc [BLOCK_N, G] (value * 2**-14: the caller scales back).
+    MASK_K: the last, partial step (its words past KW are zero codes, their activations 0)."""
     WG: tl.constexpr = GROUP // 8 if GROUP // 8 < BLOCK_W else BLOCK_W  # words per group
     G: tl.constexpr = BLOCK_W // WG  # groups per step
-    BLOCK_M: tl.constexpr = acc.shape[0]
-    BLOCK_N: tl.constexpr = acc.shape[1]
+    BLOCK_N: tl.constexpr = words.shape[0]
     word = w0 + tl.arange(0, BLOCK_W)
-    x_mask = m_ok[:, None, None]
-    if MASK_K:
-        x_mask = x_mask & (word < KW)[None, None, :]
+    x_ptrs = x_ptr + word * 8
+    x_ok = word < KW
     group = (w0 + tl.arange(0, G) * WG) // (GROUP // 8)
-    g_ok = n_ok[:, None] & (group < NG)[None, :]
+    g_ok = n_ok[:, None] & (group < NG)[None, :] if MASK_K else n_ok[:, None]
     scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :], g_ok,
                                FORMAT)  # fmt: skip
-    partial = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)
+    partial = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
     if FORMAT >= _MXFP4:
         for j in tl.static_range(4):
             low, high = _halves_to_fp32(_word_pair(words, j))
-            x_low = tl.load(x_ptrs + j, mask=x_mask, other=0.0).to(tl.float32)
-            x_high = tl.load(x_ptrs + j + 4, mask=x_mask, other=0.0).to(tl.float32)
-            partial += low * x_low
-            partial += high * x_high
-        group_sum = tl.sum(tl.reshape(partial, (BLOCK_M, BLOCK_N, G, WG)), axis=3)
-        acc += tl.sum(group_sum * scale[None, :, :], axis=2)
+            x_low = _load_x(x_ptrs + j, x_ok, MASK_K)
+            x_high = _load_x(x_ptrs + j + 4, x_ok, MASK_K)
+            partial += low * x_low[None, :]
+            partial += high * x_high[None, :]
+        group_acc += tl.sum(tl.reshape(partial, (BLOCK_N, G, WG)), axis=2) * scale
     else:
-        x_sum = tl.zeros((BLOCK_M, 1, BLOCK_W), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
         for j in tl.static_range(8):
-            xj = tl.load(x_ptrs + j, mask=x_mask, other=0.0).to(tl.float32)
-            partial += _int4_nibble(words, j) * xj
+            xj = _load_x(x_ptrs + j, x_ok, MASK_K)
+            partial += _int4_nibble(words, j) * xj[None, :]
             x_sum += xj
-        group_sum = tl.sum(tl.reshape(partial, (BLOCK_M, BLOCK_N, G, WG)), axis=3)
-        group_x = tl.sum(tl.reshape(x_sum, (BLOCK_M, 1, G, WG)), axis=3)
-        terms = _group_terms(group_sum, group_x, scale[None, :, :], zero[None, :, :], FORMAT)
-        acc += tl.sum(terms, axis=2)
-    return acc
+        group_sum = tl.sum(tl.reshape(partial, (BLOCK_N, G, WG)), axis=2)
+        group_x = tl.sum(tl.reshape(x_sum, (G, WG)), axis=1)[None, :]
+        acc += tl.sum(_group_terms(group_sum, group_x, scale, zero, FORMAT), axis=1)
+    return acc, group_acc
 
 
 @triton.jit
 def _w4a16_grouped_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, offs_ptr,
-    E, T, N, KW, stride_xm, stride_qe, stride_qw, stride_se, stride_sn, stride_ze,
+    E, N, KW, stride_xm, stride_qe, stride_qw, stride_se, stride_sn, stride_ze,
     stride_be, stride_om,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, E_POW2: tl.constexpr,
 ):  # fmt: skip
-    """Decode (a few tokens per expert): out[token block, n-band] by CUDA-core FMAs on the codes
-    as 32-bit words (K a multiple of 8; q_ptr an int32 view), no tensor-core tile to fill. A
-    program per (token block of BLOCK_M rows, BLOCK_N weight rows); the token blocks are the
-    grid's fast axis, so the blocks of one expert run together and share its band through L2.
-    Steps of BLOCK_W words; a last masked step when KW is not a multiple of it."""
-    e, first, end, live = _expert_block(offs_ptr, E, T, tl.program_id(0), BLOCK_M, E_POW2)
-    if live:
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = first + tl.arange(0, BLOCK_M)
-        n_ok, m_ok = offs_n < N, (offs_m < end) & (offs_m >= 0)
+    """Decode (a few rows per expert): out[row, n-band] for one routed row, the 2-D word GEMV
+    (CUDA-core FMAs on the codes as 32-bit words; K a multiple of 8, q_ptr an int32 view) on
+    the row's expert: the number of experts whose rows end at or before it (one load of offs,
+    one sum). The rows are the grid's fast axis, so the rows of one expert run together and
+    share its band through L2. A row past offs[-1] is written as zeros. Steps of BLOCK_W
+    words, then a masked step when KW is not a multiple of it."""
+    row = tl.program_id(0)
+    idx = tl.arange(0, E_POW2)
+    ends = tl.load(offs_ptr + idx, mask=idx < E, other=2**31 - 1)
+    e = tl.sum((ends <= row).to(tl.int32), 0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    out_ptrs = out_ptr + row.to(tl.int64) * stride_om + offs_n
+    if e < E:
+        WG: tl.constexpr = GROUP // 8 if GROUP // 8 < BLOCK_W else BLOCK_W
+        G: tl.constexpr = BLOCK_W // WG
         expert = e.to(tl.int64)
         q_ptr += expert * stride_qe
         s_ptr += expert * stride_se
         z_ptr += expert * stride_ze
+        x_ptr += row.to(tl.int64) * stride_xm
         NG = tl.cdiv(KW * 8, GROUP)
         word = tl.arange(0, BLOCK_W)
-        q_ptrs = q_ptr + offs_n[None, :, None] * stride_qw + word[None, None, :]
-        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None, None] * stride_xm + word[None, None, :] * 8
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        q_ptrs = q_ptr + offs_n[:, None] * stride_qw + word[None, :]
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        group_acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
         full = KW - KW % BLOCK_W
-        words = tl.load(q_ptrs, mask=(offs_n < N * (full > 0))[None, :, None], other=0)
+        words = tl.load(q_ptrs, mask=(offs_n < N * (full > 0))[:, None], other=0)
         for w0 in range(0, full, BLOCK_W):  # the codes loaded a step ahead (not a dot's loads)
-            next_ok = offs_n < N * (w0 + BLOCK_W < full)  # (no rows past the last)
-            next_words = tl.load(q_ptrs + w0 + BLOCK_W, mask=next_ok[None, :, None], other=0)
-            acc = _gemv_words_step(acc, x_ptrs + w0 * 8, s_ptr, z_ptr, offs_n, n_ok, m_ok,
-                                   w0, KW, NG, stride_sn, FORMAT, GROUP, BLOCK_W, words,
-                                   False)  # fmt: skip
+            next_ok = offs_n < N * (w0 + BLOCK_W < full)  # (no rows past the last step)
+            next_words = tl.load(q_ptrs + w0 + BLOCK_W, mask=next_ok[:, None], other=0)
+            acc, group_acc = _gemv_words_step(acc, group_acc, words, x_ptr, s_ptr, z_ptr,
+                                              offs_n, n_ok, w0, KW, NG, stride_sn, FORMAT,
+                                              GROUP, BLOCK_W, False)  # fmt: skip
             words = next_words
         if full < KW:
-            k_ok = (full + word < KW)[None, None, :]
-            words = tl.load(q_ptrs + full, mask=n_ok[None, :, None] & k_ok, other=0)
-            acc = _gemv_words_step(acc, x_ptrs + full * 8, s_ptr, z_ptr, offs_n, n_ok,
-                                   m_ok, full, KW, NG, stride_sn, FORMAT, GROUP, BLOCK_W, words,
-                                   True)  # fmt: skip
+            k_ok = (full + word < KW)[None, :]
+            words = tl.load(q_ptrs + full, mask=n_ok[:, None] & k_ok, other=0)
+            acc, group_acc = _gemv_words_step(acc, group_acc, words, x_ptr, s_ptr, z_ptr,
+                                              offs_n, n_ok, full, KW, NG, stride_sn, FORMAT,
+                                              GROUP, BLOCK_W, True)  # fmt: skip
         if FORMAT >= _MXFP4:  # the decoded e2m1 values are value * 2**-14
-            acc = acc * (_global_scale(g_ptr + e, FORMAT) * 16384.0)
+            acc = tl.sum(group_acc, axis=1) * (_global_scale(g_ptr + e, FORMAT) * 16384.0)
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + e * stride_be + offs_n, mask=n_ok, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
-        _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M, tl.program_id(1))
+        tl.store(out_ptrs, tl.zeros((BLOCK_N,), out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-               n_tile):  # fmt: skip
-    """Zeros in out[first:end (at most BLOCK_M rows), n-tile n_tile]."""
-    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+def _zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Zeros in out[first:end (at most BLOCK_M rows), this program's n-tile]."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = first + tl.arange(0, BLOCK_M)
     mask = (offs_n < N)[:, None] & ((offs_m < end) & (offs_m >= 0))[None, :]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -357,12 +364,12 @@ def w4a16_grouped_config(fmt: Format, tokens: int, experts: int, k: int) -> dict
     """The grouped 4-bit kernel and its config for `tokens` routed rows over `experts`:
     - the word GEMV (KERNEL "gemv") while the mean rows per expert T / E is at most
       GEMV_MAX_ROWS_PER_EXPERT (decode: 1-16 tokens of every shape in bench_moe.py) and K is a
-      multiple of 8 (whole 32-bit words per row); a token block of one row, so each hit expert's
-      band is decoded once per token and read from HBM once (its blocks run together);
+      multiple of 8 (whole 32-bit words per row): a program per (routed row, weight band), the
+      rows of an expert side by side so that its band is read from HBM once;
     - else the tensor-core kernel, 64 weight rows x `token_block` tokens x 128 K per step."""
     if k % 8 == 0 and tokens <= GEMV_MAX_ROWS_PER_EXPERT * experts:
         rows = 8 if fmt >= Format.MXFP4 else 16
-        return {"KERNEL": "gemv", "BLOCK_N": rows, "BLOCK_M": 1, "BLOCK_W": 128, "num_warps": 4}
+        return {"KERNEL": "gemv", "BLOCK_N": rows, "BLOCK_W": 128, "num_warps": 4}
     return {"BLOCK_N": 64, "BLOCK_M": token_block(tokens, experts), "BLOCK_K": 128,
             "num_warps": 4, "num_stages": 3}  # fmt: skip
 
@@ -387,17 +394,18 @@ def w4a16_grouped_launch(
     bias_arg, stride_be = _bias_args(bias.to(x.dtype) if bias is not None else None, out)
     common = dict(FORMAT=int(fmt), GROUP=group, HAS_BIAS=bias is not None,
                   E_POW2=triton.next_power_of_2(experts))  # fmt: skip
-    grid = _grid(n, tokens, experts, config["BLOCK_N"], config["BLOCK_M"])
     if config.pop("KERNEL", None) == "gemv":
         assert k % 8 == 0, "the grouped GEMV reads whole 32-bit words of codes: K % 8 == 0"
         words = qdata.view(torch.int32)  # 8 codes per word, element 8w + j at bits 4j
-        _w4a16_grouped_gemv_kernel[grid[::-1]](
+        grid = (tokens, triton.cdiv(n, config["BLOCK_N"]))
+        _w4a16_grouped_gemv_kernel[grid](
             x, words, _scale_arg(scale), zero_arg, global_scale, bias_arg, out, offs,
-            experts, tokens, n, words.shape[2], x.stride(0), words.stride(0), words.stride(1),
+            experts, n, words.shape[2], x.stride(0), words.stride(0), words.stride(1),
             scale.stride(0), scale.stride(1), stride_ze, stride_be, out.stride(0),
             **common, **config,
         )  # fmt: skip
         return out
+    grid = _grid(n, tokens, experts, config["BLOCK_N"], config["BLOCK_M"])
     if INTERPRETED:
         config.update(num_stages=1)
     _w4a16_grouped_kernel[grid](
