@@ -355,6 +355,12 @@ def _compacts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: _compact(t) for name, t in tensors.items()}
 
 
+_BAD_IDS = (
+    "qshard.tp.ExpertParallel(dispatch='all_to_all'): top_k_index holds expert ids outside "
+    "[0, experts) on some rank; route to the model's experts"
+)
+
+
 def _all_to_all_experts(local, group: str, world: int, hidden, top_k_index, top_k_weights):
     """Each rank's own tokens through the experts of every rank: each (token, expert) route is
     sent to its expert's rank (sorted by expert, so a rank receives its experts' rows grouped),
@@ -380,11 +386,10 @@ def _all_to_all_experts(local, group: str, world: int, hidden, top_k_index, top_
     recv_counts = received[:, :experts_here]
     sizes = torch.cat([counts.sum(1), recv_counts.sum(1), received[:, -1]]).tolist()
     send_sizes, recv_sizes, bad_counts = sizes[:world], sizes[world : 2 * world], sizes[2 * world :]
-    if any(bad_counts):
-        raise InputMismatchError(
-            f"qshard.tp.ExpertParallel(dispatch='all_to_all'): top_k_index holds expert ids "
-            f"outside [0, {experts}) (counts by rank: {bad_counts}); route to the model's experts"
-        )
+    if torch.compiler.is_compiling():  # the counts are symbolic: a check in the graph
+        torch._check(sum(bad_counts) == 0, lambda: _BAD_IDS)
+    elif any(bad_counts):
+        raise InputMismatchError(f"{_BAD_IDS} (experts: {experts}; counts by rank: {bad_counts})")
     rows = funcol.all_to_all_single_autograd(hidden[order // top_k], recv_sizes, send_sizes, group)
     rows = funcol.wait_tensor(rows)
     local_ids = torch.arange(experts_here, device=ids.device).repeat(world)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import qshard
 import qshard.tp
+from qshard.errors import InputMismatchError
 from qshard.tp import ExpertParallel, ExpertParallelError, ExpertTensorParallel
 from qshard.tp.experts import _gate_up_cuts, _gate_up_rows, local_experts
 
@@ -108,8 +109,11 @@ def check_case(rank, world, mesh, name, config, style, implementation="grouped_m
     qshard.quantize_(model, config)
     model.set_experts_implementation(implementation)
     reference = copy.deepcopy(model)
-    if isinstance(style, ExpertTensorParallel):
-        realigned_reference(reference, world)
+    # The ranks that share each expert (cutting its intermediate dim), and the expert groups.
+    tp = world if isinstance(style, ExpertTensorParallel) else style.tensor_parallel
+    ep, tp_rank = world // tp, rank % tp
+    if tp > 1:
+        realigned_reference(reference, tp)
     qshard.tp.parallelize(model, mesh, {EXPERTS: style})
     where = f"{name} {type(config).__name__} {type(style).__name__} world {world} rank {rank}"
 
@@ -120,17 +124,20 @@ def check_case(rank, world, mesh, name, config, style, implementation="grouped_m
             full = getattr(reference.get_submodule(module_name), pname)
             assert param.shape == full.shape, (where, pname)
             if isinstance(style, ExpertParallel):
-                assert param.placements == (Shard(0),)
-                assert local.shape[0] == full.shape[0] // world
-                if isinstance(full, qshard.QTensor):  # a compact copy of this rank's experts
-                    lo = rank * local.shape[0]
-                    expected = full.slice_logical(0, lo, lo + local.shape[0]).dequantize()
+                assert param.placements[0] == Shard(0), (where, pname, param.placements)
+                assert len(param.placements) == (1 if tp == 1 else 2)
+                assert local.shape[0] == full.shape[0] // ep
+                lo = rank // tp * local.shape[0]
+                full = full[lo : lo + local.shape[0]]  # this rank's experts
+            if isinstance(full, qshard.QTensor):  # a compact copy of this rank's part
+                for t in local.inner_tensors().values():
+                    assert t.untyped_storage().nbytes() == t.nbytes, (where, pname)
+                if tp == 1:
+                    assert torch.equal(local.dequantize(), full.dequantize()), (where, pname)
+                else:  # the reference got the shards' packing
+                    assert local.attrs() == full.attrs(), (where, pname, local.attrs())
+                    expected = tp_shard(full, pname, module, tp, tp_rank)
                     assert torch.equal(local.dequantize(), expected), (where, pname)
-                    for t in local.inner_tensors().values():
-                        assert t.untyped_storage().nbytes() == t.nbytes, (where, pname)
-            elif isinstance(full, qshard.QTensor):  # the reference got the shards' packing
-                assert local.attrs() == full.attrs(), (where, pname, local.attrs())
-                assert torch.equal(local.dequantize(), tp_shard(full, pname, module, world, rank))
         ref_module = reference.get_submodule(module_name)
         for seed in range(2):
             args = routing(TOKENS, seed=seed)
@@ -197,6 +204,139 @@ def test_expert_tensor_parallel_equals_one_device(world):
     """Every expert's intermediate dim split: gate_up paired column-parallel, down row-parallel
     with an all-reduce; FP8 shards of half a block re-blocked as dense shards are."""
     spawn(_tp_worker, world)
+
+
+def _expert_and_tensor_parallel_worker(rank, world, mesh):
+    """world 4 = 2 expert groups x 2 ranks per expert: each rank holds E/2 experts' halves."""
+    for case in [
+        ("qwen3_moe_i64", FP8, ExpertParallel(tensor_parallel=2)),
+        ("gpt_oss", FP8, ExpertParallel(tensor_parallel=2)),  # interleaved gate/up, biases
+        ("qwen3_moe", INT4, ExpertParallel(tensor_parallel=2), "eager"),
+    ]:
+        check_case(rank, world, mesh, *case)
+    # Float experts go through DTensor for real: the 2-D placements gather back whole.
+    for name in ("qwen3_moe", "gpt_oss"):
+        model = MODELS[name]()
+        reference = copy.deepcopy(model)
+        qshard.tp.parallelize(model, mesh, {EXPERTS: ExpertParallel(tensor_parallel=2)})
+        for module_name, module in experts_of(model).items():
+            ref = reference.get_submodule(module_name)
+            for pname, param in module.named_parameters(recurse=False):
+                assert param.device_mesh.shape == (2, 2), (name, pname)
+                full = param.full_tensor()
+                assert torch.equal(full, getattr(ref, pname)), (name, pname, param.placements)
+            with torch.no_grad():
+                torch.testing.assert_close(module(*routing(TOKENS)), ref(*routing(TOKENS)))
+    # Refused before anything changes: 3 does not divide 4 ranks; 3 experts do not split over
+    # 2 groups of 2 ranks.
+    model = moe_models.qwen3_moe()
+    with pytest.raises(ExpertParallelError, match=r"tensor_parallel=3 does not divide.*4 ranks"):
+        qshard.tp.parallelize(model, mesh, {EXPERTS: ExpertParallel(tensor_parallel=3)})
+    model = qwen3_moe(experts=3)
+    with pytest.raises(ExpertParallelError, match=r"3 experts.*2 expert-parallel groups"):
+        qshard.tp.parallelize(model, mesh, {EXPERTS: ExpertParallel(tensor_parallel=2)})
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    # 6 experts do not split over 4 ranks, but over 2 groups of 2 they do.
+    model = qwen3_moe(experts=6)
+    qshard.quantize_(model, FP8)
+    qshard.tp.parallelize(model, mesh, {EXPERTS: ExpertParallel(tensor_parallel=2)})
+    assert all(m.num_experts == 3 for m in experts_of(model).values())
+
+
+def test_expert_and_tensor_parallel_on_one_mesh_equals_one_device():
+    """ExpertParallel(tensor_parallel=2) at world 4: experts split over 2 groups, each expert's
+    intermediate dim over the 2 ranks of its group (a 2-D DTensor mesh), one all-reduce."""
+    spawn(_expert_and_tensor_parallel_worker, 4)
+
+
+def _all_to_all_case(rank, world, mesh, name, config, implementation="grouped_mm") -> None:
+    model = MODELS[name]()
+    qshard.quantize_(model, config)
+    model.set_experts_implementation(implementation)
+    reference = copy.deepcopy(model)
+    plan = {EXPERTS: ExpertParallel(dispatch="all_to_all")}
+    qshard.tp.parallelize(model, mesh, plan)
+    where = f"{name} {type(config).__name__} {implementation} world {world} rank {rank}"
+    # Each rank routes its own tokens: other counts and routes per rank, none on the last.
+    tokens = 0 if rank == world - 1 else 5 + 3 * rank
+    for module_name, module in experts_of(model).items():
+        assert all(isinstance(p, DTensor) for p in module.parameters()), where
+        args = routing(tokens, seed=10 + rank)
+        with torch.no_grad():
+            got, expected = module(*args), reference.get_submodule(module_name)(*args)
+        torch.testing.assert_close(got, expected, **TOLERANCE, msg=lambda m: f"{where}: {m}")
+    # The whole model, each rank on its own ids (data-parallel everywhere but the experts).
+    generator = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, moe_models.VOCAB, (2, 4 + rank), generator=generator)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4, msg=where
+        )
+
+
+def _all_to_all_worker(rank, world, mesh):
+    cases = [("qwen3_moe", FP8)]
+    if world == 2:
+        cases += [("gpt_oss", MXFP4, "eager"), ("qwen3_moe", INT4, "batched_mm")]
+    for case in cases:
+        _all_to_all_case(rank, world, mesh, *case)
+    if world != 2:
+        return
+    # An expert id out of range on one rank: every rank raises (the counts exchange carries
+    # it), before any token moves, and the group is not left waiting.
+    model = moe_models.qwen3_moe()
+    qshard.tp.parallelize(model, mesh, {EXPERTS: ExpertParallel(dispatch="all_to_all")})
+    experts = next(iter(experts_of(model).values()))
+    hidden, ids, weights = routing(4, seed=1)
+    bad = ids.clone()
+    if rank == 0:
+        bad[1, 0] = moe_models.EXPERTS
+    with torch.no_grad():
+        with pytest.raises(InputMismatchError, match=r"outside \[0, experts\).*\[1, 0\]"):
+            experts(hidden, bad, weights)
+        assert experts(hidden, ids, weights).shape == hidden.shape
+    # torch.compile with fullgraph: the split sizes read to the host become unbacked sizes
+    # with capture_scalar_outputs (without it, the graph breaks there); one graph serves every
+    # token count.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = moe_models.qwen3_moe().to(torch.bfloat16)
+    qshard.quantize_(model, INT4, include="*.experts.*")
+    qshard.tp.parallelize(model, mesh, {EXPERTS: ExpertParallel(dispatch="all_to_all")})
+    experts = next(iter(experts_of(model).values()))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(experts, backend=counter, fullgraph=True, dynamic=True)
+        for tokens in (5, 11, 3):
+            args = routing(tokens + rank, dtype=torch.bfloat16, seed=tokens)
+            with torch.no_grad():
+                got, expected = compiled(*args), experts(*args)
+            assert qshard.sqnr_db(expected.float(), got.float()) > 30
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_dispatch_equals_one_device(world):
+    """ExpertParallel(dispatch='all_to_all'): each rank's own tokens (a rank with none too)
+    reach every rank's experts and come back; outputs equal the unsharded model's on the same
+    tokens; bad expert ids are refused on every rank; it compiles with fullgraph."""
+    spawn(_all_to_all_worker, world)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tensor_parallel": 0}, "tensor_parallel=0; pass 1 or more"),
+        ({"tensor_parallel": True}, "pass a positive int"),
+        ({"tensor_parallel": "2"}, "pass a positive int"),
+        ({"dispatch": "alltoall"}, r"dispatch='alltoall'; pass one of"),
+        ({"dispatch": "all_to_all", "tensor_parallel": 2}, "each expert must be whole"),
+    ],
+)
+def test_expert_parallel_arguments_are_checked(kwargs, match):
+    with pytest.raises(ExpertParallelError, match=match):
+        ExpertParallel(**kwargs)
 
 
 def _refusals_worker(rank, world, mesh):
