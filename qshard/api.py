@@ -270,24 +270,54 @@ def _quantize_weight(handler: Handler, target: Target, config: QuantConfig) -> t
         return handler(weight.detach(), config)
     from torch.distributed.tensor import DTensor
 
-    if weight.dim() != 2:
-        raise UnsupportedWeightError(
-            "an expert weight that is already sharded (a DTensor) is quantized before sharding "
-            "in this version: quantize_ first, then shard with qshard's plans"
-        )
-    layout = getattr(handler, "__self__", None)  # a registered layout's from_float
-    if isinstance(layout, type) and issubclass(layout, QTensor):
-        local = layout.from_float_part(weight.to_local().detach(), weight.detach(), config)
+    if weight.dim() == 2:
+        layout = getattr(handler, "__self__", None)  # a registered layout's from_float
+        if isinstance(layout, type) and issubclass(layout, QTensor):
+            local = layout.from_float_part(weight.to_local().detach(), weight.detach(), config)
+        else:
+            local = handler(weight.to_local().detach(), config)
+        stride = weight.stride()
     else:
-        local = handler(weight.to_local().detach(), config)
+        local = _quantize_local_experts(handler, target, config)
+        stride = _outer_stride(weight.shape, target.transposed)
     return DTensor.from_local(
         local,
         weight.device_mesh,
         weight.placements,
         run_check=False,
         shape=weight.shape,
-        stride=weight.stride(),
+        stride=stride,
     )
+
+
+def _quantize_local_experts(handler: Handler, target: Target, config: QuantConfig) -> QTensor:
+    """This rank's whole experts of a sharded experts weight, quantized here. Sharded by whole
+    experts (transformers' ep_plan `grouped_gemm` style is `Shard(0)`) or replicated, a rank
+    holds every element of each of its experts, and each expert is quantized on its own
+    (design.md invariant 8): the result is the full quantized weight's slice, bit for bit.
+    Any other cut (inside each expert's rows or columns) is refused."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    weight = target.weight
+    whole = all(
+        type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in weight.placements
+    )
+    if not whole:
+        raise UnsupportedWeightError(
+            f"an expert weight sharded inside its experts ({weight.placements}) is quantized "
+            f"before sharding in this version: quantize_ first, then shard (qshard.tp's "
+            f"ExpertTensorParallel), or shard by whole experts (Shard(0)) and quantize after"
+        )
+    local = weight.to_local().detach()
+    if target.transposed:
+        return handler(local.transpose(-2, -1), config).transpose(-2, -1)
+    return handler(local, config)
+
+
+def _outer_stride(shape: torch.Size, transposed: bool) -> tuple[int, ...]:
+    """The strides of a QTensor of outer `shape` (a transposed one views [E, N, K] storage)."""
+    _, a, b = shape
+    return (a * b, 1, a) if transposed else (a * b, b, 1)
 
 
 def _other_sharers(model: nn.Module, targets: list[Target]) -> dict[int, str]:
