@@ -29,6 +29,20 @@ def test_views_that_keep_the_shape_and_those_that_do_not():
         q.view(128, 64)
 
 
+def test_as_strided_views_the_weight_as_itself_or_swapped():
+    """What torch.compile's AOT autograd calls to re-make a graph output that aliases an input
+    QTensor (tests/tp/test_transformers_ep.py): itself or the last two dims swapped, no copy."""
+    q = Fp8BlockwiseTensor.from_float(gaussian(4, 64, 96))  # experts
+    same = q.as_strided(q.shape, q.stride())
+    assert not same.transposed and same.qdata.data_ptr() == q.qdata.data_ptr()
+    swapped = q.as_strided((4, 96, 64), (64 * 96, 1, 96), 0)
+    assert swapped.transposed and torch.equal(swapped.dequantize(), q.dequantize().mT)
+    with pytest.raises(UnsupportedOpError, match="as itself or with its last two dims swapped"):
+        q.as_strided((2, 64, 96), q.stride())
+    with pytest.raises(UnsupportedOpError, match="as itself"):
+        q.as_strided(q.shape, q.stride(), 64 * 96)
+
+
 def test_chunk_and_negative_slices():
     q = Fp8BlockwiseTensor.from_float(gaussian(256, 256))
     _, bottom = q.chunk(2)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..errors import InvalidDimError, LayoutMismatchError, UnsupportedOpError
-from .base import FLOAT_DTYPES, QTensor
+from .base import FLOAT_DTYPES, QTensor, _outer_layout
 
 aten = torch.ops.aten
 
@@ -132,6 +132,29 @@ def _view(func, args, kwargs):
             f"dequantize() first)"
         )
     return return_and_correct_aliasing(func, args, kwargs, q.with_changes())
+
+
+@QTensor.implements(aten.as_strided.default)
+def _as_strided(func, args, kwargs):
+    # torch.compile re-makes a graph output that aliases a graph input with as_strided on the
+    # input (AOT autograd's gen_alias_from_base): e.g. a compiled frame that returns a
+    # DTensor's local QTensor (transformers' `_use_local_dtensor_params` calls `to_local()`).
+    # The aliases a quantized weight has are itself and its swap of the last two dims.
+    q, size, stride, offset = _as_strided_args(*args, **kwargs)
+    for transposed in (q.transposed, not q.transposed):
+        shape, strides = _outer_layout(q.logical_shape, transposed)
+        if (tuple(size), tuple(stride)) == (shape, strides) and offset in (None, 0):
+            out = q.with_changes(transposed=transposed)
+            return return_and_correct_aliasing(func, args, kwargs, out)
+    raise UnsupportedOpError(
+        f"{type(q).__name__}.as_strided({list(size)}, {list(stride)}, {offset}) of a "
+        f"{list(q.shape)} weight with strides {list(q.stride())}: a quantized weight can only be "
+        f"viewed as itself or with its last two dims swapped; dequantize() first for other views"
+    )
+
+
+def _as_strided_args(q, size, stride, storage_offset=None):
+    return q, size, stride, storage_offset
 
 
 @QTensor.implements([aten.detach.default, aten.alias.default])
