@@ -280,14 +280,12 @@ W4_FORMATS = {  # name: (config, Format name)
     "nvfp4": (qshard.NVFP4WeightOnlyConfig(), "NVFP4"),
 }
 GEMV_SWEEP = [  # (BLOCK_N, BLOCK_W, warps)
-    (8, 128, 4),
-    (16, 128, 4),
-    (32, 128, 4),
-    (16, 64, 4),
-    (32, 64, 4),
-    (64, 32, 4),
-    (32, 32, 2),
     (16, 64, 2),
+    (32, 32, 2),
+    (32, 64, 2),
+    (64, 32, 2),
+    (16, 32, 1),
+    (32, 64, 4),
 ]
 
 

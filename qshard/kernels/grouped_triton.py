@@ -365,11 +365,14 @@ def w4a16_grouped_config(fmt: Format, tokens: int, experts: int, k: int) -> dict
     - the word GEMV (KERNEL "gemv") while the mean rows per expert T / E is at most
       GEMV_MAX_ROWS_PER_EXPERT (decode: 1-16 tokens of every shape in bench_moe.py) and K is a
       multiple of 8 (whole 32-bit words per row): a program per (routed row, weight band), the
-      rows of an expert side by side so that its band is read from HBM once;
+      rows of an expert side by side so that its band is read from HBM once. Steps of 64 words
+      (32 where K / 8 is no multiple of 64: Qwen3's down, K = 768), 1024 words per step on 2
+      warps (16 per thread, 4 rows sharing each activation load): the best of the H100 sweep
+      on the Qwen3-30B-A3B experts (docs/kernels/grouped.md, v6);
     - else the tensor-core kernel, 64 weight rows x `token_block` tokens x 128 K per step."""
     if k % 8 == 0 and tokens <= GEMV_MAX_ROWS_PER_EXPERT * experts:
-        rows = 8 if fmt >= Format.MXFP4 else 16
-        return {"KERNEL": "gemv", "BLOCK_N": rows, "BLOCK_W": 128, "num_warps": 4}
+        block_w = 64 if (k // 8) % 64 == 0 else 32
+        return {"KERNEL": "gemv", "BLOCK_N": 1024 // block_w, "BLOCK_W": block_w, "num_warps": 2}
     return {"BLOCK_N": 64, "BLOCK_M": token_block(tokens, experts), "BLOCK_K": 128,
             "num_warps": 4, "num_stages": 3}  # fmt: skip
 
