@@ -106,7 +106,7 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
     if resolved is not None:
         from ..tp.plan import apply_styles
 
-        apply_styles(model, mesh, resolved)
+        apply_styles(model, mesh, resolved, loaded=True)
     if missing or unexpected:
         warnings.warn(
             f"qshard.load (strict=False): missing keys {_few(missing)}, unexpected keys "

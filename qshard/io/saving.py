@@ -168,7 +168,8 @@ def _agree(state: Mapping[str, torch.Tensor], failure: QShardError | None) -> QS
     mesh = next(v.device_mesh for v in state.values() if _is_dtensor(v))
     device = torch.cuda.current_device() if mesh.device_type == "cuda" else "cpu"
     flag = torch.tensor([float(failure is not None)], device=device)
-    dist.all_reduce(flag, dist.ReduceOp.MAX, group=mesh.get_group())
+    for group in mesh.get_all_groups():  # a 2-D mesh (experts x their rows): along each dim
+        dist.all_reduce(flag, dist.ReduceOp.MAX, group=group)
     if failure is None and flag.item():
         return QShardError("qshard.save: another rank's shard of a quantized weight failed its "
                            "checks (that rank's error names it); nothing was written")  # fmt: skip

@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..errors import ExpertParallelError, InputMismatchError, MisalignedSliceError
+from ..errors import ExpertParallelError, InputMismatchError, MisalignedSliceError, QShardError
 from ..qtensor import QTensor
 from .styles import chunk_bounds, shard_cuts
 
@@ -166,13 +166,28 @@ class ExpertsStyle(ParallelStyle):
     def _route(self, module, top_k_index, top_k_weights):
         return top_k_index, top_k_weights
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def load_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """{parameter: placement} that a sharded `qshard.load` reads for each rank (it then
+        calls `_apply(..., loaded=True)`), or QShardError if this style is not loaded so."""
+        raise QShardError(
+            f"qshard.load: {self!r} is not applied while loading; load the experts without "
+            f"mesh and plan, then call qshard.tp.parallelize (or shard by whole experts: "
+            f"ExpertParallel() reads only each rank's experts)"
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh, loaded: bool = False):
+        """Shard `module` over `device_mesh`; `loaded`: its parameters are the DTensors a
+        sharded `qshard.load` read by `load_placements` (checked there, before reading)."""
         if device_mesh.ndim != 1:
             raise ExpertParallelError(
                 f"qshard.tp.{self.name}: a {device_mesh.ndim}-D device mesh; pass a 1-D mesh"
             )
         world, rank = device_mesh.size(), device_mesh.get_local_rank()
-        self.check("", module, world)
+        if not loaded:
+            self.check("", module, world)
         placed = self._placed(module, world, rank)
         mesh = self._param_mesh(device_mesh)
         # A shallow twin (shared config, act_fn, hooks; its own parameter table) that holds the
@@ -278,6 +293,16 @@ class ExpertParallel(ExpertsStyle):
                 name, module, tp, f"qshard.tp.ExpertParallel(tensor_parallel={tp})"
             )
 
+    def load_placements(self, module: nn.Module) -> dict[str, Placement]:
+        if self.tensor_parallel != 1:
+            return super().load_placements(module)
+        experts = module.num_experts
+        return {
+            name: Shard(0)
+            for name, param in module.named_parameters(recurse=False)
+            if param.dim() and param.shape[0] == experts
+        }
+
     def _ranks(self, world: int, rank: int) -> tuple[int, int, int]:
         """(expert-parallel size, this rank's expert group, its rank within the group)."""
         return world // self.tensor_parallel, *divmod(rank, self.tensor_parallel)
@@ -309,6 +334,9 @@ class ExpertParallel(ExpertsStyle):
             if param.dim() == 0 or param.shape[0] != experts:
                 continue  # not per expert: kept whole on every rank
             full = param.detach()
+            if isinstance(full, DTensor):  # read by qshard.load: this rank's experts already
+                sliced[pname] = full.to_local()
+                continue
             sliced[pname] = (
                 full.slice_logical(0, start, end) if isinstance(full, QTensor) else full[start:end]
             )

@@ -210,6 +210,8 @@ def checked_placements(
     for name, style in resolved.items():
         module = model.get_submodule(name)
         _check_entry(name, module, style)
+        if isinstance(style, ExpertsStyle):
+            style.check(name, module, mesh.size())
         for param, placement in param_placements(style, module).items():
             key = f"{name}.{param}" if name else param
             placements[key] = placement
@@ -224,12 +226,18 @@ def checked_placements(
 APPLIED_STYLES: weakref.WeakKeyDictionary[nn.Module, ParallelStyle] = weakref.WeakKeyDictionary()
 
 
-def apply_styles(model: nn.Module, mesh: DeviceMesh, resolved: Mapping[str, ParallelStyle]):
+def apply_styles(
+    model: nn.Module, mesh: DeviceMesh, resolved: Mapping[str, ParallelStyle], loaded=False
+):
     """Run the resolved styles (torch's parallelize_module): parameters that are DTensors
-    already are kept, the input/output hooks are installed."""
+    already are kept, the input/output hooks are installed. `loaded`: after a sharded
+    qshard.load, whose DTensors the experts styles take as their shards."""
     for name, style in resolved.items():
         APPLIED_STYLES[model.get_submodule(name)] = style
     resolved = dict(resolved)
+    if loaded:
+        for name in [n for n, style in resolved.items() if isinstance(style, ExpertsStyle)]:
+            resolved.pop(name)._apply(model.get_submodule(name), mesh, loaded=True)
     root = resolved.pop("", None)
     if root is not None:
         parallelize_module(model, mesh, root)

@@ -114,6 +114,8 @@ def param_placements(style: ParallelStyle, module: nn.Module) -> dict[str, Place
     """{parameter name: placement} that `style` gives `module`'s parameters (what a sharded load
     reads for each rank); QShardError for a style that places parameters in a way not known
     here."""
+    if hasattr(style, "load_placements"):  # experts styles (qshard.tp.experts)
+        return style.load_placements(module)
     names = [name for name, _ in module.named_parameters()]
     linear = isinstance(module, nn.Linear)
     if isinstance(style, QuantColwiseParallel):

@@ -206,7 +206,7 @@ def test_expert_tensor_parallel_equals_one_device(world):
     spawn(_tp_worker, world)
 
 
-def _expert_and_tensor_parallel_worker(rank, world, mesh):
+def _expert_and_tensor_parallel_worker(rank, world, mesh, directory):
     """world 4 = 2 expert groups x 2 ranks per expert: each rank holds E/2 experts' halves."""
     for case in [
         ("qwen3_moe_i64", FP8, ExpertParallel(tensor_parallel=2)),
@@ -214,6 +214,10 @@ def _expert_and_tensor_parallel_worker(rank, world, mesh):
         ("qwen3_moe", INT4, ExpertParallel(tensor_parallel=2), "eager"),
     ]:
         check_case(rank, world, mesh, *case)
+    # Saved from the 2-D mesh: gathered whole.
+    check_sharded_save(
+        rank, world, mesh, directory, "qwen3_moe_i64", FP8, ExpertParallel(tensor_parallel=2)
+    )
     # Float experts go through DTensor for real: the 2-D placements gather back whole.
     for name in ("qwen3_moe", "gpt_oss"):
         model = MODELS[name]()
@@ -243,10 +247,10 @@ def _expert_and_tensor_parallel_worker(rank, world, mesh):
     assert all(m.num_experts == 3 for m in experts_of(model).values())
 
 
-def test_expert_and_tensor_parallel_on_one_mesh_equals_one_device():
+def test_expert_and_tensor_parallel_on_one_mesh_equals_one_device(tmp_path):
     """ExpertParallel(tensor_parallel=2) at world 4: experts split over 2 groups, each expert's
     intermediate dim over the 2 ranks of its group (a 2-D DTensor mesh), one all-reduce."""
-    spawn(_expert_and_tensor_parallel_worker, 4)
+    spawn(_expert_and_tensor_parallel_worker, 4, tmp_path)
 
 
 def _all_to_all_case(rank, world, mesh, name, config, implementation="grouped_mm") -> None:
@@ -423,24 +427,92 @@ def test_expert_parallel_compiles_fullgraph_once():
     spawn(_compile_worker, 2)
 
 
-def _sharded_save_worker(rank, world, mesh, directory):
-    """qshard.save of an expert-parallel model gathers each experts weight along its experts
-    (NVFP4: with every rank's own per-expert global scales) and loads back as the unsharded
-    quantized model."""
-    model = MODELS["qwen3_moe"]()
-    qshard.quantize_(model, NVFP4)
+def check_sharded_save(rank, world, mesh, directory, name, config, style) -> None:
+    """qshard.save of a model whose experts `style` sharded gathers them whole and loads back
+    as the unsharded quantized model (with the packing the shards got: FP8 re-blocked where a
+    cut fell inside a block)."""
+    model = MODELS[name]()
+    if config is not None:
+        qshard.quantize_(model, config)
     reference = copy.deepcopy(model)
-    qshard.tp.parallelize(model, mesh, {EXPERTS: ExpertParallel()})
-    qshard.save(model, directory)
-    loaded = qshard.load(directory, MODELS["qwen3_moe"]())
-    for name, expected in reference.named_parameters():
-        got = loaded.get_parameter(name)
+    tp = world if isinstance(style, ExpertTensorParallel) else style.tensor_parallel
+    if tp > 1:
+        realigned_reference(reference, tp)
+    qshard.tp.parallelize(model, mesh, {EXPERTS: style})
+    where = (name, type(config).__name__, repr(style))
+    path = directory / "-".join(where)
+    qshard.save(model, path)
+    loaded = qshard.load(path, MODELS[name]())
+    for pname, expected in reference.named_parameters():
+        got = loaded.get_parameter(pname)
         if isinstance(expected, qshard.QTensor):
+            assert got.attrs() == expected.attrs(), (*where, pname)
             for inner, tensor in expected.inner_tensors().items():
-                assert torch.equal(getattr(got, inner), tensor), (name, inner)
+                assert torch.equal(getattr(got, inner), tensor), (*where, pname, inner)
         else:
-            assert torch.equal(got, expected), name
+            assert torch.equal(got, expected), (*where, pname)
+
+
+def _sharded_save_worker(rank, world, mesh, directory):
+    # NVFP4 EP: every rank's own per-expert global scales; TP: gate/up paired shards
+    # (_StridedShard) and a half-block FP8 cut; gpt-oss: interleaved gate/up, biases, float.
+    for case in (
+        ("qwen3_moe", NVFP4, ExpertParallel()),
+        ("qwen3_moe", FP8, ExpertTensorParallel()),
+        ("gpt_oss", MXFP4, ExpertTensorParallel()),
+        ("gpt_oss", None, ExpertTensorParallel()),  # float experts
+        ("qwen3_moe", None, ExpertTensorParallel()),  # float _StridedShard, gathered by qshard
+    ):
+        check_sharded_save(rank, world, mesh, directory, *case)
 
 
 def test_a_sharded_save_of_experts_gathers_them_whole(tmp_path):
     spawn(_sharded_save_worker, 2, tmp_path / "ckpt")
+
+
+def _sharded_load_worker(rank, world, mesh, directory):
+    """qshard.load(mesh=, plan=) with ExpertParallel: each rank reads only its experts (every
+    experts inner tensor by slices along E), and the loaded model equals the unsharded one
+    sharded after loading, with either dispatch."""
+    from test_checkpoint_tp import _record_reads
+
+    reads = _record_reads()
+    for config, style in ((NVFP4, ExpertParallel()), (FP8, ExpertParallel(dispatch="all_to_all"))):
+        model = MODELS["qwen3_moe"]()
+        qshard.quantize_(model, config)
+        reference = copy.deepcopy(model)
+        path = directory / f"{rank}-{type(config).__name__}"
+        qshard.save(model, path)
+        reads["whole"].clear(), reads["slice"].clear()
+        plan = {EXPERTS: style}
+        loaded = qshard.load(path, MODELS["qwen3_moe"](), mesh=mesh, plan=plan)
+        experts_keys = {k for k in reads["slice"] + reads["whole"] if ".mlp.experts." in k}
+        assert experts_keys and experts_keys <= set(reads["slice"]), reads
+        qshard.tp.parallelize(reference, mesh, plan)
+        for module_name, module in experts_of(loaded).items():
+            ref = reference.get_submodule(module_name)
+            assert module.num_experts == ref.num_experts == moe_models.EXPERTS // world
+            for pname, param in module.named_parameters(recurse=False):
+                expected = getattr(ref, pname)
+                assert param.placements == expected.placements == (Shard(0),)
+                got, want = param.to_local(), expected.to_local()
+                for inner, tensor in want.inner_tensors().items():
+                    assert torch.equal(getattr(got, inner), tensor), (pname, inner)
+        tokens = 0 if rank == world - 1 and style.dispatch == "all_to_all" else 7
+        args = routing(tokens, seed=rank)
+        ids = torch.randint(0, moe_models.VOCAB, (2, 5), generator=torch.Generator())
+        with torch.no_grad():
+            for module_name, module in experts_of(loaded).items():
+                ref = reference.get_submodule(module_name)
+                torch.testing.assert_close(module(*args), ref(*args), **TOLERANCE)
+            torch.testing.assert_close(loaded(ids).logits, reference(ids).logits, **TOLERANCE)
+    # Cutting each expert while loading is not done: refused before anything is read.
+    model = MODELS["qwen3_moe"]()
+    for style in (ExpertTensorParallel(), ExpertParallel(tensor_parallel=2)):
+        with pytest.raises(qshard.QShardError, match=r"not applied while loading.*parallelize"):
+            qshard.load(path, model, mesh=mesh, plan={EXPERTS: style})
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_a_sharded_load_reads_each_ranks_experts(tmp_path):
+    spawn(_sharded_load_worker, 2, tmp_path)
