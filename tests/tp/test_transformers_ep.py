@@ -92,7 +92,10 @@ def check_case(rank, world, mesh, name, config, implementation, experts_impl="gr
     qshard.quantize_(model, config)
     model.set_experts_implementation(experts_impl)
     reference = copy.deepcopy(model)
-    ours = qshard.tp.parallelize(copy.deepcopy(model), mesh, {EXPERTS: qshard.tp.ExpertParallel()})
+    # qshard's ExpertParallel with the same token exchange (all_to_all or all_reduce).
+    dispatch = "all_to_all" if implementation == "all_to_all" else "all_reduce"
+    style = qshard.tp.ExpertParallel(dispatch=dispatch)
+    ours = qshard.tp.parallelize(copy.deepcopy(model), mesh, {EXPERTS: style})
     transformers_ep(model, mesh, implementation)
     where = f"{name} {type(config).__name__} {implementation} {experts_impl} world {world}"
 
