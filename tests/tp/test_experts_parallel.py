@@ -300,8 +300,8 @@ def _all_to_all_worker(rank, world, mesh):
             experts(hidden, bad, weights)
         assert experts(hidden, ids, weights).shape == hidden.shape
     # torch.compile with fullgraph: the split sizes read to the host become unbacked sizes
-    # with capture_scalar_outputs (without it, the graph breaks there); one graph serves every
-    # token count.
+    # (capture_scalar_outputs; torch 2.13 traces them so with fullgraph=True even without it,
+    # and breaks the graph there without fullgraph); one graph serves every token count.
     from torch._dynamo.testing import CompileCounterWithBackend
 
     model = moe_models.qwen3_moe().to(torch.bfloat16)
