@@ -30,7 +30,7 @@ from .errors import (
     UnsupportedWeightError,
 )
 from .formats import export, load_pretrained
-from .io import load, save
+from .io import empty_weights, load, save
 from .layouts import (
     Fp8BlockwiseConfig,
     Fp8BlockwiseTensor,
@@ -83,6 +83,7 @@ __all__ = [
     "UnsupportedWeightError",
     "__version__",
     "config_from_dict",
+    "empty_weights",
     "export",
     "gptq_",
     "load",

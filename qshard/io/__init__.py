@@ -7,7 +7,7 @@ model = qshard.load("ckpt/", meta_model, mesh=mesh, plan=plan)  # each rank read
 
 from .checkpoint import INDEX_NAME, SINGLE_FILE_NAME, Checkpoint
 from .format import FORMAT_VERSION
-from .loading import load
+from .loading import empty_weights, load
 from .saving import DEFAULT_MAX_SHARD_SIZE, QUANTIZATION_CONFIG_NAME, parse_size, save
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "QUANTIZATION_CONFIG_NAME",
     "SINGLE_FILE_NAME",
     "Checkpoint",
+    "empty_weights",
     "load",
     "parse_size",
     "save",

@@ -14,6 +14,7 @@ full model, so one saved at any TP size loads at any other that its blocks allow
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Mapping
@@ -27,7 +28,7 @@ from ..layouts.validation import check_magnitude
 from ..qtensor import FLOAT_DTYPES, QTensor
 from .checkpoint import Checkpoint
 
-__all__ = ["load"]
+__all__ = ["empty_weights", "load"]
 
 
 def load(
@@ -72,6 +73,7 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
             f"keys {_few(unexpected)}; pass strict=False to load the keys both have"
         )
     keys = [k for k in targets if k in checkpoint.records]
+    _check_nothing_left_on_meta(model, targets, keys)
     for key in keys:
         stored = tuple(checkpoint.record(key).outer_shape())
         if stored != tuple(targets[key].shape):
@@ -114,6 +116,50 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
             stacklevel=3,
         )
     return model
+
+
+def _check_nothing_left_on_meta(model: nn.Module, targets: Mapping, keys: list[str]) -> None:
+    """CheckpointError naming every tensor of `model` on the meta device that this load would
+    not fill (a missing key under strict=False, or a buffer no state_dict holds, such as a
+    rotary embedding's inv_freq): the model would come out half real, half meta."""
+    loaded = set(keys)
+    left = [k for k, t in targets.items() if t.is_meta and k not in loaded]
+    # Non-persistent buffers are in no state_dict, so no checkpoint can fill them.
+    persistent = set(targets)
+    left += [k for k, b in model.named_buffers() if b.is_meta and k not in persistent]
+    if left:
+        raise CheckpointError(
+            f"qshard.load into {type(model).__name__}: {len(left)} tensors are on the meta "
+            f"device and the checkpoint does not fill them: {', '.join(left)}. Build the model "
+            f"under `with qshard.empty_weights():` (parameters on meta, buffers computed) "
+            f"instead of torch.device('meta'), or load a checkpoint that holds them"
+        )
+
+
+@contextlib.contextmanager
+def empty_weights():
+    """Build models whose parameters are on the meta device (no memory, no random init)
+    while buffers are real: `qshard.load` / `load_pretrained` then fill every parameter, and
+    the buffers no checkpoint holds (a rotary embedding's inv_freq) are already computed.
+    As accelerate's init_empty_weights(include_buffers=False)::
+
+        with qshard.empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
+        qshard.load(directory, model)
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            kind = type(param)
+            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def _read_all(checkpoint: Checkpoint, keys, placements: Mapping, device, mesh, dtypes) -> dict:

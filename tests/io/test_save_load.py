@@ -331,9 +331,14 @@ def test_missing_unexpected_and_misshapen_keys(tmp_path):
     with pytest.raises(CheckpointError, match=r"missing keys \['norm.bias'\].*unexpected.*extra"):
         qshard.load(path, model)
     assert snapshot(model) == before
-    with pytest.warns(UserWarning, match="missing keys"):
+    # strict=False loads what both have, but not into a meta model it would leave half meta.
+    with pytest.raises(CheckpointError, match=r"meta device.*: norm\.bias\."):
         qshard.load(tmp_path, model, strict=False)
-    assert model.norm.bias.is_meta and not model.up.weight.is_meta
+    assert snapshot(model) == before
+    real = quantized_model(qshard.Fp8BlockwiseConfig())
+    with pytest.warns(UserWarning, match="missing keys"):
+        qshard.load(tmp_path, real, strict=False)
+    assert not real.norm.bias.is_meta and isinstance(real.up.weight, qshard.Fp8BlockwiseTensor)
     qshard.save(state | {"up.bias": torch.zeros(5)}, tmp_path)
     expect_load_error(
         tmp_path, r"'up.bias' is \[5\] in the checkpoint and \[336\] in the model", False
