@@ -7,6 +7,8 @@ qshard.save(model, "ckpt/")
 model = qshard.load("ckpt/", model_built_on_meta)
 """
 
+from ._after_import import after_import
+from ._dtensor_cache_key import patch_dtensor_cache_key
 from .api import (
     QuantizationReport,
     quantize_,
@@ -50,9 +52,20 @@ from .qtensor import QTensor
 
 __version__ = "0.1.0"
 
-from .tp.compat import patch_dtensor_cache_key
+# DTensors of quantized layouts must not share compiled graphs: fix DTensor's cache key when
+# torch.distributed.tensor is imported (not now: it takes a third of a second, and the CLI's
+# --help, `import qshard` and single-device use never need it).
+after_import("torch.distributed.tensor", patch_dtensor_cache_key)
 
-patch_dtensor_cache_key()  # DTensors of quantized layouts must not share compiled graphs
+
+def __getattr__(name: str):
+    # `qshard.tp` without `import qshard.tp`: imported on first use (it imports DTensor).
+    if name == "tp":
+        import importlib
+
+        return importlib.import_module(".tp", __name__)
+    raise AttributeError(f"module 'qshard' has no attribute {name!r}")
+
 
 __all__ = [
     "Backend",

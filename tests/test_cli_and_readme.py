@@ -31,6 +31,15 @@ def test_readme_names_the_two_commands():
     text = README.read_text()
     assert "pip install . && qshard demo" in text
     assert 'pip install ".[test]" && pytest' in text
+    # Each set-up block installs torch for the platform first: `pip install .` alone resolves
+    # PyPI's default torch, the CUDA build on Linux, before a CPU user reads a note.
+    setup = text[text.index("## Set-up") : text.index("## Usage")]
+    blocks = re.findall(r"```bash\n(.*?)```", setup, flags=re.S)
+    assert len(blocks) == 2, blocks
+    for block, command in zip(blocks, ["pip install . && qshard demo", "pytest"], strict=True):
+        first, second = block.strip().splitlines()
+        assert first.startswith("pip install torch") and "--index-url" in first, block
+        assert command in second, block
     ci = (README.parent / ".ci" / "run").read_text()
     assert 'pip install ".[test]" && pytest' in ci
 

@@ -28,7 +28,6 @@ from ..io.checkpoint import (
 from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor
 from ..qtensor import QTensor
 from ..safejson import read_json_file
-from ..tp.styles import chunk_bounds, shard_cuts
 
 __all__ = [
     "MemorySource",
@@ -226,6 +225,8 @@ class MemorySource:
         return value.to(device) if value.device != torch.device(device) else value
 
     def read_shard(self, key: str, dim: int, world: int, rank: int, device) -> torch.Tensor:
+        from ..tp.styles import chunk_bounds, shard_cuts  # imports torch.distributed.tensor
+
         value = self.records[key].value
         size = value.shape[dim]
         start, end = chunk_bounds(size, world, rank)

@@ -23,7 +23,6 @@ import torch
 from ..errors import CheckpointError
 from ..layouts.validation import check_qtensor
 from ..safejson import parse_json, read_json_file
-from ..tp.styles import chunk_bounds, shard_cuts
 from .format import SAFETENSORS_DTYPES, Record, StoredTensor, crc32, decode_metadata, dtype_name
 
 __all__ = [
@@ -245,6 +244,8 @@ class Checkpoint:
         boundaries (`QTensor.realign`), so every rank gets the packing `qshard.tp` would give.
         Along the experts dim of [E, N, K] experts a rank reads only its experts' bytes of every
         inner tensor (experts are cut anywhere)."""
+        from ..tp.styles import chunk_bounds, shard_cuts  # imports torch.distributed.tensor
+
         record = self.record(key)
         header = self.file_of[record.key]
         size = record.outer_shape()[dim]

@@ -165,8 +165,6 @@ def empty_weights():
 def _read_all(checkpoint: Checkpoint, keys, placements: Mapping, device, mesh, dtypes) -> dict:
     """{key: tensor}, floating ones in `dtypes[key]` where given; an alias gets the very tensor
     of its target, read once."""
-    from torch.distributed.tensor import DTensor, Shard
-
     values, cache = {}, {}
     for key in keys:
         placement, dtype = placements.get(key), dtypes.get(key)
@@ -175,6 +173,8 @@ def _read_all(checkpoint: Checkpoint, keys, placements: Mapping, device, mesh, d
             if placement is None:
                 value = _as_dtype(checkpoint.read(key, device), dtype)
             else:
+                from torch.distributed.tensor import DTensor, Shard  # only for a mesh
+
                 world, rank = mesh.size(), mesh.get_local_rank()
                 record = checkpoint.record(key)
                 if isinstance(placement, Shard):

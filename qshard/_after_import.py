@@ -1,0 +1,58 @@
+"""Run a function once a module is imported, without importing it now.
+
+`import qshard` must not import `torch.distributed.tensor` (a third of a second, mostly sympy),
+yet DTensor needs qshard's cache-key fix (qshard/tp/compat.py) before any DTensor of a QTensor
+is compiled. `after_import("torch.distributed.tensor", fix)` runs `fix` at once if the module is
+imported already, else right after whoever imports it first has executed it.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from collections.abc import Callable
+
+__all__ = ["after_import"]
+
+
+def after_import(name: str, callback: Callable[[], None]) -> None:
+    if name in sys.modules:
+        callback()
+        return
+    sys.meta_path.insert(0, _Finder(name, callback))
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: it asks the finders after it for `name`'s spec and wraps that
+    spec's loader so that `callback` runs after the module has executed. Removes itself on
+    first use."""
+
+    def __init__(self, name: str, callback: Callable[[], None]):
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = None if find is None else find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+        callback = self.callback
+
+        def exec_then_callback(module):
+            exec_module(module)
+            callback()
+
+        # On this spec's own loader instance (a SourceFileLoader is made per file), so that
+        # the module keeps its real __loader__.
+        loader.exec_module = exec_then_callback
+        return spec
