@@ -18,6 +18,7 @@ router stays float: it is not an experts module's 3-D parameter.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import sys
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from .errors import ConfigError, QShardError, UnsupportedWeightError
 from .qtensor import QTensor, stored_nbytes
 
 __all__ = [
+    "KEEP_FLOAT",
     "QuantizationReport",
     "QuantizedModule",
     "SkippedModule",
@@ -208,20 +210,37 @@ def quantization_targets(model: nn.Module) -> list[Target]:
     return targets
 
 
+# Weights kept in float unless asked, by name (fnmatch): embeddings, output heads (transformers'
+# `lm_head`, gpt-fast's top-level `output`), norms and poolers, as the checkpoints of facts.md §5
+# leave them. One rule for `quantize_`, `gptq_` and `qshard quantize` (qshard/convert.py).
+KEEP_FLOAT = ("*embed*", "*lm_head*", "output", "*norm*", "*LayerNorm*", "*pooler*")
+
+
+def _patterns(patterns: Sequence[str] | str | None) -> list[str] | None:
+    return [patterns] if isinstance(patterns, str) else None if patterns is None else list(patterns)
+
+
 def _skip_reason(
     target: Target,
     include: Sequence[str] | str | None,
     exclude: Sequence[str] | str | None,
     filter_fn: FilterFn | None,
+    keep_float: Sequence[str] = KEEP_FLOAT,
 ) -> str | None:
     name = target.name
-    include = [include] if isinstance(include, str) else include
-    exclude = [exclude] if isinstance(exclude, str) else exclude
+    include, exclude = _patterns(include), _patterns(exclude)
     if include is not None and not any(fnmatch.fnmatchcase(name, p) for p in include):
-        return f"matches no include pattern {list(include)}"
+        return f"matches no include pattern {include}"
     for pattern in exclude or ():
         if fnmatch.fnmatchcase(name, pattern):
             return f"excluded by pattern {pattern!r}"
+    kept = next((p for p in _patterns(keep_float) if fnmatch.fnmatchcase(name, p)), None)
+    if kept is not None and include is None:  # an include pattern that matches it asks for it
+        return (
+            f"kept in float: embeddings, output heads, norms and poolers are, by default "
+            f"(keep_float pattern {kept!r}); to quantize it pass include=[{name!r}, ...] or "
+            f"keep_float=()"
+        )
     if filter_fn is not None and not filter_fn(target.module, name):
         return "filter_fn returned False"
     if isinstance(target.weight, nn.parameter.UninitializedParameter):
@@ -230,6 +249,49 @@ def _skip_reason(
     if isinstance(local, QTensor):
         return f"already quantized ({type(local).__name__})"
     return None
+
+
+def check_patterns(
+    names: Sequence[str],
+    include: Sequence[str] | str | None,
+    exclude: Sequence[str] | str | None,
+    caller: str = "quantize_",
+    prefix: str = "",
+) -> None:
+    """Raise ConfigError for an include or exclude pattern that matches none of `names` (the
+    weights' names): a typo would otherwise quantize everything, or nothing, silently. `prefix`
+    goes before the option's name in the message (the CLI's "--")."""
+    names = list(dict.fromkeys(names))
+    for kind, patterns in (("include", _patterns(include)), ("exclude", _patterns(exclude))):
+        kind = prefix + kind
+        for pattern in patterns or ():
+            if not isinstance(pattern, str):
+                raise ConfigError(f"{caller}: {kind} pattern {pattern!r} is not a string; pass "
+                                  f"fnmatch patterns such as '*.mlp.*'")  # fmt: skip
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                continue
+            if not names:
+                raise ConfigError(f"{caller}: {kind} pattern {pattern!r} matches nothing: the "
+                                  f"model has no nn.Linear or expert weight")  # fmt: skip
+            raise ConfigError(
+                f"{caller}: {kind} pattern {pattern!r} matches no weight of this model "
+                f"(fnmatch on full names), so it would select nothing; its names are like "
+                f"{_some_names(pattern, names)} ({len(names)} in all){_hint(pattern, names)}. "
+                f"Nothing was changed"
+            )
+
+
+def _some_names(pattern: str, names: list[str]) -> list[str]:
+    """A few real names: those closest to `pattern` first, then the first ones."""
+    close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3)
+    return list(dict.fromkeys([*close, *names]))[:4]
+
+
+def _hint(pattern: str, names: list[str]) -> str:
+    for fix in (f"*{pattern}", f"*.{pattern}", f"*{pattern}*"):  # HF names start with `model.`
+        if any(fnmatch.fnmatchcase(n, fix) for n in names):
+            return f"; did you mean {fix!r}?"
+    return ""
 
 
 def repack_for_device(model: nn.Module) -> nn.Module:
@@ -339,14 +401,20 @@ def quantize_(
     filter_fn: FilterFn | None = None,
     include: Sequence[str] | str | None = None,
     exclude: Sequence[str] | str | None = None,
+    keep_float: Sequence[str] = KEEP_FLOAT,
 ) -> QuantizationReport:
     """Quantize the weights of `model`'s nn.Linear modules and the expert weights of its experts
     modules (see the module docstring) in place; return a report.
 
-    include / exclude: fnmatch patterns on names: a Linear's module name (`"layers.*.mlp.*"`),
-    an expert weight's `<experts module>.<parameter>` (`"*.experts.down_proj"`); a weight must
-    match an include pattern (when given) and no exclude pattern. filter_fn(module, name) ->
+    include / exclude: fnmatch patterns on full names: a Linear's module name
+    (`"model.layers.*.mlp.*"`), an expert weight's `<experts module>.<parameter>`
+    (`"*.experts.down_proj"`); a weight must match an include pattern (when given) and no
+    exclude pattern. A pattern that matches no name raises ConfigError (nothing changed).
+    keep_float: names kept in float unless an include pattern matches them (default
+    `KEEP_FLOAT`: embeddings, output heads such as `lm_head`, norms, poolers; the rule
+    `qshard quantize` uses); `keep_float=()` quantizes those too. filter_fn(module, name) ->
     bool narrows further. A model given as a bare nn.Linear is quantized under the name "".
+    The report lists every weight left in float, with the reason.
     """
     if isinstance(config, type):
         raise ConfigError(
@@ -360,7 +428,7 @@ def quantize_(
             f"quantize_: no handler for {type(config).__name__}; registered configs: {known}. "
             f"Register one with qshard.register_handler({type(config).__name__}, fn)"
         )
-    return quantize_with(model, config, handler, filter_fn, include, exclude)
+    return quantize_with(model, config, handler, filter_fn, include, exclude, keep_float)
 
 
 def quantize_with(
@@ -370,16 +438,18 @@ def quantize_with(
     filter_fn: FilterFn | None = None,
     include: Sequence[str] | str | None = None,
     exclude: Sequence[str] | str | None = None,
+    keep_float: Sequence[str] = KEEP_FLOAT,
 ) -> QuantizationReport:
     """`quantize_` with the weights quantized by `handler(weight, config)` instead of the
     config's registered handler (`qshard.gptq_` passes one that returns its calibrated
     weights): the same selection, tied weights, report, sharded-model agreement, and nothing
     changed unless every selected weight quantized."""
     targets = quantization_targets(model)
+    check_patterns([t.name for t in targets], include, exclude)  # the same on every rank
     sharded = [(t.name, t.weight) for t in targets if _is_dtensor(t.weight)]  # module order
     try:
-        report, pending = _quantize_all(model, targets, handler, config, include, exclude,
-                                        filter_fn)  # fmt: skip
+        report, pending = _quantize_all(model, targets, handler, config,
+                                        (include, exclude, filter_fn, keep_float))  # fmt: skip
     except QShardError:
         _agree_across_ranks(sharded, failed=True, skipped=set())  # the other ranks raise too
         raise
@@ -395,8 +465,9 @@ def quantize_with(
 Pending = list[tuple[Target, nn.Parameter]]
 
 
-def _quantize_all(model, targets, handler, config, include, exclude, filter_fn):
+def _quantize_all(model, targets, handler, config, selection):
     """(report, [(target, quantized Parameter)]) without changing the model."""
+    include, exclude, filter_fn, keep_float = selection
     report = QuantizationReport(config)
     pending: Pending = []
     # A weight shared by several modules stays shared: id(float weight) -> (first target's
@@ -416,7 +487,7 @@ def _quantize_all(model, targets, handler, config, include, exclude, filter_fn):
                 QuantizedModule(name, layout, tuple(weight.shape), 0, 0, first[0])
             )
             continue
-        reason = _skip_reason(target, include, exclude, filter_fn)
+        reason = _skip_reason(target, include, exclude, filter_fn, keep_float)
         if reason is None and id(weight) in foreign:
             reason = (
                 f"its weight is tied to {foreign[id(weight)]} (not a quantized weight); "

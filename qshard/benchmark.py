@@ -25,7 +25,8 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from .convert import CONFIGS, DEFAULT_EXCLUDE, _is_excluded
+from .api import KEEP_FLOAT
+from .convert import CONFIGS, _is_excluded
 from .errors import QShardError
 from .layouts import layout_for
 
@@ -51,7 +52,7 @@ def model_shapes(source: str) -> dict[tuple[int, int], int]:
         shapes: Counter = Counter()
         for name, header in reader.header_of.items():
             module = name.removesuffix(".weight")
-            if not name.endswith(".weight") or _is_excluded(module, DEFAULT_EXCLUDE):
+            if not name.endswith(".weight") or _is_excluded(module, KEEP_FLOAT):
                 continue
             shape = header.stored[name].shape
             if len(shape) == 2:

@@ -38,11 +38,13 @@ import torch
 from torch import nn
 
 from .api import (
+    KEEP_FLOAT,
     FilterFn,
     QuantizationReport,
     Target,
     _is_dtensor,
     _skip_reason,
+    check_patterns,
     quantization_targets,
     quantize_with,
 )
@@ -78,14 +80,16 @@ def gptq_(
     filter_fn: FilterFn | None = None,
     include: Sequence[str] | str | None = None,
     exclude: Sequence[str] | str | None = None,
+    keep_float: Sequence[str] = KEEP_FLOAT,
     damp: float = 0.1,
     scale_search: bool = True,
 ) -> QuantizationReport:
     """Quantize `model`'s nn.Linear weights and expert weights in place with GPTQ, calibrated
-    on `calibration`; return `quantize_`'s report. Selection (filter_fn, include, exclude; an
-    expert weight is named `<experts module>.<param>`), tied weights and the all-or-nothing rule
-    are `quantize_`'s. Each expert is calibrated on the tokens routed to it, under the experts
-    implementation the model is set to (transformers' "eager", "grouped_mm" or "batched_mm").
+    on `calibration`; return `quantize_`'s report. Selection (filter_fn, include, exclude,
+    keep_float; an expert weight is named `<experts module>.<param>`), tied weights and the
+    all-or-nothing rule are `quantize_`'s. Each expert is calibrated on the tokens routed to
+    it, under the experts implementation the model is set to (transformers' "eager",
+    "grouped_mm" or "batched_mm").
 
     calibration: batches; each runs as `forward(model, batch)`, by default `model(*batch)` for
     a tuple and `model(batch)` otherwise: text like the model's use, and enough of it: with
@@ -106,7 +110,7 @@ def gptq_(
         )
     if not 0 < damp < 10:
         raise ConfigError(f"gptq_: damp={damp} must be in (0, 10); 0.1 is the default")
-    linears, experts = _selected_targets(model, filter_fn, include, exclude)
+    linears, experts = _selected_targets(model, filter_fn, include, exclude, keep_float)
     registered = _format_class(config).tensor
     for name, weight in _matrices(linears, experts):  # before a NaN spreads into the hessians
         try:
@@ -156,7 +160,7 @@ def gptq_(
         found = calibrated.get(_key(weight))
         return found if found is not None else registered.from_float(weight, cfg)
 
-    return quantize_with(model, config, handler, filter_fn, include, exclude)
+    return quantize_with(model, config, handler, filter_fn, include, exclude, keep_float)
 
 
 def _default_forward(model: nn.Module, batch: Any) -> Any:
@@ -197,11 +201,13 @@ def _calibrated(name, weight, hessian, config, damp, scale_search) -> torch.Tens
         ) from e
 
 
-def _selected_targets(model, filter_fn, include, exclude):
+def _selected_targets(model, filter_fn, include, exclude, keep_float=KEEP_FLOAT):
     """([Target of a selected nn.Linear], [ExpertsWeight of a selected experts weight])."""
+    targets = quantization_targets(model)
+    check_patterns([t.name for t in targets], include, exclude, "gptq_")
     linears, experts = [], []
-    for target in quantization_targets(model):
-        if _skip_reason(target, include, exclude, filter_fn) is not None:
+    for target in targets:
+        if _skip_reason(target, include, exclude, filter_fn, keep_float) is not None:
             continue
         if _is_dtensor(target.weight):
             raise ConfigError(

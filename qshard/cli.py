@@ -80,10 +80,9 @@ def _run(args: argparse.Namespace) -> None:
         else:
             demos.run_demo(seed=args.seed)
     elif args.command == "quantize":
-        from .convert import DEFAULT_EXCLUDE, quantize_directory
+        from .convert import quantize_directory
 
-        exclude = (*DEFAULT_EXCLUDE, *(args.exclude or ()))
-        done = quantize_directory(args.model_dir, args.out, args.config, exclude)
+        done = quantize_directory(args.model_dir, args.out, args.config, args.exclude or ())
         print(f"{len(done['quantized'])} weights quantized ({args.config}), "
               f"{len(done['kept'])} tensors kept; wrote {args.out}")  # fmt: skip
     elif args.command == "bench":

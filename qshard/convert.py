@@ -3,8 +3,9 @@ tensor by tensor into a qshard checkpoint, and a checkpoint's contents summarize
 
 Quantizing reads one float tensor at a time and keeps only the quantized results, so the whole
 float model is never in memory. Which tensors are linear weights is decided by name and shape,
-as there is no model object: every 2-D `*.weight` except those matching `--exclude`
-(embeddings, output heads and norms by default).
+as there is no model object: every 2-D `*.weight` except those matching `--exclude` and
+embeddings, output heads, norms and poolers (`qshard.api.KEEP_FLOAT`, the rule `quantize_`
+follows too).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import pathlib
 import sys
 
+from .api import KEEP_FLOAT, check_patterns
 from .errors import CheckpointError, QShardError
 from .formats import PACKED_SUFFIXES, QUANTIZATION_SUFFIXES
 from .formats.source import SafetensorsDir
@@ -30,7 +32,7 @@ from .layouts import (
 from .qtensor import FLOAT_DTYPES, QTensor, stored_nbytes
 from .safejson import read_json_file
 
-__all__ = ["CONFIGS", "DEFAULT_EXCLUDE", "inspect_checkpoint", "quantize_directory"]
+__all__ = ["CONFIGS", "inspect_checkpoint", "quantize_directory"]
 
 CONFIGS = {
     "fp8-block": Fp8BlockwiseConfig,
@@ -40,9 +42,6 @@ CONFIGS = {
     "nvfp4": NVFP4WeightOnlyConfig,
     "mxfp4": MXFP4WeightOnlyConfig,
 }
-# Module-name patterns left in float: embeddings, output heads, norms (as the checkpoints of
-# facts.md §5 leave them).
-DEFAULT_EXCLUDE = ("*embed*", "*lm_head*", "*norm*", "*LayerNorm*", "*pooler*")
 
 
 def _is_excluded(module: str, patterns) -> bool:
@@ -53,12 +52,15 @@ def quantize_directory(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     config: str,
-    exclude=DEFAULT_EXCLUDE,
+    exclude=(),
     progress: bool = True,
+    keep_float=KEEP_FLOAT,
 ) -> dict[str, list[str]]:
     """Quantize the linear weights of a Hugging Face directory into a qshard checkpoint at
     `out_dir` (`qshard.save`'s files), with a progress bar on stderr. Returns {"quantized":
-    [...], "kept": [...]}.
+    [...], "kept": [...]}. Module names matching `exclude` or `keep_float` (quantize_'s rule:
+    embeddings, output heads, norms and poolers) stay float; an `exclude` pattern that matches
+    no weight's module name is refused (ConfigError, before anything is written).
 
     Everything is checked before the first tensor is read: the input is a model directory that
     is not quantized already (by its config files and safetensors headers), and `out_dir` is
@@ -75,6 +77,9 @@ def quantize_directory(
     reader = SafetensorsDir(model_dir)  # every header read and checked
     _refuse_quantized(model_dir, *_quantized_by_headers(reader))
     names = reader.names()
+    modules = [n.removesuffix(".weight") for n in names if n.endswith(".weight")]
+    check_patterns(modules, None, exclude, "qshard quantize", prefix="--")
+    exclude = (*exclude, *keep_float)
     state, done = {}, {"quantized": [], "kept": []}
     try:
         for i, name in enumerate(names, 1):

@@ -15,6 +15,7 @@ __all__ = [
     "LayoutMismatchError",
     "MisalignedSliceError",
     "NonFiniteWeightError",
+    "NotQuantizedError",
     "QShardError",
     "UnsupportedOpError",
     "UnsupportedWeightError",
@@ -35,6 +36,10 @@ class UnsupportedWeightError(QShardError, ValueError):
 
 class NonFiniteWeightError(QShardError, ValueError):
     """A weight holds NaN or Inf; quantizing it would hide the problem in a scale."""
+
+
+class NotQuantizedError(QShardError, ValueError):
+    """A model or state_dict holds no quantized weight where one is needed (`qshard.export`)."""
 
 
 class InputMismatchError(QShardError, ValueError):

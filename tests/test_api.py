@@ -161,3 +161,107 @@ def test_lazy_modules_and_config_classes():
     assert "lazy" in report.skipped[0].reason
     with pytest.raises(ConfigError, match=r"Fp8BlockwiseConfig\(\)"):
         qshard.quantize_(Block(), Fp8BlockwiseConfig)
+
+
+# ---- one selection rule for quantize_ and `qshard quantize`; patterns that match nothing ------
+
+
+class HFShaped(nn.Module):
+    """Names as transformers gives them: everything under `model.`, the head beside it."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.ModuleDict({"q_proj": nn.Linear(64, 64), "down_proj": nn.Linear(64, 64)})
+        self.model = nn.ModuleDict(
+            {"embed_tokens": nn.Embedding(10, 64), "layers": nn.ModuleList([layer])}
+        )
+        self.lm_head = nn.Linear(64, 10, bias=False)
+
+
+HF_LINEARS = ["model.layers.0.q_proj", "model.layers.0.down_proj"]
+
+
+def test_output_heads_stay_float_unless_asked_and_the_report_says_so():
+    model = HFShaped()
+    report = qshard.quantize_(model, Fp8BlockwiseConfig())
+    assert [m.name for m in report.quantized] == HF_LINEARS
+    (skipped,) = report.skipped
+    assert skipped.name == "lm_head" and "kept in float" in skipped.reason
+    assert "keep_float=()" in skipped.reason and "'*lm_head*'" in str(report)
+    assert not isinstance(model.lm_head.weight, QTensor)
+
+    # Asked by name through include, or for everything with keep_float=().
+    model = HFShaped()
+    report = qshard.quantize_(model, Fp8BlockwiseConfig(), include=["lm_head"])
+    assert [m.name for m in report.quantized] == ["lm_head"]
+    model = HFShaped()
+    report = qshard.quantize_(model, Fp8BlockwiseConfig(), keep_float=())
+    assert [m.name for m in report.quantized] == [*HF_LINEARS, "lm_head"]
+    assert isinstance(model.lm_head.weight, QTensor)
+
+
+def test_quantize_and_the_command_line_keep_the_same_weights_float(tmp_path):
+    from safetensors.torch import save_file
+
+    from qshard.convert import quantize_directory
+
+    model = HFShaped()
+    model.add_module("output", nn.Linear(64, 10))  # gpt-fast's name for the head
+    model.model.add_module("pooler", nn.Linear(64, 64))
+    source = tmp_path / "model"
+    source.mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(source / "model.safetensors"))
+    done = quantize_directory(source, tmp_path / "q", "fp8-block", progress=False)
+    report = qshard.quantize_(model, Fp8BlockwiseConfig())
+    assert {n.removesuffix(".weight") for n in done["quantized"]} == set(HF_LINEARS)
+    assert [m.name for m in report.quantized] == HF_LINEARS
+    assert report.skipped_names() == {"lm_head", "output", "model.pooler"}
+
+
+@pytest.mark.parametrize("kind", ["include", "exclude"])
+def test_a_pattern_that_matches_nothing_names_real_modules_and_changes_nothing(kind):
+    model = HFShaped()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError) as info:
+        qshard.quantize_(model, Fp8BlockwiseConfig(), **{kind: ["layers.*.q_proj"]})
+    message = str(info.value)
+    assert f"{kind} pattern 'layers.*.q_proj' matches no weight" in message
+    assert "model.layers.0.q_proj" in message  # a real name, HF's `model.` prefix shown
+    assert "did you mean '*layers.*.q_proj'?" in message and "Nothing was changed" in message
+    after = model.state_dict()
+    assert all(type(after[k]) is torch.Tensor and torch.equal(after[k], v)
+               for k, v in before.items())  # fmt: skip
+
+    # One good and one mistyped pattern: still refused, naming the bad one.
+    with pytest.raises(ConfigError, match=r"'\*dwon_proj'"):
+        qshard.quantize_(model, Fp8BlockwiseConfig(), exclude=["*q_proj", "*dwon_proj"])
+    assert not any(isinstance(p, QTensor) for p in model.parameters())
+
+
+def test_gptq_and_the_command_line_refuse_a_pattern_that_matches_nothing(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    model = HFShaped()
+    with pytest.raises(ConfigError, match="gptq_: include pattern 'q_proj'"):
+        qshard.gptq_(model, qshard.Int4WeightOnlyConfig(), [torch.randn(4, 64)], include="q_proj")
+
+    source, out = tmp_path / "model", tmp_path / "q"
+    source.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(source / "model.safetensors"))  # fmt: skip
+    from qshard.cli import main
+
+    args = ["quantize", str(source), "--config", "fp8-block", "--out", str(out)]
+    assert main([*args, "--exclude", "*.mlp.*"]) == 1
+    err = capsys.readouterr().err
+    assert "--exclude pattern '*.mlp.*' matches no weight" in err and "model.layers.0" in err
+    assert not out.exists()
+
+
+def test_export_refuses_a_model_with_nothing_quantized(tmp_path):
+    model = HFShaped()
+    with pytest.raises(qshard.NotQuantizedError, match="no quantized weight") as info:
+        qshard.export(model, tmp_path / "out", format="compressed-tensors")
+    assert "qshard.quantize_" in str(info.value)
+    assert not (tmp_path / "out").exists()

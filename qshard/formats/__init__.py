@@ -26,7 +26,7 @@ import pathlib
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, QShardError
+from ..errors import CheckpointError, NotQuantizedError, QShardError
 from ..layouts.validation import check_qtensor
 from ..qtensor import QTensor
 from . import (
@@ -174,6 +174,13 @@ def export(
     from ..io.saving import _full, _state_dict
 
     state = {k: _full(v) for k, v in _state_dict(model).items()}
+    if not any(isinstance(v, QTensor) for v in state.values()):
+        raise NotQuantizedError(
+            f"qshard.export: the model holds no quantized weight ({len(state)} tensors, none a "
+            f"QTensor), so the {format} checkpoint would be a float model labelled quantized. "
+            f"Quantize it first, qshard.quantize_(model, config), and check the report: it "
+            f"keeps embeddings and output heads in float and lists every skipped module"
+        )
     if format != gpt_oss_mxfp4.NAME:  # its experts stay 3-D; the others store per-expert linears
         transposed = set()  # experts parameters stored [E, in, out] (float ones say it nowhere)
         if isinstance(model, nn.Module):
