@@ -404,6 +404,12 @@ class QTensor(torch.Tensor):
         handler = cls._lookup("_torch_fn_ops", func)
         if handler is not None:
             return handler(func, types, args, kwargs)
+        if func in _USES_OF_WEIGHTS and torch.is_grad_enabled():
+            # A model's `w.transpose(-2, -1)` or `torch._grouped_mm(x, w, ...)` under grad mode
+            # would keep the Parameter itself in the autograd graph (as a view's base or a saved
+            # operand), and `model.half()` / `.to()` could not swap it while an output is alive:
+            # use a detached alias (the same inner tensors; no gradient flows to a frozen weight).
+            args = tuple(a.detach() if _is_frozen_parameter(a) else a for a in args)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -763,3 +769,19 @@ def _short(value: Any) -> str:
 def _source_file(cls: type) -> str:
     module = cls.__module__.replace(".", "/")
     return f"{module}.py"
+
+
+# What a model's forward does to a weight Parameter (QTensor.__torch_function__): views of it,
+# and the matmuls that take it as it is (transformers' experts).
+_USES_OF_WEIGHTS = frozenset({
+    torch.Tensor.t, torch.Tensor.transpose, torch.Tensor.__getitem__, torch.Tensor.view,
+    torch.Tensor.permute, torch.Tensor.unbind, torch.Tensor.select, torch.Tensor.narrow,
+    torch.t, torch.transpose, torch.permute, torch.unbind, torch.select, torch.narrow,
+    torch._grouped_mm, torch.bmm, torch.matmul, torch.mm, torch.Tensor.__matmul__,
+    torch.Tensor.__rmatmul__, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.bmm,
+    *([torch.nn.functional.grouped_mm] if hasattr(torch.nn.functional, "grouped_mm") else []),
+})  # fmt: skip
+
+
+def _is_frozen_parameter(t: Any) -> bool:
+    return isinstance(t, torch.nn.Parameter) and isinstance(t, QTensor) and not t.requires_grad

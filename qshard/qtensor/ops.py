@@ -182,6 +182,13 @@ def _to_copy(func, args, kwargs):
     out = q.map_inner(
         lambda t: t.to(device, non_blocking=non_blocking, copy=True), fresh=True, dtype=dtype
     )
+    if dtype != q.dtype:  # `.half()`: the packed data stays; its values must fit float16
+        from ..errors import NonFiniteWeightError
+        from ..layouts.validation import check_magnitude
+
+        fix = (f"Keep this weight in {q.dtype} or bfloat16 (model.to(torch.bfloat16)), or "
+               f"quantize the {dtype} model instead")  # fmt: skip
+        check_magnitude(out, f".to({dtype})", NonFiniteWeightError, fix)
     # A device form is made for one device: re-made there from the copied canonical tensors.
     return out.repack_for_device()
 
@@ -189,6 +196,15 @@ def _to_copy(func, args, kwargs):
 @QTensor.implements(aten.copy_.default)
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
+    if isinstance(src, QTensor) and not isinstance(dst, QTensor):
+        # What model.load_state_dict(quantized_state) does to a float model's parameters.
+        raise UnsupportedOpError(
+            f"copy_ of a quantized {type(src).__name__} {list(src.shape)} into a plain "
+            f"{dst.dtype} tensor: a float parameter cannot hold quantized data in place (this is "
+            f"what model.load_state_dict(qshard_state_dict) does). Load it with "
+            f"qshard.load(checkpoint_dir, model), or model.load_state_dict(state, assign=True) "
+            f"followed by qshard.repack_for_device(model); or copy src.dequantize() for floats"
+        )
     if not isinstance(dst, QTensor) or not isinstance(src, QTensor):
         plain, quant = (dst, src) if isinstance(src, QTensor) else (src, dst)
         raise UnsupportedOpError(
@@ -432,9 +448,11 @@ def _linear_fn(func, types, args, kwargs):
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         # Let linear decompose into t + mm/addmm on the QTensor: autograd records those (input
         # gradient through the dequantized weight, `_mm_grad_input`) and the layout's kernel runs
-        # below autograd, so no quantization op is ever differentiated.
+        # below autograd, so no quantization op is ever differentiated. On a detached alias
+        # (same inner tensors): the graph's saved `w.t()` must not be a view of the Parameter
+        # itself, or `model.half()` / `.to()` cannot swap it while the output is alive.
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            return func(x, w.detach(), bias)
     return w._linear(x, bias)
 
 
