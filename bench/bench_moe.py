@@ -282,14 +282,14 @@ W4_FORMATS = {  # name: (config, Format name)
 GEMV_SWEEP = [  # (BLOCK_N, BLOCK_W, warps)
     (16, 64, 2),
     (32, 32, 2),
-    (32, 64, 2),
-    (64, 32, 2),
+    (16, 32, 2),
     (16, 32, 1),
-    (32, 64, 4),
+    (8, 32, 1),
+    (32, 64, 2),
 ]
 
 
-def sweep_w4(shape: str, tokens_list) -> None:
+def sweep_w4(shape: str, tokens_list, formats=tuple(W4_FORMATS)) -> None:
     """Each 4-bit format's gate_up and down grouped matmuls alone (launchers called directly)
     under the default config and, at up to 2 rows per expert, each GEMV config."""
     from qshard.kernels import grouped_triton as g
@@ -302,7 +302,8 @@ def sweep_w4(shape: str, tokens_list) -> None:
         "down": torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16),
     }
     print(f"\n## 4-bit sweep, {shape}, us per call\n")
-    for fmt_name, (config, fmt) in W4_FORMATS.items():
+    for fmt_name in formats:
+        config, fmt = W4_FORMATS[fmt_name]
         layout = layout_for(config)
         for proj, w in weights.items():
             q = layout.from_float(w * 0.02, config)
@@ -350,6 +351,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(methods))
     parser.add_argument("--sweep", action="store_true", help="time the kernels' configs")
     parser.add_argument("--sweep-w4", action="store_true", help="time the 4-bit configs")
+    parser.add_argument("--formats", default=",".join(W4_FORMATS), help="--sweep-w4's")
     parser.add_argument("--no-gemv", action="store_true", help="4-bit: no decode GEMV")
     args = parser.parse_args()
     print(versions())
@@ -361,7 +363,7 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     for shape in args.shapes.split(","):
         if args.sweep_w4:
-            sweep_w4(shape, tokens)
+            sweep_w4(shape, tokens, args.formats.split(","))
         elif args.sweep:
             sweep(shape, tokens)
         else:

@@ -365,14 +365,16 @@ def w4a16_grouped_config(fmt: Format, tokens: int, experts: int, k: int) -> dict
     - the word GEMV (KERNEL "gemv") while the mean rows per expert T / E is at most
       GEMV_MAX_ROWS_PER_EXPERT (decode: 1-16 tokens of every shape in bench_moe.py) and K is a
       multiple of 8 (whole 32-bit words per row): a program per (routed row, weight band), the
-      rows of an expert side by side so that its band is read from HBM once. Steps of 64 words
-      (32 where K / 8 is no multiple of 64: Qwen3's down, K = 768), 1024 words per step on 2
-      warps (16 per thread, 4 rows sharing each activation load): the best of the H100 sweep
-      on the Qwen3-30B-A3B experts (docs/kernels/grouped.md, v6);
+      rows of an expert side by side so that its band is read from HBM once. 16 weight rows x
+      64 words (512 K) per step on 2 warps where K / 8 is a multiple of 64, else 16 x 32 words
+      on 1 warp (Qwen3's down, K = 768; gpt-oss, K = 2880, with a masked last step): the best
+      of the H100 sweeps on the Qwen3-30B-A3B and gpt-oss-120b experts (docs/kernels/grouped.md,
+      v6-v7);
     - else the tensor-core kernel, 64 weight rows x `token_block` tokens x 128 K per step."""
     if k % 8 == 0 and tokens <= GEMV_MAX_ROWS_PER_EXPERT * experts:
-        block_w = 64 if (k // 8) % 64 == 0 else 32
-        return {"KERNEL": "gemv", "BLOCK_N": 1024 // block_w, "BLOCK_W": block_w, "num_warps": 2}
+        wide = (k // 8) % 64 == 0
+        return {"KERNEL": "gemv", "BLOCK_N": 16, "BLOCK_W": 64 if wide else 32,
+                "num_warps": 2 if wide else 1}  # fmt: skip
     return {"BLOCK_N": 64, "BLOCK_M": token_block(tokens, experts), "BLOCK_K": 128,
             "num_warps": 4, "num_stages": 3}  # fmt: skip
 
