@@ -103,7 +103,21 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
 
         resolved, placements = checked_placements(model, mesh, plan, metas)
     device = _target_device(device, mesh, targets)
-    values = _read_all(checkpoint, keys, placements, device, mesh, dtypes)
+    if mesh is None:
+        values = _read_all(checkpoint, keys, placements, device, mesh, dtypes)
+    else:  # each rank reads (and checks) other bytes: all raise, or none changes the model
+        from .saving import agree_on_failure
+
+        values, failure = None, None
+        try:
+            values = _read_all(checkpoint, keys, placements, device, mesh, dtypes)
+        except Exception as e:  # re-raised below, on every rank
+            failure = e
+        other = ("qshard.load: another rank's part of the checkpoint failed its checks (that "
+                 "rank's error names it); no rank's model was changed")  # fmt: skip
+        failure = agree_on_failure(mesh, failure, other)
+        if failure is not None:
+            raise failure
     _assign(model, targets, values)
     if resolved is not None:
         from ..tp.plan import apply_styles

@@ -166,13 +166,21 @@ def _agree(state: Mapping[str, torch.Tensor], failure: QShardError | None) -> QS
     """This rank's failure, or one saying that another rank's shard failed: every rank of a
     sharded save agrees (one all_reduce) before the gathers, so none is left waiting in one."""
     mesh = next(v.device_mesh for v in state.values() if _is_dtensor(v))
+    other = ("qshard.save: another rank's shard of a quantized weight failed its checks (that "
+             "rank's error names it); nothing was written")  # fmt: skip
+    return agree_on_failure(mesh, failure, other)
+
+
+def agree_on_failure(mesh, failure: Exception | None, other: str) -> Exception | None:
+    """This rank's failure, or QShardError(`other`) if another rank of `mesh` failed, or None:
+    every rank learns of any rank's failure (all-reduces of a flag), so that all raise
+    together and none is left waiting in a later collective or half-changed."""
     device = torch.cuda.current_device() if mesh.device_type == "cuda" else "cpu"
     flag = torch.tensor([float(failure is not None)], device=device)
     for group in mesh.get_all_groups():  # a 2-D mesh (experts x their rows): along each dim
         dist.all_reduce(flag, dist.ReduceOp.MAX, group=group)
     if failure is None and flag.item():
-        return QShardError("qshard.save: another rank's shard of a quantized weight failed its "
-                           "checks (that rank's error names it); nothing was written")  # fmt: skip
+        return QShardError(other)
     return failure
 
 

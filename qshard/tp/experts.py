@@ -3,15 +3,22 @@
 An experts module (transformers 5.x, facts.md §8) holds `gate_up_proj` [E, 2I, H] and
 `down_proj` [E, H, I] (gpt-oss: transposed [E, H, 2I] / [E, I, H], gate and up interleaved, with
 per-expert biases) and is called as `experts(hidden [T, H], top_k_index [T, k], top_k_weights)`
-with global expert ids. Two styles shard it over a 1-D mesh, for `qshard.tp.parallelize`:
+with global expert ids. The styles, for `qshard.tp.parallelize` over a 1-D mesh:
 
 - `ExpertParallel()`: each rank keeps E/world whole experts of every 3-D parameter and bias
-  (DTensor `Shard(0)`, its own slice of the quantized tensor made into a compact copy). The
-  forward maps the global ids to this rank's local ids (routes to other ranks' experts become
-  the sentinel id `num_local_experts` with weight 0, which transformers' grouped_mm / batched_mm
-  implementations skip, as in its `AllReduceEP`; under "eager", whose loops do not all accept
-  the sentinel, local expert 0 with weight 0), runs the module's own experts implementation
-  on the local experts only, and sums the ranks' partial outputs with one all-reduce.
+  (DTensor `Shard(0)`, its own slice of the quantized tensor made into a compact copy). With
+  the default dispatch "all_reduce" every rank holds the same tokens (the MoE block's input is
+  replicated after a row-parallel attention output): the forward maps the global ids to this
+  rank's local ids (routes to other ranks' experts become the sentinel id `num_local_experts`
+  with weight 0, which transformers' grouped_mm / batched_mm implementations skip, as in its
+  `AllReduceEP`; under "eager", whose loops do not all accept the sentinel, local expert 0 with
+  weight 0), runs the module's own experts implementation on the local experts only, and sums
+  the ranks' partial outputs with one all-reduce: no token moves, nothing is read back to the
+  host, the step compiles with fullgraph=True and freezes.
+- `ExpertParallel(dispatch="all_to_all")`: each rank holds its own tokens (data-parallel
+  attention): every (token, expert) route is sent to its expert's rank and the result back by
+  two all-to-alls (transformers' `AllToAllEP`), whose split sizes are read to the host once per
+  layer. On tokens the ranks share it would run every route once per rank: use "all_reduce".
 - `ExpertTensorParallel()`: each rank keeps every expert's slice of the intermediate dim I:
   gate_up column-parallel (gate rows and up rows of the same units, so the gate stays paired;
   DTensor `_StridedShard(n, split_factor=2)` for the concatenated [gate; up] layout, a plain
@@ -19,26 +26,22 @@ with global expert ids. Two styles shard it over a 1-D mesh, for `qshard.tp.para
   its bias added on rank 0 only. Cuts inside a quantized block are re-blocked exactly as dense
   shards are (`QTensor.realign` with every rank's boundaries: FP8 32x32 blocks at a 16-row shard
   become 16x16 blocks), or refused listing the sizes that work.
+- `ExpertParallel(tensor_parallel=t)`: both (EP x TP): world / t groups of t consecutive ranks,
+  experts split over the groups, each expert's I over the ranks of its group, placed on a 2-D
+  mesh of the same ranks; one all-reduce over all of them.
 
-Why all-reduce and not all-to-all: qshard's tensor-parallel ranks all hold the same tokens (the
-MoE block's input is replicated after a row-parallel attention output), so no token has to move
-to reach its expert: each rank runs only its own experts' routes (the sentinel rows cost no
-matmul), and one all-reduce of [T, H] combines them, in both styles. An all-to-all with sizes
-(transformers' `AllToAllEP`) sends each route once instead, but its split sizes are read back
-to the host every layer (a graph break or an unbacked-size graph under torch.compile, no CUDA
-graph); it pays off only when ranks hold different tokens (data-parallel attention), which
-qshard.tp does not do. The all-reduce is a functional collective named by the process group's
-name, so the step compiles with fullgraph=True and its graph holds no DTensor (the forward runs
-on a plain module holding the local shards).
-
-Outputs equal one device's up to summation order: a token's top-k expert outputs are summed
-across ranks instead of within one (exact for top-2 with EP: x + 0 + y), and a row-parallel
-down projection's K parts are summed by the all-reduce.
+The all-reduce is a functional collective named by the process group's name, so the graph
+holds no DTensor (the forward runs on a plain module holding the local shards). Outputs equal
+one device's up to summation order: a token's top-k expert outputs are summed across ranks
+instead of within one, and a row-parallel down projection's K parts by the all-reduce. With
+gradients enabled, the shared inputs' gradients are all-reduced in the backward.
 """
 
 from __future__ import annotations
 
 import copy
+import enum
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -150,6 +153,15 @@ class ExpertsStyle(ParallelStyle):
         """Rank `rank`'s shard of every parameter this style shards (the rest stay whole)."""
         raise NotImplementedError
 
+    def check_mesh(self, mesh: DeviceMesh) -> None:
+        """Raise ExpertParallelError if this style cannot shard over `mesh` (called by
+        `qshard.tp.parallelize` and a sharded `qshard.load` before any module changes)."""
+        if mesh.ndim != 1:
+            raise ExpertParallelError(
+                f"qshard.tp.{self.name}: a {mesh.ndim}-D device mesh; pass a 1-D mesh"
+            )
+        self._param_mesh(mesh)
+
     def _param_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh the DTensor parameters live on (`_placed`'s placements index it)."""
         return mesh
@@ -159,9 +171,18 @@ class ExpertsStyle(ParallelStyle):
 
     def _run(self, module, local, group: str, world: int, hidden, top_k_index, top_k_weights):
         """This rank's part of the experts' output for `hidden`, summed over the ranks."""
+        if not (torch.is_grad_enabled() and (hidden.requires_grad or top_k_weights.requires_grad)):
+            top_k_index, top_k_weights = self._route(module, top_k_index, top_k_weights)
+            out = local(hidden, top_k_index, top_k_weights)
+            return funcol.wait_tensor(funcol.all_reduce(out, "sum", group))
+        # As Megatron's TP: each rank differentiates through its own experts (and routes) only,
+        # so the inputs' gradients are partial sums, all-reduced in the backward; the output's
+        # sum passes its gradient through unchanged (every rank gets the same one). torch's
+        # own functional all-reduce sums gradients in its backward (2.13): not used here.
+        hidden = _SumGradients.apply(hidden, group)
+        top_k_weights = _SumGradients.apply(top_k_weights, group)  # before the routes' mask
         top_k_index, top_k_weights = self._route(module, top_k_index, top_k_weights)
-        out = local(hidden, top_k_index, top_k_weights)
-        return funcol.wait_tensor(funcol.all_reduce(out, "sum", group))
+        return _SumOutputs.apply(local(hidden, top_k_index, top_k_weights), group)
 
     def _route(self, module, top_k_index, top_k_weights):
         return top_k_index, top_k_weights
@@ -181,12 +202,9 @@ class ExpertsStyle(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh, loaded: bool = False):
         """Shard `module` over `device_mesh`; `loaded`: its parameters are the DTensors a
         sharded `qshard.load` read by `load_placements` (checked there, before reading)."""
-        if device_mesh.ndim != 1:
-            raise ExpertParallelError(
-                f"qshard.tp.{self.name}: a {device_mesh.ndim}-D device mesh; pass a 1-D mesh"
-            )
         world, rank = device_mesh.size(), device_mesh.get_local_rank()
         if not loaded:
+            self.check_mesh(device_mesh)
             self.check("", module, world)
         placed = self._placed(module, world, rank)
         mesh = self._param_mesh(device_mesh)
@@ -214,6 +232,31 @@ class ExpertsStyle(ParallelStyle):
         return module
 
 
+class _SumGradients(torch.autograd.Function):
+    """The identity, whose backward sums the gradient over the group's ranks."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: str) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+class _SumOutputs(torch.autograd.Function):
+    """The sum over the group's ranks, whose backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: str) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 def _sharded_forward(style, module, local, group: str, world: int) -> Callable:
     def forward(hidden_states, top_k_index, top_k_weights):
         if isinstance(hidden_states, DTensor):
@@ -226,7 +269,16 @@ def _sharded_forward(style, module, local, group: str, world: int) -> Callable:
     return forward
 
 
-_DISPATCHES = ("all_reduce", "all_to_all")
+class Dispatch(enum.Enum):
+    """How ExpertParallel's ranks combine their experts' outputs (see its docstring)."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"
+
+
+_DISPATCHES = tuple(d.value for d in Dispatch)
+# The 2-D (experts x their rows) mesh made from each 1-D mesh, by tensor_parallel.
+_TWO_D_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class ExpertParallel(ExpertsStyle):
@@ -244,7 +296,7 @@ class ExpertParallel(ExpertsStyle):
 
     name = "ExpertParallel"
 
-    def __init__(self, *, tensor_parallel: int = 1, dispatch: str = "all_reduce"):
+    def __init__(self, *, tensor_parallel: int = 1, dispatch: str | Dispatch = "all_reduce"):
         super().__init__()
         if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int):
             raise ExpertParallelError(
@@ -255,11 +307,12 @@ class ExpertParallel(ExpertsStyle):
             raise ExpertParallelError(
                 f"qshard.tp.ExpertParallel: tensor_parallel={tensor_parallel}; pass 1 or more"
             )
-        if dispatch not in _DISPATCHES:
+        if dispatch not in _DISPATCHES and not isinstance(dispatch, Dispatch):
             raise ExpertParallelError(
                 f"qshard.tp.ExpertParallel: dispatch={dispatch!r}; pass one of {_DISPATCHES}"
             )
-        if dispatch == "all_to_all" and tensor_parallel != 1:
+        dispatch = Dispatch(dispatch)
+        if dispatch is Dispatch.ALL_TO_ALL and tensor_parallel != 1:
             raise ExpertParallelError(
                 f"qshard.tp.ExpertParallel: dispatch='all_to_all' with tensor_parallel="
                 f"{tensor_parallel}; the all-to-all sends each route to one rank, so each expert "
@@ -269,7 +322,10 @@ class ExpertParallel(ExpertsStyle):
         self.dispatch = dispatch
 
     def __repr__(self) -> str:
-        return f"ExpertParallel(tensor_parallel={self.tensor_parallel}, dispatch={self.dispatch!r})"
+        return (
+            f"ExpertParallel(tensor_parallel={self.tensor_parallel}, "
+            f"dispatch={self.dispatch.value!r})"
+        )
 
     def check(self, name: str, module: nn.Module, world: int) -> None:
         _experts_weights(name, module, self.name)
@@ -296,12 +352,7 @@ class ExpertParallel(ExpertsStyle):
     def load_placements(self, module: nn.Module) -> dict[str, Placement]:
         if self.tensor_parallel != 1:
             return super().load_placements(module)
-        experts = module.num_experts
-        return {
-            name: Shard(0)
-            for name, param in module.named_parameters(recurse=False)
-            if param.dim() and param.shape[0] == experts
-        }
+        return {name: Shard(0) for name, _ in _per_expert(module)}
 
     def _ranks(self, world: int, rank: int) -> tuple[int, int, int]:
         """(expert-parallel size, this rank's expert group, its rank within the group)."""
@@ -311,6 +362,13 @@ class ExpertParallel(ExpertsStyle):
         if self.tensor_parallel == 1:
             return mesh
         # The same ranks as a 2-D mesh: experts split over dim 0, each expert over dim 1.
+        # Made once per (mesh, tensor_parallel): each makes process groups.
+        made = _TWO_D_MESHES.setdefault(mesh, {})
+        if self.tensor_parallel not in made:
+            made[self.tensor_parallel] = self._two_d_mesh(mesh)
+        return made[self.tensor_parallel]
+
+    def _two_d_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         sizes = (mesh.size() // self.tensor_parallel, self.tensor_parallel)
         names = ("qshard_ep", "qshard_etp")
         if mesh.mesh_dim_names:
@@ -330,9 +388,7 @@ class ExpertParallel(ExpertsStyle):
         experts = module.num_experts
         start, end = chunk_bounds(experts, ep, group)
         sliced = {}
-        for pname, param in module.named_parameters(recurse=False):
-            if param.dim() == 0 or param.shape[0] != experts:
-                continue  # not per expert: kept whole on every rank
+        for pname, param in _per_expert(module):  # the rest are kept whole on every rank
             full = param.detach()
             if isinstance(full, DTensor):  # read by qshard.load: this rank's experts already
                 sliced[pname] = full.to_local()
@@ -369,9 +425,16 @@ class ExpertParallel(ExpertsStyle):
         return ids, top_k_weights.masked_fill(off_rank, 0.0)
 
     def _run(self, module, local, group: str, world: int, hidden, top_k_index, top_k_weights):
-        if self.dispatch == "all_reduce":
+        if self.dispatch is Dispatch.ALL_REDUCE:
             return super()._run(module, local, group, world, hidden, top_k_index, top_k_weights)
         return _all_to_all_experts(local, group, world, hidden, top_k_index, top_k_weights)
+
+
+def _per_expert(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's parameters with a leading experts dim (what ExpertParallel splits)."""
+    experts = module.num_experts
+    params = module.named_parameters(recurse=False)
+    return [(name, p) for name, p in params if p.dim() and p.shape[0] == experts]
 
 
 def _runs_eager(module: nn.Module) -> bool:
@@ -394,10 +457,12 @@ def _all_to_all_experts(local, group: str, world: int, hidden, top_k_index, top_
     sent to its expert's rank (sorted by expert, so a rank receives its experts' rows grouped),
     run there top-1 with unit weight, sent back, and weighted and summed per token here.
 
-    The split sizes are read back to the host once per call (one sync; torch.compile breaks the
-    graph there). A route to an expert id outside [0, E) on any rank makes every rank raise
-    InputMismatchError before the tokens move (the counts exchange carries each rank's count of
-    bad ids, so no rank is left waiting in a collective)."""
+    The split sizes are read back to the host once per call (one sync; torch.compile traces
+    them as unbacked sizes with fullgraph=True, and breaks the graph there otherwise). A route
+    to an expert id outside [0, E) on any rank makes every rank raise before the tokens move
+    (the counts exchange carries each rank's count of bad ids, so no rank is left waiting in a
+    collective): InputMismatchError, or in compiled code torch's RuntimeError of a failed
+    runtime assertion."""
     experts_here = local.num_experts
     experts = experts_here * world
     tokens, top_k = top_k_index.shape
@@ -422,12 +487,13 @@ def _all_to_all_experts(local, group: str, world: int, hidden, top_k_index, top_
     rows = funcol.wait_tensor(rows)
     local_ids = torch.arange(experts_here, device=ids.device).repeat(world)
     local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_sizes))
-    out = local(rows, local_ids[:, None], torch.ones(len(local_ids), 1, dtype=rows.dtype))
+    out = local(rows, local_ids[:, None], rows.new_ones(len(local_ids), 1))
     back = funcol.all_to_all_single_autograd(out, send_sizes, recv_sizes, group)
     back = funcol.wait_tensor(back)
     routes = torch.empty_like(back).index_copy_(0, order, back)
-    weights = top_k_weights.to(routes.dtype).unsqueeze(-1)
-    return (routes.view(tokens, top_k, hidden.shape[-1]) * weights).sum(1)
+    # Weighted and summed in fp32 (as one device's experts do), rounded once by the caller.
+    routes = routes.float().view(tokens, top_k, hidden.shape[-1])
+    return (routes * top_k_weights.float().unsqueeze(-1)).sum(1)
 
 
 def _gate_up_cuts(size: int, world: int, interleaved: bool) -> list[int]:

@@ -58,7 +58,7 @@ def _split(part: torch.Tensor, dim: int, pieces: int) -> list[torch.Tensor]:
     if isinstance(part, QTensor):
         logical = part.logical_dim(dim)
         return [part.slice_logical(logical, i * size, (i + 1) * size) for i in range(pieces)]
-    return list(part.split(size, dim))
+    return [part.narrow(dim, i * size, size) for i in range(pieces)]
 
 
 def _gathered_parts(local: torch.Tensor, outer_dim: int, group) -> list[torch.Tensor]:

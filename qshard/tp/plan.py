@@ -212,6 +212,7 @@ def checked_placements(
         _check_entry(name, module, style)
         if isinstance(style, ExpertsStyle):
             style.check(name, module, mesh.size())
+            style.check_mesh(mesh)
         for param, placement in param_placements(style, module).items():
             key = f"{name}.{param}" if name else param
             placements[key] = placement
@@ -252,5 +253,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> nn.Module:
     _check_mesh(mesh, "qshard.tp.parallelize")
     resolved = resolve_plan(model, plan)
     _validate(model, resolved, mesh.size())
+    for style in resolved.values():
+        if isinstance(style, ExpertsStyle):  # e.g. EP x TP makes its 2-D mesh here
+            style.check_mesh(mesh)
     apply_styles(model, mesh, resolved)
     return model
