@@ -53,10 +53,23 @@ from .qtensor import QTensor
 
 __version__ = "0.1.0"
 
+
+def _register_with_transformers() -> None:
+    try:
+        from .integrations import transformers  # registers on import  # noqa: F401
+    except Exception as e:  # never break transformers' own import
+        import warnings
+
+        warnings.warn(f"qshard: not registered with transformers ({e!r})", stacklevel=2)
+
+
 # DTensors of quantized layouts must not share compiled graphs: fix DTensor's cache key when
 # torch.distributed.tensor is imported (not now: it takes a third of a second, and the CLI's
 # --help, `import qshard` and single-device use never need it).
 after_import("torch.distributed.tensor", patch_dtensor_cache_key)
+# quant_method "qshard" in transformers: registered once transformers loads its quantizers
+# (from_pretrained and save_pretrained need them), so that `import qshard` never imports it.
+after_import("transformers.quantizers.auto", _register_with_transformers)
 
 
 def __getattr__(name: str):

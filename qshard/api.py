@@ -459,6 +459,11 @@ def quantize_with(
     # Assign only now: an error above leaves the model as it was.
     for target, param in pending:
         setattr(target.module, target.param, param)
+    hf = sys.modules.get("transformers.modeling_utils")  # a transformers model: save_pretrained
+    if pending and hf is not None and isinstance(model, hf.PreTrainedModel):
+        from .integrations.transformers import attach
+
+        attach(model)
     return report
 
 

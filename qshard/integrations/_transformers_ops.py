@@ -1,0 +1,52 @@
+"""transformers' conversion ops for qshard checkpoints (imported on first load: transformers'
+core_model_loading is not yet importable while transformers registers its quantizers)."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers.core_model_loading import ConversionOps
+
+__all__ = ["QShardDeserialize"]
+
+
+class QShardDeserialize(ConversionOps):
+    """The inner tensors of one quantized parameter (collected by their stored names, e.g.
+    "weight\\.qdata" and "weight\\.scale") -> its QTensor Parameter, checked by the quantizer."""
+
+    def __init__(self, hf_quantizer):
+        # transformers leaves tensors a quantizer's op reads in their stored dtype (get_new_dtype)
+        self.hf_quantizer = hf_quantizer
+
+    def __deepcopy__(self, memo):
+        # transformers deep-copies a converter per parameter: share the one quantizer (its
+        # records and the failures it raises at the end) instead of copying it each time
+        return type(self)(self.hf_quantizer)
+
+    def convert(self, input_dict, source_patterns=None, model=None, full_layer_name=None,
+                **kwargs):  # fmt: skip
+        quantizer = self.hf_quantizer
+        try:
+            inner = {}
+            for pattern, tensors in input_dict.items():
+                tensors = tensors if isinstance(tensors, list) else [tensors]
+                name = pattern.rpartition("\\.")[2]
+                if len(tensors) != 1 or name in inner:
+                    raise quantizer_error(full_layer_name, pattern, len(tensors))
+                inner[name] = tensors[0]
+            dtype = model.get_parameter(full_layer_name).dtype  # on meta: the model's dtype
+            weight = quantizer.build(full_layer_name, inner, dtype)
+        except Exception as e:
+            # transformers would log it and raise a RuntimeError after its report; the quantizer
+            # raises this typed error itself once loading ends (postprocess_model)
+            quantizer.failures.append(e)
+            return {}
+        return {full_layer_name: nn.Parameter(weight, requires_grad=False)}
+
+
+def quantizer_error(key: str, pattern: str, count: int):
+    from ..errors import CheckpointError
+
+    return CheckpointError(
+        f"from_pretrained: {count} checkpoint tensors for {key!r} matched {pattern!r}; a qshard "
+        f"checkpoint stores each inner tensor of a weight once"
+    )

@@ -1,0 +1,343 @@
+"""qshard models in Hugging Face transformers: `quant_method: "qshard"`.
+
+transformers' extension points, as its own tensor-subclass quantizers (torchao) use them:
+
+    QShardConfig          a QuantizationConfigMixin: the `quantization_config` in config.json,
+                          `{"quant_method": "qshard", "qshard_version": ..., "config_groups":
+                          {"group_0": {"config": <QuantConfig.to_dict()>, "targets": [...]}}}`
+                          (what qshard.save writes to quantization_config.json)
+    QShardHfQuantizer     an HfQuantizer: `save_pretrained` stores each QTensor as its inner
+                          tensors under "<param>.<inner>" with qshard's typed header metadata
+                          (`get_state_dict_and_metadata`, the format of qshard/io/format.py);
+                          `from_pretrained` reads that header before loading (the model is on the
+                          meta device) and rebuilds each QTensor from its inner tensors
+                          (`serialized_names`, `get_load_operations`): no float weight is made.
+
+Both are registered with `register_quantization_config` / `register_quantizer` when this module
+is imported: `import qshard` imports it once transformers loads its quantizers (qshard/__init__.py),
+so that `import qshard` alone never imports transformers. `qshard.quantize_` of a transformers
+model attaches the quantizer (`attach`), as `from_pretrained` does, so `save_pretrained` works.
+
+Every read goes through qshard's checks: the safetensors headers and the qshard metadata
+(checksums, layouts, attributes, shapes) before anything loads, then each inner tensor's CRC-32
+and `check_qtensor` (finite scales, codes, magnitudes) as it arrives. A failure is kept and
+raised, typed, when loading ends (transformers would log an op's error and raise a RuntimeError
+after its report), so a bad checkpoint never gives a model.
+
+Checkpoints keep the model's own parameter names: a transformers MoE's fused 3-D experts stay
+`experts.gate_up_proj.*` (transformers' per-expert renaming is not applied on save).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import secrets
+
+import torch
+from torch import nn
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..config import config_from_dict
+from ..errors import CheckpointError, ConfigError, QShardError
+from ..io.checkpoint import read_header
+from ..io.format import METADATA_KEY, Record, crc32, decode_metadata, dtype_name
+from ..layouts.validation import check_magnitude, check_qtensor
+from ..qtensor import FLOAT_DTYPES, QTensor
+
+__all__ = ["QUANT_METHOD", "QShardConfig", "QShardHfQuantizer", "attach", "read_records"]
+
+QUANT_METHOD = "qshard"
+
+
+class QShardConfig(QuantizationConfigMixin):
+    """The `quantization_config` of a qshard model. `config_groups`: which qshard config
+    quantized which tensors ({"group_i": {"config": QuantConfig.to_dict(), "targets": [names]}}),
+    for people and tools reading config.json; loading reads the checkpoint's own header."""
+
+    def __init__(
+        self,
+        config_groups: dict | None = None,
+        qshard_version: str | None = None,
+        quant_method: str = QUANT_METHOD,
+        **unknown,
+    ):
+        if quant_method != QUANT_METHOD:
+            raise ConfigError(f"QShardConfig: quant_method {quant_method!r} is not 'qshard'")
+        if unknown:
+            raise ConfigError(
+                f"QShardConfig: unknown fields {sorted(unknown)} in the quantization_config "
+                f"(written by qshard {qshard_version!r}?); upgrade qshard to read it"
+            )
+        groups = {} if config_groups is None else config_groups
+        for name, group in groups.items() if isinstance(groups, dict) else [(None, None)]:
+            ok = isinstance(group, dict) and isinstance(group.get("targets"), list)
+            if not ok or not all(isinstance(t, str) for t in group["targets"]):
+                raise ConfigError(
+                    f"QShardConfig: config_groups[{name!r}] is {group!r}; expected "
+                    f"{{'config': QuantConfig.to_dict(), 'targets': [tensor names]}}"
+                )
+            config_from_dict(group.get("config"))  # a ConfigError names what is wrong
+        self.quant_method = QUANT_METHOD
+        self.qshard_version = qshard_version
+        self.config_groups = groups
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> QShardConfig:
+        """The config groups of `model`'s QTensors (as qshard.save groups them)."""
+        import json
+
+        import qshard
+
+        groups: dict[str, dict] = {}
+        for name, value in model.state_dict().items():
+            if isinstance(value, QTensor):
+                config = value.config().to_dict()
+                text = json.dumps(config, sort_keys=True)
+                groups.setdefault(text, {"config": config, "targets": []})["targets"].append(name)
+        named = {f"group_{i}": group for i, group in enumerate(groups.values())}
+        return cls(config_groups=named, qshard_version=qshard.__version__)
+
+    def to_dict(self) -> dict:
+        return {
+            "quant_method": self.quant_method,
+            "qshard_version": self.qshard_version,
+            "config_groups": self.config_groups,
+        }
+
+
+class QShardHfQuantizer(HfQuantizer):
+    """transformers' quantizer for qshard checkpoints (see the module docstring)."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config: QShardConfig, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.records: dict[str, Record] = {}  # model key -> its checkpoint record (pre-quantized)
+        self.where: dict[str, str] = {}  # model key -> the file that holds it, for messages
+        self.failures: list[Exception] = []  # raised by postprocess_model
+
+    # ---- from_pretrained -------------------------------------------------------------------
+
+    def validate_environment(self, device_map=None, **kwargs):
+        if not self.pre_quantized:
+            raise ConfigError(
+                "from_pretrained(..., quantization_config=QShardConfig(...)) of a float "
+                "checkpoint: quantizing while loading is not supported by this qshard; load the "
+                "float model, then call qshard.quantize_(model, config)"
+            )
+        places = set(device_map.values()) if isinstance(device_map, dict) else set()
+        if "disk" in places:
+            raise QShardError(
+                "from_pretrained of a qshard checkpoint: device_map puts modules on 'disk'; "
+                "qshard weights cannot be offloaded to disk. Use a device_map of devices and "
+                "'cpu' only"
+            )
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        """Read and check every header, and match the quantized entries with the model (still
+        on the meta device): a mismatch fails here, before any tensor is read."""
+        if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in
+                                           checkpoint_files):  # fmt: skip
+            raise CheckpointError(
+                f"from_pretrained of a qshard checkpoint: files {checkpoint_files}; qshard "
+                f"checkpoints are safetensors files (model.safetensors or an index), written by "
+                f"save_pretrained or qshard.save"
+            )
+        records, where = read_records(checkpoint_files)
+        params = dict(model.named_parameters())
+        quantized = {k: r for k, r in records.items() if r.layout is not None}
+        if not quantized:
+            raise CheckpointError(
+                f"{pathlib.Path(checkpoint_files[0]).parent}: config.json says quant_method "
+                f"'qshard', but the checkpoint holds no qshard-quantized tensor (no qshard "
+                f"header metadata); remove quantization_config from config.json to load it as "
+                f"float, or quantize it with qshard"
+            )
+        prefix = f"{model.base_model_prefix}."
+        for key, record in quantized.items():
+            target = next((k for k in (key, prefix + key, key.removeprefix(prefix)) if k in
+                           params), None)  # fmt: skip
+            if target is None:
+                raise CheckpointError(
+                    f"{where[key]}: quantized entry {key!r} is no parameter of "
+                    f"{type(model).__name__} (e.g. {list(params)[:3]}); the checkpoint is of "
+                    f"another model class"
+                )
+            param = params[target]
+            if tuple(record.outer_shape()) != tuple(param.shape):
+                raise CheckpointError(
+                    f"{where[key]}: {key!r} is {list(record.outer_shape())} in the checkpoint "
+                    f"and {list(param.shape)} in {type(model).__name__}; config.json does not "
+                    f"describe this checkpoint"
+                )
+            if param.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(
+                    f"from_pretrained: {target!r} is {param.dtype}; a quantized weight stands for "
+                    f"one of {[dtype_name(d) for d in FLOAT_DTYPES]}: pass dtype=torch.bfloat16"
+                )
+            self.records[target], self.where[target] = record, where[key]
+        # Tensors transformers ties (tie_word_embeddings) are stored once, as qshard aliases.
+        self.aliases = {k: r.alias_of for k, r in records.items() if r.alias_of in quantized}
+
+    @property
+    def serialized_names(self) -> dict[str, list[str]]:
+        """{parameter name: its stored names}: "weight" -> ["weight\\.qdata", "weight\\.scale",
+        ...] (regex patterns, as transformers compiles them) for every quantized parameter name
+        of the checkpoint (Linear "weight", experts "gate_up_proj", ...)."""
+        inner: dict[str, set[str]] = {}
+        for key, record in self.records.items():
+            inner.setdefault(key.rpartition(".")[2], set()).update(record.inner)
+        return {p: [rf"{re.escape(p)}\.{n}" for n in sorted(names)] for p, names in inner.items()}
+
+    def get_load_operations(self) -> dict:
+        from ._transformers_ops import QShardDeserialize
+
+        return {"deserialize": QShardDeserialize}
+
+    def build(self, key: str, inner: dict[str, torch.Tensor], dtype: torch.dtype) -> QTensor:
+        """The QTensor of model parameter `key` from its inner tensors as transformers read them,
+        checked as qshard.load checks (stored dtype and shape, CRC-32, `check_qtensor`), standing
+        for `dtype` (the model's)."""
+        record, where = self.records[key], f"{self.where[key]}: {self.records[key].key}"
+        if sorted(inner) != sorted(record.inner):
+            raise CheckpointError(
+                f"{where}: transformers read inner tensors {sorted(inner)}; the qshard header "
+                f"lists {sorted(record.inner)}"
+            )
+        for name, tensor in inner.items():
+            stored = record.inner[name]
+            if (tensor.dtype, tuple(tensor.shape)) != (stored.dtype, tuple(stored.shape)):
+                raise CheckpointError(
+                    f"{where}.{name}: read as {dtype_name(tensor.dtype)}{list(tensor.shape)}; "
+                    f"stored as {dtype_name(stored.dtype)}{list(stored.shape)}"
+                )
+            data = tensor.detach().to("cpu").contiguous()
+            if stored.crc32 is not None and crc32(data) != stored.crc32:
+                raise CheckpointError(
+                    f"{where}.{name}: tensor {stored.key!r} does not match its checksum; the "
+                    f"file is damaged, save it again"
+                )
+        weight = record.build({n: t.contiguous() for n, t in inner.items()})
+        check_qtensor(weight, where)
+        if dtype != weight.dtype:  # the model's dtype (from_pretrained's dtype=): codes unchanged
+            weight = weight.with_changes(dtype=dtype, fresh=True)
+            check_magnitude(weight, f"{where} as {dtype_name(dtype)}")
+        return weight.repack_for_device()
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.failures:  # kept by QShardDeserialize: the first, typed
+            raise self.failures[0]
+        params = dict(model.named_parameters(remove_duplicate=False))
+        expected = list(self.records) + [k for k in getattr(self, "aliases", {}) if k in params]
+        left = [k for k in expected if not isinstance(params.get(k), QTensor)]
+        if left:
+            raise CheckpointError(
+                f"from_pretrained of a qshard checkpoint: {left[:5]} ({len(left)} in all) were "
+                f"not loaded as quantized weights; the checkpoint and the model class disagree"
+            )
+        return model
+
+    # ---- save_pretrained -------------------------------------------------------------------
+
+    def get_state_dict_and_metadata(self, model):
+        """({stored name: plain tensor}, safetensors metadata): each QTensor as its inner tensors
+        "<param>.<inner>", with qshard's header (checksums, layouts, attributes; tied weights as
+        aliases), the very format qshard.save writes (qshard/io/format.py)."""
+        import qshard
+
+        from ..api import _is_dtensor
+        from ..io import saving
+
+        state = model.state_dict()
+        if any(_is_dtensor(v) for v in state.values()):
+            raise QShardError(
+                f"save_pretrained of {type(model).__name__}: its weights are sharded (DTensor); "
+                f"qshard saves sharded models with qshard.save(model, directory), which gathers "
+                f"them (config.json: model.config.save_pretrained(directory))"
+            )
+        state = saving._state_dict(state)  # meta, dtypes, reserved keys, registered layouts
+        failure = saving._invalid_quantized(state)  # what a reader would refuse is not written
+        if failure is not None:
+            raise failure
+        entries = saving._plan_entries(state)
+        tensors, metadata = saving._file_contents(entries, qshard.__version__, secrets.token_hex(8))
+        # config.json (written after this call) describes the weights being saved.
+        self.quantization_config = QShardConfig.of_model(model)
+        model.config.quantization_config = self.quantization_config
+        # Keep the model's names: reverting transformers' load-time conversions would split
+        # fused experts per expert, for which no qshard record exists.
+        model._weight_conversions = []
+        return tensors, metadata
+
+    def is_serializable(self, safe_serialization=None) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def read_records(files) -> tuple[dict[str, Record], dict[str, str]]:
+    """({entry key: Record}, {entry key: file}) of the safetensors `files` of one checkpoint,
+    every header checked. A save_pretrained checkpoint repeats one qshard header (describing
+    every entry) in each of its files; qshard.save gives each file its own."""
+    headers = [read_header(pathlib.Path(f)) for f in files]
+    stored, file_of = {}, {}
+    for header in headers:
+        for key in header.stored:
+            if key in stored:
+                raise CheckpointError(f"{header.path}: tensor {key!r} is also in {file_of[key]}")
+            stored[key], file_of[key] = header.stored[key], str(header.path)
+    texts = {(h.metadata or {}).get(METADATA_KEY) for h in headers}
+    if len(headers) > 1 and len(texts) == 1 and None not in texts:
+        where = str(headers[0].path.parent)
+        records, _ = decode_metadata(headers[0].metadata, stored, where)
+        places = {k: file_of[r.stored()[0].key] if r.stored() else where for k, r in
+                  records.items()}  # fmt: skip
+        return records, places
+    records, places, save_ids = {}, {}, set()
+    for header in headers:
+        found, save_id = decode_metadata(header.metadata, header.stored, str(header.path))
+        save_ids.add(save_id)
+        for key, record in found.items():
+            if key in records:
+                raise CheckpointError(f"{header.path}: entry {key!r} is also in {places[key]}")
+            records[key], places[key] = record, str(header.path)
+    if len(save_ids - {None}) > 1:
+        raise CheckpointError(
+            f"{headers[0].path.parent}: the files come from different saves; save the model again"
+        )
+    return records, places
+
+
+def attach(model: nn.Module) -> None:
+    """Make a transformers model that qshard.quantize_ quantized a qshard model for transformers,
+    as from_pretrained leaves one: `model.hf_quantizer` (so that save_pretrained writes qshard's
+    format) and `config.quantization_config`."""
+    quantizer = QShardHfQuantizer(QShardConfig.of_model(model), pre_quantized=True)
+    model.hf_quantizer = quantizer
+    model.quantization_method = QUANT_METHOD
+    model.config.quantization_config = quantizer.quantization_config
+
+
+def register() -> None:
+    """Register quant_method "qshard" with transformers (once)."""
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(QShardConfig)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(QShardHfQuantizer)
+
+
+register()

@@ -1,0 +1,295 @@
+"""transformers' save_pretrained / from_pretrained of qshard models (quant_method "qshard",
+qshard/integrations/transformers.py), on tiny random Llama and Qwen3-MoE models."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import zlib
+
+import moe_models
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3MoeForCausalLM
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+import qshard
+from qshard.integrations.transformers import QShardConfig, QShardHfQuantizer
+from qshard.io.format import CHUNK_BYTES, chunk_crcs
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+LAYOUTS = {
+    "int4": qshard.Int4WeightOnlyConfig(group_size=32),
+    "fp8_block": qshard.Fp8BlockwiseConfig(),
+    "fp8_row": qshard.Fp8RowwiseConfig(),
+    "nvfp4": qshard.NVFP4WeightOnlyConfig(),
+    "mxfp4": qshard.MXFP4WeightOnlyConfig(),
+}
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    """Sizes chosen so that no float tensor of the model has a quantized weight's shape
+    (q 64x64, k/v 32x64, gate/up 96x64, down 64x96) except those weights."""
+    config = LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def assert_same_weights(expected: torch.nn.Module, actual: torch.nn.Module, dtype=None) -> int:
+    """Every state_dict entry equal: QTensors of the same class and attributes with every inner
+    tensor bit for bit (standing for `dtype` when given); returns how many were quantized."""
+    want, got = expected.state_dict(), actual.state_dict()
+    assert want.keys() == got.keys()
+    quantized = 0
+    for key, a in want.items():
+        b = got[key]
+        assert type(a) is type(b), key
+        if isinstance(a, qshard.QTensor):
+            quantized += 1
+            assert a.attrs() == b.attrs() and a.logical_shape == b.logical_shape, key
+            assert b.dtype == (dtype or a.dtype), key
+            for name, t in a.inner_tensors().items():
+                u = b.inner_tensors()[name]
+                assert t.dtype == u.dtype and torch.equal(t, u), f"{key}.{name}"
+        else:
+            assert torch.equal(a.to(b.dtype), b), key
+    return quantized
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_save_pretrained_then_from_pretrained_is_bit_exact(tmp_path, layout):
+    model = tiny_llama()
+    qshard.quantize_(model, LAYOUTS[layout])
+    assert isinstance(model.hf_quantizer, QShardHfQuantizer)  # attached by quantize_
+    ids = torch.randint(0, 160, (2, 9))
+    expected = model(ids).logits
+
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "qshard"
+    (group,) = config["config_groups"].values()
+    assert qshard.config_from_dict(group["config"]) == LAYOUTS[layout]
+    quantized = [n for n, p in model.named_parameters() if isinstance(p, qshard.QTensor)]
+    assert len(quantized) == 14 and sorted(group["targets"]) == sorted(quantized)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.down_proj.weight.qdata" in keys
+    assert "model.layers.0.mlp.down_proj.weight" not in keys
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is LlamaForCausalLM
+    assert isinstance(loaded.hf_quantizer, QShardHfQuantizer)
+    assert isinstance(loaded.config.quantization_config, QShardConfig)
+    assert assert_same_weights(model, loaded) == 14  # 7 linears x 2 layers; lm_head stays float
+    assert not loaded.model.layers[0].mlp.down_proj.weight.requires_grad
+    assert torch.equal(loaded(ids).logits, expected)
+
+    # Saved again from the loaded model: the same checkpoint once more.
+    loaded.save_pretrained(tmp_path / "again")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+    assert_same_weights(model, again)
+    # qshard.load reads the same files: it is qshard's own format.
+    state = qshard.load(tmp_path)
+    assert all(torch.equal(state[k].qdata, v.qdata) for k, v in model.state_dict().items()
+               if isinstance(v, qshard.QTensor))  # fmt: skip
+
+
+def test_qwen3_moe_experts_round_trip_as_fused_3d_entries(tmp_path):
+    model = moe_models.qwen3_moe()
+    qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32),
+                     include=["*.experts.*", "*.self_attn.*"])  # fmt: skip
+    ids = torch.randint(0, moe_models.VOCAB, (1, 12))
+    expected = model(ids).logits
+    model.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    # qshard's names, as qshard.save stores them: the 3-D experts whole, not per expert.
+    assert "model.layers.1.mlp.experts.gate_up_proj.qdata" in keys
+    assert not [k for k in keys if ".experts.0." in k]
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is Qwen3MoeForCausalLM
+    experts = loaded.model.layers[1].mlp.experts.gate_up_proj
+    assert isinstance(experts, qshard.Int4Tensor) and experts.shape == (8, 64, 64)
+    assert assert_same_weights(model, loaded) == 2 * (4 + 2)
+    for implementation in ("grouped_mm", "eager"):
+        model.set_experts_implementation(implementation)
+        loaded.set_experts_implementation(implementation)
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert torch.equal(loaded(ids).logits, expected)
+
+
+def test_dtype_device_map_and_several_files(tmp_path):
+    model = tiny_llama()
+    qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cpu")
+    # The codes and scales as saved; the weights stand for bfloat16 now, as the rest does.
+    assert_same_weights(model, loaded, dtype=torch.bfloat16)
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 160, (1, 7))
+    bf16 = model.to(torch.bfloat16)  # the same conversion, made on the model itself, but
+    rotary = loaded.model.rotary_emb  # .to() also rounds rotary's float32 inv_freq (in no file)
+    assert rotary.inv_freq.dtype == torch.float32
+    bf16.model.rotary_emb.inv_freq = rotary.inv_freq.clone()
+    assert torch.equal(loaded(ids).logits, bf16(ids).logits)
+
+
+class _FloatTensors(TorchDispatchMode):
+    """Records the shape of every real (not meta) plain float tensor an op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, list | tuple) else [out]:
+            plain = type(t) in (torch.Tensor, torch.nn.Parameter)
+            if plain and t.is_floating_point() and not t.is_meta:
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+def test_from_pretrained_makes_no_float_weight_for_quantized_params(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DEACTIVATE_ASYNC_LOAD", "1")  # reads in this thread, which the mode sees
+    model = tiny_llama()
+    qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32))
+    model.save_pretrained(tmp_path)
+    weights = {tuple(p.shape) for p in model.parameters() if isinstance(p, qshard.QTensor)}
+    assert weights == {(64, 64), (32, 64), (96, 64), (64, 96)}
+    with _FloatTensors() as seen:
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(loaded.model.layers[1].self_attn.k_proj.weight, qshard.Int4Tensor)
+    assert (160, 64) in seen.shapes  # the float embedding was loaded: the mode saw the load
+    assert not seen.shapes & (weights | {s[::-1] for s in weights})
+
+
+# ---- every read is checked --------------------------------------------------------------------
+
+
+def _rewrite(path: pathlib.Path, change, fix_checksums: bool) -> None:
+    """Rewrite a safetensors file with `change(tensors)` applied; with fix_checksums, the qshard
+    header's checksums are updated to the new bytes (so that only qshard's value checks can
+    catch the change)."""
+    with safe_open(path, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no __iter__)
+        metadata = f.metadata()
+    changed = change(tensors)
+    if fix_checksums:
+        header = json.loads(metadata["qshard"])
+        for record in header["entries"].values():
+            for stored in record.get("inner", {}).values():
+                if stored["key"] in changed:
+                    data = tensors[stored["key"]].contiguous()
+                    stored["crc32"], chunks = chunk_crcs(data, CHUNK_BYTES)
+                    stored["chunk_crc32"] = list(chunks)
+        text = json.dumps(header, separators=(",", ":"))
+        metadata = {**metadata, "qshard": text, "qshard_crc32": f"{zlib.crc32(text.encode()):08x}"}
+    save_file(tensors, path, metadata=metadata)
+
+
+def _saved(tmp_path) -> pathlib.Path:
+    model = tiny_llama()
+    qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32))
+    model.save_pretrained(tmp_path)
+    return tmp_path / "model.safetensors"
+
+
+def test_nan_scale_is_refused_even_with_matching_checksums(tmp_path):
+    key = "model.layers.1.mlp.up_proj.weight.scale"
+
+    def nan_scale(tensors):
+        tensors[key] = tensors[key].clone()
+        tensors[key][3, 1] = float("nan")
+        return {key}
+
+    _rewrite(_saved(tmp_path), nan_scale, fix_checksums=True)
+    with pytest.raises(qshard.CheckpointError, match=r"up_proj\.weight.*(NaN|finite)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_flipped_byte_is_refused_by_its_checksum(tmp_path):
+    key = "model.layers.0.self_attn.o_proj.weight.qdata"
+
+    def flip(tensors):
+        tensors[key] = tensors[key].clone()
+        tensors[key][0, 0] ^= 0x10
+        return {key}
+
+    _rewrite(_saved(tmp_path), flip, fix_checksums=False)
+    with pytest.raises(qshard.CheckpointError, match=r"o_proj\.weight.*checksum"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_config_that_does_not_describe_the_checkpoint_is_refused(tmp_path):
+    _saved(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        qshard.CheckpointError,
+        match=r"gate_proj.weight. is \[96, 64\] in the checkpoint and \[128, 64\]",
+    ):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_float_checkpoint_claiming_qshard_is_refused(tmp_path):
+    model = tiny_llama()
+    model.save_pretrained(tmp_path)  # float
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = QShardConfig().to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(qshard.CheckpointError, match="holds no qshard-quantized tensor"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_quantizing_while_loading_says_what_to_do(tmp_path):
+    tiny_llama().save_pretrained(tmp_path)
+    with pytest.raises(qshard.ConfigError, match=r"qshard\.quantize_"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=QShardConfig())
+
+
+def test_bad_quantization_config_is_a_typed_error():
+    with pytest.raises(qshard.ConfigError, match="unknown fields"):
+        QShardConfig.from_dict({"quant_method": "qshard", "bits": 4})
+    with pytest.raises(qshard.ConfigError):
+        QShardConfig(config_groups={"group_0": {"config": {"kind": "nope"}, "targets": []}})
+
+
+# ---- registration ---------------------------------------------------------------------------
+
+
+def test_registered_with_transformers_api():
+    assert AUTO_QUANTIZATION_CONFIG_MAPPING["qshard"] is QShardConfig
+    assert AUTO_QUANTIZER_MAPPING["qshard"] is QShardHfQuantizer
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import qshard\nassert 'transformers' not in sys.modules\n"
+        "import transformers.modeling_utils",
+        "import transformers.modeling_utils\nimport qshard",
+    ],
+    ids=["qshard_first", "transformers_first"],
+)
+def test_registration_in_either_import_order(code):
+    script = (
+        f"import sys\n{code}\n"
+        "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m\n"
+        "print(m['qshard'].__module__)"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["qshard.integrations.transformers"]
