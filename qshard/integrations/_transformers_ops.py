@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from torch import nn
 from transformers.core_model_loading import ConversionOps
+from transformers.distributed.utils import is_dtensor
+
+from ..errors import QShardError
 
 __all__ = ["QShardDeserialize"]
 
@@ -33,7 +36,15 @@ class QShardDeserialize(ConversionOps):
                 if len(tensors) != 1 or name in inner:
                     raise quantizer_error(full_layer_name, pattern, len(tensors))
                 inner[name] = tensors[0]
-            dtype = model.get_parameter(full_layer_name).dtype  # on meta: the model's dtype
+            target = model.get_parameter(full_layer_name)  # on meta: the model's dtype
+            if is_dtensor(target):
+                raise QShardError(
+                    f"from_pretrained with a tp_plan: {full_layer_name!r} is sharded by "
+                    f"transformers, which cuts a qshard weight's inner tensors as if they were "
+                    f"the float weight; load without tp_plan, then qshard.tp.parallelize(model, "
+                    f"mesh, plan), or use qshard.load(path, model, mesh=, plan=)"
+                )
+            dtype = target.dtype
             weight = quantizer.build(full_layer_name, inner, dtype)
         except Exception as e:
             # transformers would log it and raise a RuntimeError after its report; the quantizer
