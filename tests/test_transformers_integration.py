@@ -127,6 +127,22 @@ def test_qwen3_moe_experts_round_trip_as_fused_3d_entries(tmp_path):
     assert torch.equal(loaded(ids).logits, expected)
 
 
+def test_tied_embeddings_stay_tied(tmp_path):
+    config = LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.randint(0, 160, (1, 5))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    state = qshard.load(tmp_path)  # stored once, an alias in qshard's header
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
+
+
 def test_dtype_device_map_and_several_files(tmp_path):
     model = tiny_llama()
     qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
