@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-GEMV_MAX_ROWS_PER_EXPERT = 2  # mean routed rows per expert up to which the 4-bit GEMV runs
+GEMV_MAX_ROWS_PER_EXPERT = 1  # mean routed rows per expert up to which the 4-bit GEMV runs
 
 
 @triton.jit

@@ -137,8 +137,10 @@ def test_grouped_config_picks_the_gemv_for_decode_only():
     from qshard.kernels.w4a16_triton import Format
 
     assert w4a16_grouped_config(Format.MXFP4, 8, 128, 2048)["KERNEL"] == "gemv"  # 1 token
-    assert w4a16_grouped_config(Format.INT4_ASYM, 256, 128, 2048)["KERNEL"] == "gemv"
-    assert "KERNEL" not in w4a16_grouped_config(Format.INT4_ASYM, 257, 128, 2048)
+    assert w4a16_grouped_config(Format.INT4_ASYM, 128, 128, 2048)["KERNEL"] == "gemv"  # 16
+    assert "KERNEL" not in w4a16_grouped_config(Format.INT4_ASYM, 129, 128, 2048)
+    # 32 tokens (256 rows, 2 per expert): the tensor-core kernel (decode at batch 32, H100)
+    assert "KERNEL" not in w4a16_grouped_config(Format.INT4_ASYM, 256, 128, 2048)
     assert "KERNEL" not in w4a16_grouped_config(Format.INT4_ASYM, 8, 128, 2044)  # K % 8
 
 

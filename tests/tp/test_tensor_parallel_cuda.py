@@ -65,3 +65,42 @@ def test_checkpoint_tp_load_and_save_on_two_gpus_with_nccl(tmp_path):
 
     save_every_case(tmp_path, {})
     spawn(_nccl_checkpoint_worker, 2, tmp_path, backend="nccl")
+
+
+def _nccl_experts_worker(rank, world, mesh):
+    """Both ExpertParallel dispatches on CUDA tensors (each collective's inputs on the GPU):
+    float experts equal one device's, int4 experts (the grouped kernels) within their SQNR."""
+    import copy
+
+    import moe_models
+    from test_experts_parallel import EXPERTS, experts_of, routing
+
+    for dispatch in ("all_reduce", "all_to_all"):
+        for implementation, config in (
+            ("grouped_mm", None),
+            ("eager", None),
+            ("grouped_mm", "int4"),
+        ):
+            model = moe_models.qwen3_moe().to("cuda", torch.bfloat16)
+            if config:
+                qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32))
+            model.set_experts_implementation(implementation)
+            reference = copy.deepcopy(model)
+            style = qshard.tp.ExpertParallel(dispatch=dispatch)
+            qshard.tp.parallelize(model, mesh, {EXPERTS: style})
+            for name, module in experts_of(model).items():
+                args = [t.cuda() for t in routing(9 + rank, dtype=torch.bfloat16, seed=rank)]
+                with torch.no_grad():
+                    got, want = module(*args), reference.get_submodule(name)(*args)
+                assert got.device.type == "cuda"
+                where = (dispatch, implementation, config)
+                assert qshard.sqnr_db(want.float(), got.float()) > 40, where
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_expert_parallel_dispatches_on_a_gpu_with_nccl():
+    spawn(
+        _nccl_experts_worker,
+        torch.cuda.device_count() if torch.cuda.device_count() <= 2 else 2,
+        backend="nccl",
+    )
