@@ -212,7 +212,7 @@ def _from_pretrained_worker(rank, world, mesh, directory):
         attention = model.model.layers[0].self_attn.q_proj.weight
         assert isinstance(attention, DTensor) and attention.placements == (Shard(0),)
         report = qshard.quantize_(model, INT4)
-        assert not report.skipped, report
+        assert [s.name for s in report.skipped] == ["lm_head"], report  # kept float by default
         check_local_experts(model, reference, rank, world, f"from_pretrained {implementation}")
         with torch.no_grad():
             torch.testing.assert_close(
@@ -225,7 +225,7 @@ def _from_pretrained_worker(rank, world, mesh, directory):
     config = DistributedConfig(tp_size=world)
     model = AutoModelForCausalLM.from_pretrained(directory, distributed_config=config).eval()
     report = qshard.quantize_(model, INT4)
-    skipped = {s.name: s.reason for s in report.skipped}
+    skipped = {s.name: s.reason for s in report.skipped if s.name != "lm_head"}
     assert set(skipped) == {
         f"{n}.{p}" for n in experts_of(model) for p in ("gate_up_proj", "down_proj")
     }
