@@ -57,9 +57,12 @@ def test_help_and_usage_errors_do_not_import_torch():
 
 def test_qshard_tp_loads_on_first_use_and_dtensor_gets_the_cache_key_fix():
     # The fix must be in place whichever comes first: qshard, or torch.distributed.tensor.
+    # A probe of the module's spec first (importlib.util.find_spec) must not use the hook up.
     for code in (
         "import qshard\nimport torch.distributed.tensor as t",
         "import torch.distributed.tensor as t\nimport qshard",
+        "import qshard, importlib.util\nimportlib.util.find_spec('torch.distributed.tensor')"
+        "\nimport torch.distributed.tensor as t",
     ):
         code += (
             "\nout['patched'] = getattr(t.DTensor._stable_hash_for_caching, 'qshard_patched', 0)"

@@ -103,3 +103,15 @@ def test_half_of_quantized_experts_while_an_output_is_alive(name):
     assert isinstance(experts.gate_up_proj, QTensor)
     assert experts.gate_up_proj.dtype == torch.float16
     out.sum().backward()  # the old graph is intact
+
+
+def test_a_quantized_weight_that_requires_grad_keeps_its_gradient():
+    """The detached alias is for frozen Parameters only: F.linear of a QTensor weight that
+    requires grad still records it, also when the input does not (the gradient is the dense
+    one, as x @ w.t() gives)."""
+    weight = qshard.Int4Tensor.from_float(torch.randn(64, 128), qshard.Int4WeightOnlyConfig())
+    weight.requires_grad_(True)
+    x = torch.randn(3, 128)
+    torch.nn.functional.linear(x, weight).sum().backward()
+    assert weight.grad is not None
+    torch.testing.assert_close(weight.grad.float(), torch.ones(3, 64).t() @ x)

@@ -247,6 +247,23 @@ def test_flipped_byte_is_refused_by_its_checksum(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
+def test_a_flipped_float_tensor_is_refused_by_its_checksum(tmp_path):
+    """transformers reads the float tensors itself; the quantizer verifies their CRC-32 first,
+    as qshard.load does (a norm weight changed on disk loaded silently before)."""
+    key = "model.layers.0.input_layernorm.weight"
+
+    def change(tensors):
+        tensors[key] = tensors[key].clone()
+        tensors[key][0] = 4.0
+        return {key}
+
+    _rewrite(_saved(tmp_path), change, fix_checksums=False)
+    with pytest.raises(qshard.CheckpointError, match=r"input_layernorm\.weight.*checksum"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(qshard.CheckpointError, match="checksum"):
+        qshard.load(tmp_path)
+
+
 def test_config_that_does_not_describe_the_checkpoint_is_refused(tmp_path):
     _saved(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -186,6 +186,7 @@ class QShardHfQuantizer(HfQuantizer):
             self.records[target], self.where[target] = record, where[key]
         # Tensors transformers ties (tie_word_embeddings) are stored once, as qshard aliases.
         self.aliases = {k: r.alias_of for k, r in records.items() if r.alias_of in quantized}
+        _check_float_tensors(records, where)
 
     @property
     def serialized_names(self) -> dict[str, list[str]]:
@@ -287,6 +288,27 @@ class QShardHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _check_float_tensors(records: dict[str, Record], where: dict[str, str]) -> None:
+    """CheckpointError if a float tensor of the checkpoint does not match its CRC-32 in the
+    qshard header: transformers loads the float tensors itself, so they are verified here,
+    before any is read into the model, as qshard.load verifies every tensor (design.md,
+    invariant 9). Costs one more read of the float tensors (the page cache usually has it)."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list] = {}
+    for key, record in records.items():
+        if record.layout is None and record.tensor is not None and record.tensor.crc32 is not None:
+            by_file.setdefault(where[key], []).append(record.tensor)
+    for path, stored in by_file.items():
+        with safe_open(path, "pt") as f:
+            for tensor in stored:
+                if crc32(f.get_tensor(tensor.key).contiguous()) != tensor.crc32:
+                    raise CheckpointError(
+                        f"{path}: tensor {tensor.key!r} does not match its checksum; the file is "
+                        f"damaged, save it again"
+                    )
 
 
 def read_records(files) -> tuple[dict[str, Record], dict[str, str]]:

@@ -445,14 +445,19 @@ def _linear_fn(func, types, args, kwargs):
             f"F.linear(x, W) with a transposed {type(w).__name__} {list(w.shape)}; pass the "
             f"[out_features, in_features] weight (W.t())"
         )
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+    grads = x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
+    if torch.is_grad_enabled() and grads:
         # Let linear decompose into t + mm/addmm on the QTensor: autograd records those (input
         # gradient through the dequantized weight, `_mm_grad_input`) and the layout's kernel runs
-        # below autograd, so no quantization op is ever differentiated. On a detached alias
-        # (same inner tensors): the graph's saved `w.t()` must not be a view of the Parameter
-        # itself, or `model.half()` / `.to()` cannot swap it while the output is alive.
+        # below autograd, so no quantization op is ever differentiated. A frozen Parameter goes
+        # in as a detached alias (same inner tensors): the graph's saved `w.t()` must not be a
+        # view of the Parameter itself, or `model.half()` / `.to()` cannot swap it while the
+        # output is alive; a weight that requires grad keeps its gradient.
+        from .base import _is_frozen_parameter
+
+        weight = w.detach() if _is_frozen_parameter(w) else w
         with torch._C.DisableTorchFunctionSubclass():
-            return func(x, w.detach(), bias)
+            return func(x, weight, bias)
     return w._linear(x, bias)
 
 
