@@ -459,12 +459,20 @@ def quantize_with(
     # Assign only now: an error above leaves the model as it was.
     for target, param in pending:
         setattr(target.module, target.param, param)
-    hf = sys.modules.get("transformers.modeling_utils")  # a transformers model: save_pretrained
-    if pending and hf is not None and isinstance(model, hf.PreTrainedModel):
+    if pending:
+        attach_to_transformers(model)
+    return report
+
+
+def attach_to_transformers(model: nn.Module) -> None:
+    """If `model` is a transformers model holding qshard weights (quantize_, qshard.load),
+    attach qshard's quantizer as from_pretrained would, so that save_pretrained writes qshard's
+    format (integrations/transformers.py)."""
+    hf = sys.modules.get("transformers.modeling_utils")
+    if hf is not None and isinstance(model, hf.PreTrainedModel):
         from .integrations.transformers import attach
 
         attach(model)
-    return report
 
 
 Pending = list[tuple[Target, nn.Parameter]]

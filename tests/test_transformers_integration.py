@@ -326,3 +326,21 @@ def test_registration_in_either_import_order(code):
                          cwd=ROOT, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["qshard.integrations.transformers"]
+
+
+def test_save_pretrained_after_qshard_load(tmp_path):
+    """qshard.load into a transformers model attaches qshard's quantizer, as quantize_ does:
+    save_pretrained then writes qshard's format (it failed with torch's 'invalid python
+    storage'), and from_pretrained reads it back bit for bit."""
+    model = tiny_llama()
+    qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32))
+    qshard.save(model, tmp_path / "first")
+    with qshard.empty_weights():
+        fresh = tiny_llama()
+    qshard.load(tmp_path / "first", fresh)
+    fresh.save_pretrained(tmp_path / "second")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "second")
+    for name, param in model.named_parameters():
+        if isinstance(param, qshard.QTensor):
+            got = again.get_parameter(name)
+            assert all(torch.equal(getattr(got, n), t) for n, t in param.inner_tensors().items())

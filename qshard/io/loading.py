@@ -119,6 +119,10 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
         if failure is not None:
             raise failure
     _assign(model, targets, values)
+    if any(isinstance(_local(v), QTensor) for v in values.values()):
+        from ..api import attach_to_transformers
+
+        attach_to_transformers(model)  # save_pretrained of the loaded model writes qshard's format
     if resolved is not None:
         from ..tp.plan import apply_styles
 
