@@ -187,7 +187,9 @@ def _to_copy(func, args, kwargs):
         from ..layouts.validation import check_magnitude
 
         fix = (f"Keep this weight in {q.dtype} or bfloat16 (model.to(torch.bfloat16)), or "
-               f"quantize the {dtype} model instead")  # fmt: skip
+               f"quantize the {dtype} model instead. In a model.half() / model.to(), the "
+               f"modules converted before this one are {dtype} now: convert the model back "
+               f"(e.g. model.to({q.dtype})) or reload it")  # fmt: skip
         check_magnitude(out, f".to({dtype})", NonFiniteWeightError, fix)
     # A device form is made for one device: re-made there from the copied canonical tensors.
     return out.repack_for_device()
