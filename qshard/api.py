@@ -210,10 +210,14 @@ def quantization_targets(model: nn.Module) -> list[Target]:
     return targets
 
 
-# Weights kept in float unless asked, by name (fnmatch): embeddings, output heads (transformers'
-# `lm_head`, gpt-fast's top-level `output`), norms and poolers, as the checkpoints of facts.md §5
-# leave them. One rule for `quantize_`, `gptq_` and `qshard quantize` (qshard/convert.py).
-KEEP_FLOAT = ("*embed*", "*lm_head*", "output", "*norm*", "*LayerNorm*", "*pooler*")
+# Weights kept in float unless asked, by module name (fnmatch): embeddings (for `qshard quantize`,
+# which sees every 2-D tensor; embedding-like input projections), output heads (transformers'
+# `lm_head`, GPT-NeoX's `embed_out`, gpt-fast's top-level `output`: the head as a whole name
+# component, so that `lm_head_proj` or `output_proj` are not caught) and poolers, as the
+# checkpoints of facts.md §5 leave them. No norm patterns: norms are no linear targets, and a
+# name such as diffusers' `norm1.linear` or `layernorm_proj` is a real projection. One rule for
+# `quantize_`, `gptq_` and `qshard quantize` (qshard/convert.py).
+KEEP_FLOAT = ("*embed*", "lm_head", "*.lm_head", "output", "*pooler*")
 
 
 def _patterns(patterns: Sequence[str] | str | None) -> list[str] | None:
@@ -237,7 +241,7 @@ def _skip_reason(
     kept = next((p for p in _patterns(keep_float) if fnmatch.fnmatchcase(name, p)), None)
     if kept is not None and include is None:  # an include pattern that matches it asks for it
         return (
-            f"kept in float: embeddings, output heads, norms and poolers are, by default "
+            f"kept in float: embeddings, output heads and poolers are, by default "
             f"(keep_float pattern {kept!r}); to quantize it pass include=[{name!r}, ...] or "
             f"keep_float=()"
         )
@@ -411,7 +415,7 @@ def quantize_(
     (`"*.experts.down_proj"`); a weight must match an include pattern (when given) and no
     exclude pattern. A pattern that matches no name raises ConfigError (nothing changed).
     keep_float: names kept in float unless an include pattern matches them (default
-    `KEEP_FLOAT`: embeddings, output heads such as `lm_head`, norms, poolers; the rule
+    `KEEP_FLOAT`: embeddings, output heads such as `lm_head`, poolers; the rule
     `qshard quantize` uses); `keep_float=()` quantizes those too. filter_fn(module, name) ->
     bool narrows further. A model given as a bare nn.Linear is quantized under the name "".
     The report lists every weight left in float, with the reason.

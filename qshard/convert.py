@@ -4,7 +4,7 @@ tensor by tensor into a qshard checkpoint, and a checkpoint's contents summarize
 Quantizing reads one float tensor at a time and keeps only the quantized results, so the whole
 float model is never in memory. Which tensors are linear weights is decided by name and shape,
 as there is no model object: every 2-D `*.weight` except those matching `--exclude` and
-embeddings, output heads, norms and poolers (`qshard.api.KEEP_FLOAT`, the rule `quantize_`
+embeddings, output heads and poolers (`qshard.api.KEEP_FLOAT`, the rule `quantize_`
 follows too).
 """
 
@@ -59,7 +59,7 @@ def quantize_directory(
     """Quantize the linear weights of a Hugging Face directory into a qshard checkpoint at
     `out_dir` (`qshard.save`'s files), with a progress bar on stderr. Returns {"quantized":
     [...], "kept": [...]}. Module names matching `exclude` or `keep_float` (quantize_'s rule:
-    embeddings, output heads, norms and poolers) stay float; an `exclude` pattern that matches
+    embeddings, output heads and poolers) stay float; an `exclude` pattern that matches
     no weight's module name is refused (ConfigError, before anything is written).
 
     Everything is checked before the first tensor is read: the input is a model directory that

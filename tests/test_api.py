@@ -187,7 +187,7 @@ def test_output_heads_stay_float_unless_asked_and_the_report_says_so():
     assert [m.name for m in report.quantized] == HF_LINEARS
     (skipped,) = report.skipped
     assert skipped.name == "lm_head" and "kept in float" in skipped.reason
-    assert "keep_float=()" in skipped.reason and "'*lm_head*'" in str(report)
+    assert "keep_float=()" in skipped.reason and "'lm_head'" in str(report)
     assert not isinstance(model.lm_head.weight, QTensor)
 
     # Asked by name through include, or for everything with keep_float=().
@@ -265,3 +265,17 @@ def test_export_refuses_a_model_with_nothing_quantized(tmp_path):
         qshard.export(model, tmp_path / "out", format="compressed-tensors")
     assert "qshard.quantize_" in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_keep_float_rule_catches_heads_not_projections_named_like_them():
+    """Output heads are kept by whole name (lm_head, top-level output), not as substrings: a
+    diffusers-style `norm1.linear`, a `layernorm_proj` or an `lm_head_proj` are quantized."""
+    model = nn.Module()
+    for name in ("lm_head", "output", "layernorm_proj", "lm_head_proj", "x_embedder"):
+        model.add_module(name, nn.Linear(64, 64))
+    model.norm1 = nn.Module()
+    model.norm1.linear = nn.Linear(64, 64)
+    report = qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32))
+    kept = {s.name for s in report.skipped}
+    assert kept == {"lm_head", "output", "x_embedder"}, report
+    assert isinstance(model.norm1.linear.weight, qshard.QTensor)
