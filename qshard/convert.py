@@ -11,8 +11,10 @@ follows too).
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import pathlib
+import shutil
 import sys
 
 from .api import KEEP_FLOAT, check_patterns
@@ -101,7 +103,40 @@ def quantize_directory(
         if progress is not None:
             progress.write("\n")
     save(state, out_dir)
+    _complete_model_directory(model_dir, out_dir)
     return done
+
+
+# Files of a model directory that are weights or quantization configs: not copied to the output.
+_NOT_COPIED = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt",
+               "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf", "*.onnx", ".*", "config.json",
+               QUANTIZATION_CONFIG_NAME, "hf_quant_config.json")  # fmt: skip
+
+
+def _complete_model_directory(model_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
+    """Make `out_dir` a model directory transformers loads (`from_pretrained`, which reads it
+    through qshard's quantizer, integrations/transformers.py): the input's config.json with
+    `quantization_config` (qshard's, as save wrote it), and the input's other files
+    (tokenizer, generation config, chat template) copied. Each file is written under a
+    temporary name and renamed, so none is ever half there."""
+    config_path = model_dir / "config.json"
+    if config_path.is_file():
+        config = read_json_file(config_path)
+        config["quantization_config"] = read_json_file(out_dir / QUANTIZATION_CONFIG_NAME)
+        text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        _replace(out_dir / "config.json", lambda tmp: tmp.write_text(text))
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and not any(fnmatch.fnmatch(path.name, p) for p in _NOT_COPIED):
+            _replace(out_dir / path.name, lambda tmp, src=path: shutil.copyfile(src, tmp))
+
+
+def _replace(final: pathlib.Path, write) -> None:
+    temporary = final.with_name(f".{final.name}.qshard-tmp")
+    try:
+        write(temporary)
+        os.replace(temporary, final)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def _check_model_dir(model_dir: pathlib.Path) -> None:

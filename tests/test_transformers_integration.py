@@ -344,3 +344,26 @@ def test_save_pretrained_after_qshard_load(tmp_path):
         if isinstance(param, qshard.QTensor):
             got = again.get_parameter(name)
             assert all(torch.equal(getattr(got, n), t) for n, t in param.inner_tensors().items())
+
+
+def test_a_qshard_quantize_output_is_a_model_directory_transformers_loads(tmp_path):
+    """`qshard quantize` (quantize_directory) writes config.json with qshard's
+    quantization_config and copies the tokenizer and generation files: from_pretrained loads
+    it as the model quantize_ gives (the same selection rule), weight for weight."""
+    from qshard.convert import quantize_directory
+
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "float")
+    (tmp_path / "float" / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
+    quantize_directory(tmp_path / "float", tmp_path / "q", "int4-g64", progress=False)
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "q" / name).read_bytes() == (tmp_path / "float" / name).read_bytes()
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "qshard"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    expected = tiny_llama()
+    qshard.quantize_(expected, qshard.Int4WeightOnlyConfig(group_size=64))
+    assert assert_same_weights(expected, loaded) == 14  # 2 layers x 7 linears; lm_head float
+    ids = torch.tensor([[1, 5, 9, 77, 3]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected(ids).logits)
