@@ -36,6 +36,11 @@ STYLES = {
     "etp": ExpertTensorParallel,
 }
 SQNR_DB = 35  # bf16 outputs of the same quantized weights, in other summation orders
+# FP8 per-row under ExpertTensorParallel: the row-parallel down projection quantizes each
+# rank's K part of a token with its own per-token scale (as dense row-parallel FP8 per-row
+# does), a finer activation quantization than one device's, so the logits differ more
+# (measured on gloo/CPU: 27.9 dB); the other layouts' shards are re-blocked to match exactly.
+SQNR_DB_PER_SHARD_SCALES = 25
 
 
 def _case(rank, world, mesh, layout: str, style: str) -> None:
@@ -48,26 +53,27 @@ def _case(rank, world, mesh, layout: str, style: str) -> None:
         realigned_reference(reference, world)
     qshard.tp.parallelize(model, mesh, {EXPERTS: STYLES[style]()})
     where = f"{layout} {style} rank {rank}"
+    floor = SQNR_DB_PER_SHARD_SCALES if (layout, style) == ("fp8-row", "etp") else SQNR_DB
     # all_to_all: each rank its own tokens; otherwise the same tokens on every rank
     seed = rank if style == "ep-all-to-all" else 0
     args = [t.to(device) for t in routing(11 + seed, dtype=torch.bfloat16, seed=seed)]
     name, experts = next(iter(experts_of(model).items()))
     with torch.no_grad():
         expected = reference.get_submodule(name)(*args).float()
-        assert qshard.sqnr_db(expected, experts(*args).float()) > SQNR_DB, where
+        assert qshard.sqnr_db(expected, experts(*args).float()) > floor, where
         ids = torch.randint(0, moe_models.VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
         ids = ids.to(device)
         logits = reference(ids).logits.float()
-        assert qshard.sqnr_db(logits, model(ids).logits.float()) > SQNR_DB, where
+        assert qshard.sqnr_db(logits, model(ids).logits.float()) > floor, where
         if style != "ep-all-to-all":  # compiled and frozen (the all-to-all: in its own test)
             torch._dynamo.reset()
             compiled = torch.compile(experts, fullgraph=True)
-            assert qshard.sqnr_db(expected, compiled(*args).float()) > SQNR_DB, where
+            assert qshard.sqnr_db(expected, compiled(*args).float()) > floor, where
             qshard.tp.to_local(model)
             torch._dynamo.reset()
             with torch._inductor.config.patch(freezing=True):
                 frozen = torch.compile(experts, fullgraph=True)(*args)
-            assert qshard.sqnr_db(expected, frozen.float()) > SQNR_DB, where
+            assert qshard.sqnr_db(expected, frozen.float()) > floor, where
 
 
 def _bytes_read() -> dict[str, int]:
