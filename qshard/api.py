@@ -331,9 +331,7 @@ def _quantize_weight(handler: Handler, target: Target, config: QuantConfig) -> t
     transposed expert weight is quantized as [E, N, K] and handed back transposed."""
     weight = target.weight
     if not _is_dtensor(weight):
-        if target.transposed:
-            return handler(weight.detach().transpose(-2, -1), config).transpose(-2, -1)
-        return handler(weight.detach(), config)
+        return quantize_tensor(handler, weight, config, target.transposed)
     from torch.distributed.tensor import DTensor
 
     if weight.dim() == 2:
@@ -420,19 +418,35 @@ def quantize_(
     bool narrows further. A model given as a bare nn.Linear is quantized under the name "".
     The report lists every weight left in float, with the reason.
     """
+    handler = handler_for(config)
+    return quantize_with(model, config, handler, filter_fn, include, exclude, keep_float)
+
+
+def handler_for(config: QuantConfig, caller: str = "quantize_") -> Handler:
+    """The handler registered for `config`'s class; ConfigError for a class or an unknown config."""
     if isinstance(config, type):
         raise ConfigError(
-            f"quantize_: got the class {config.__name__}, not a config; pass an instance, "
+            f"{caller}: got the class {config.__name__}, not a config; pass an instance, "
             f"e.g. {config.__name__}()"
         )
     handler = _HANDLERS.get(type(config))
     if handler is None:
         known = ", ".join(sorted(c.__name__ for c in _HANDLERS))
         raise ConfigError(
-            f"quantize_: no handler for {type(config).__name__}; registered configs: {known}. "
+            f"{caller}: no handler for {type(config).__name__}; registered configs: {known}. "
             f"Register one with qshard.register_handler({type(config).__name__}, fn)"
         )
-    return quantize_with(model, config, handler, filter_fn, include, exclude, keep_float)
+    return handler
+
+
+def quantize_tensor(
+    handler: Handler, weight: torch.Tensor, config: QuantConfig, transposed: bool = False
+) -> torch.Tensor:
+    """handler(weight, config) for one plain (unsharded) weight; a transposed expert weight
+    ([E, K, N]) is quantized as [E, N, K] and handed back transposed."""
+    if transposed:
+        return handler(weight.detach().transpose(-2, -1), config).transpose(-2, -1)
+    return handler(weight.detach(), config)
 
 
 def quantize_with(

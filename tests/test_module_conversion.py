@@ -64,6 +64,30 @@ def test_half_and_to_work_while_an_output_with_a_graph_is_alive(config):
     assert model[0].weight.dtype == torch.float16
 
 
+_OWN_USES = {
+    "x @ w.t()": lambda x, w: x @ w.t(),
+    "x @ w.T": lambda x, w: x @ w.T,
+    "x @ w.mT": lambda x, w: x @ w.mT,
+    "x @ w.transpose(0, 1)": lambda x, w: x @ w.transpose(0, 1),
+    "torch.matmul(x, w.swapaxes(0, 1))": lambda x, w: torch.matmul(x, w.swapaxes(0, 1)),
+    "a view kept by the user": lambda x, w: w.T,
+}
+
+
+@pytest.mark.parametrize("use", sorted(_OWN_USES))
+def test_half_works_after_a_forward_of_its_own_uses_the_weight(use):
+    # A custom forward (or the user) multiplies by a view of the weight: neither the graph nor
+    # the view may hold the Parameter itself, or torch's _apply cannot swap it.
+    model = _model(qshard.Int4WeightOnlyConfig(group_size=32))
+    x = torch.randn(3, 128, requires_grad=True)
+    kept = _OWN_USES[use](x, model[0].weight)
+    model.half()
+    assert model[0].weight.dtype == torch.float16 and isinstance(model[0].weight, QTensor)
+    if kept.dim() == 2 and kept.shape[0] == 3:  # an output: its graph still runs
+        kept.sum().backward()
+        assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
 def test_a_weight_beyond_float16_is_refused_with_the_cause_and_the_fix():
     model = _model(qshard.Int4WeightOnlyConfig(group_size=32), scale=1e6)  # |w| up to ~1e5
     with pytest.raises(qshard.NonFiniteWeightError) as info:

@@ -286,10 +286,82 @@ def test_float_checkpoint_claiming_qshard_is_refused(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
-def test_quantizing_while_loading_says_what_to_do(tmp_path):
+def test_a_qshard_config_without_a_config_says_what_to_pass(tmp_path):
     tiny_llama().save_pretrained(tmp_path)
-    with pytest.raises(qshard.ConfigError, match=r"qshard\.quantize_"):
+    with pytest.raises(qshard.ConfigError, match=r"QShardConfig\(config=qshard\."):
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=QShardConfig())
+
+
+# ---- quantizing while loading ----------------------------------------------------------------
+
+
+def _no_quantize_after_loading(monkeypatch):
+    """Fail if from_pretrained falls back to quantize_ once loaded: every weight must have been
+    quantized as it was read (the fallback is for tied or missing weights only)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("quantize_ ran after loading: a weight was not quantized as read")
+
+    monkeypatch.setattr(qshard.api, "quantize_", refuse)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_quantizing_while_loading_equals_quantize_after_loading(tmp_path, monkeypatch, layout):
+    tiny_llama().save_pretrained(tmp_path / "float")
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.bfloat16)
+    report = qshard.quantize_(expected, LAYOUTS[layout])
+    with monkeypatch.context() as patch:
+        _no_quantize_after_loading(patch)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            tmp_path / "float", dtype=torch.bfloat16,
+            quantization_config=QShardConfig(config=LAYOUTS[layout]),
+        )  # fmt: skip
+    assert assert_same_weights(expected, loaded) == len(report.quantized) == 14
+    assert isinstance(loaded.lm_head.weight, torch.nn.Parameter)  # kept float, as quantize_ does
+    groups = loaded.config.quantization_config.to_dict()["config_groups"]
+    assert [g["config"] for g in groups.values()] == [LAYOUTS[layout].to_dict()]
+    ids = torch.randint(0, 160, (1, 6))
+    assert torch.equal(loaded(ids).logits, expected(ids).logits)
+    # ... and it is a qshard model: save_pretrained writes a qshard checkpoint.
+    loaded.save_pretrained(tmp_path / "quantized")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "quantized")
+    assert assert_same_weights(expected, again) == 14
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_quantizing_moe_experts_while_loading(tmp_path, monkeypatch, name):
+    # gpt-oss stores its experts transposed ([E, K, N]): quantized along K, as quantize_ does.
+    moe_models.build(name).save_pretrained(tmp_path)
+    config = qshard.Int4WeightOnlyConfig(group_size=32)
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path)
+    report = qshard.quantize_(expected, config, include=["*.experts.*"])
+    with monkeypatch.context() as patch:
+        _no_quantize_after_loading(patch)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=QShardConfig(config=config, include=["*.experts.*"])
+        )
+    assert assert_same_weights(expected, loaded) == len(report.quantized) == 4
+    ids = torch.randint(0, moe_models.VOCAB, (1, 8))
+    assert torch.equal(loaded(ids).logits, expected(ids).logits)
+
+
+def test_quantizing_while_loading_selects_as_quantize_does(tmp_path):
+    tiny_llama().save_pretrained(tmp_path)
+    with pytest.raises(qshard.ConfigError, match=r"'layers\.\*' matches no weight.*'\*layers"):
+        AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=QShardConfig(config=LAYOUTS["int4"], include="layers.*")
+        )
+    # A tied output head asked for is left float, tied, as quantize_ leaves it (and says).
+    config = QShardConfig(config=LAYOUTS["int4"], include=["lm_head", "*.q_proj"], keep_float=[])
+    model = tiny_llama()
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(tmp_path / "tied")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tied", quantization_config=config)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert not isinstance(loaded.lm_head.weight, qshard.QTensor)
+    quantized = [n for n, p in loaded.named_parameters() if isinstance(p, qshard.QTensor)]
+    assert quantized == [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(2)]
 
 
 def test_bad_quantization_config_is_a_typed_error():

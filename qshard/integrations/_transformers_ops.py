@@ -9,7 +9,7 @@ from transformers.distributed.utils import is_dtensor
 
 from ..errors import QShardError
 
-__all__ = ["QShardDeserialize"]
+__all__ = ["QShardDeserialize", "QShardQuantize"]
 
 
 class QShardDeserialize(ConversionOps):
@@ -50,6 +50,37 @@ class QShardDeserialize(ConversionOps):
             # transformers would log it and raise a RuntimeError after its report; the quantizer
             # raises this typed error itself once loading ends (postprocess_model)
             quantizer.failures.append(e)
+            return {}
+        return {full_layer_name: nn.Parameter(weight, requires_grad=False)}
+
+
+class QShardQuantize(ConversionOps):
+    """One float weight of a float checkpoint, as read -> its QTensor Parameter (quantized
+    while loading: `from_pretrained(float_dir, quantization_config=QShardConfig(config=...))`).
+    The float tensor is dropped once quantized, so no whole float model is ever held."""
+
+    def __init__(self, hf_quantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def __deepcopy__(self, memo):
+        return type(self)(self.hf_quantizer)  # one quantizer for every parameter (see above)
+
+    def convert(self, input_dict, full_layer_name=None, model=None, **kwargs):
+        quantizer = self.hf_quantizer
+        try:
+            (value,) = input_dict.values()
+            value = value[0] if isinstance(value, list) else value
+            target = model.get_parameter(full_layer_name)  # on meta: the model's dtype
+            if is_dtensor(target):
+                raise QShardError(
+                    f"from_pretrained with a tp_plan and a QShardConfig: {full_layer_name!r} is "
+                    f"sharded by transformers; quantizing while loading a sharded model is not "
+                    f"supported: load the float model with tp_plan, then qshard.quantize_(model, "
+                    f"config), which quantizes each rank's shard"
+                )
+            weight = quantizer.quantize(full_layer_name, value, target.dtype)
+        except Exception as e:
+            quantizer.failures.append(e)  # raised, typed, once loading ends (see above)
             return {}
         return {full_layer_name: nn.Parameter(weight, requires_grad=False)}
 

@@ -58,15 +58,27 @@ QUANT_METHOD = "qshard"
 
 
 class QShardConfig(QuantizationConfigMixin):
-    """The `quantization_config` of a qshard model. `config_groups`: which qshard config
-    quantized which tensors ({"group_i": {"config": QuantConfig.to_dict(), "targets": [names]}}),
-    for people and tools reading config.json; loading reads the checkpoint's own header."""
+    """The `quantization_config` of a qshard model.
+
+    Of a checkpoint (config.json): `config_groups`, which qshard config quantized which tensors
+    ({"group_i": {"config": QuantConfig.to_dict(), "targets": [names]}}), for people and tools
+    reading config.json; loading reads the checkpoint's own header.
+
+    To quantize a float checkpoint while loading it, `from_pretrained(float_dir,
+    quantization_config=QShardConfig(config=qshard.Int4WeightOnlyConfig(), include=...,
+    exclude=..., keep_float=...))`: each weight is quantized as it is read, selected as
+    `qshard.quantize_(model, config, include=, exclude=, keep_float=)` selects it.
+    """
 
     def __init__(
         self,
         config_groups: dict | None = None,
         qshard_version: str | None = None,
         quant_method: str = QUANT_METHOD,
+        config=None,
+        include: list[str] | str | None = None,
+        exclude: list[str] | str | None = None,
+        keep_float: list[str] | None = None,
         **unknown,
     ):
         if quant_method != QUANT_METHOD:
@@ -85,9 +97,22 @@ class QShardConfig(QuantizationConfigMixin):
                     f"{{'config': QuantConfig.to_dict(), 'targets': [tensor names]}}"
                 )
             config_from_dict(group.get("config"))  # a ConfigError names what is wrong
+        if isinstance(config, dict):
+            config = config_from_dict(config)
+        if config is not None:
+            from ..api import handler_for
+
+            handler_for(config, "QShardConfig")  # a ConfigError for a class or unknown config
         self.quant_method = QUANT_METHOD
         self.qshard_version = qshard_version
         self.config_groups = groups
+        self.config = config
+        self.include, self.exclude = include, exclude
+        if keep_float is None:
+            from ..api import KEEP_FLOAT
+
+            keep_float = list(KEEP_FLOAT)
+        self.keep_float = list(keep_float)
 
     @classmethod
     def of_model(cls, model: nn.Module) -> QShardConfig:
@@ -106,11 +131,15 @@ class QShardConfig(QuantizationConfigMixin):
         return cls(config_groups=named, qshard_version=qshard.__version__)
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "quant_method": self.quant_method,
             "qshard_version": self.qshard_version,
             "config_groups": self.config_groups,
         }
+        if self.config is not None:  # a request to quantize while loading
+            out.update(config=self.config.to_dict(), include=self.include, exclude=self.exclude,
+                       keep_float=self.keep_float)  # fmt: skip
+        return out
 
 
 class QShardHfQuantizer(HfQuantizer):
@@ -127,11 +156,11 @@ class QShardHfQuantizer(HfQuantizer):
     # ---- from_pretrained -------------------------------------------------------------------
 
     def validate_environment(self, device_map=None, **kwargs):
-        if not self.pre_quantized:
+        if not self.pre_quantized and self.quantization_config.config is None:
             raise ConfigError(
-                "from_pretrained(..., quantization_config=QShardConfig(...)) of a float "
-                "checkpoint: quantizing while loading is not supported by this qshard; load the "
-                "float model, then call qshard.quantize_(model, config)"
+                "from_pretrained(..., quantization_config=QShardConfig()) of a float checkpoint "
+                "names no qshard config to quantize with; pass e.g. "
+                "QShardConfig(config=qshard.Int4WeightOnlyConfig())"
             )
         places = set(device_map.values()) if isinstance(device_map, dict) else set()
         if "disk" in places:
@@ -143,7 +172,11 @@ class QShardHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         """Read and check every header, and match the quantized entries with the model (still
-        on the meta device): a mismatch fails here, before any tensor is read."""
+        on the meta device): a mismatch fails here, before any tensor is read. For a float
+        checkpoint, select the weights to quantize while loading."""
+        if not self.pre_quantized:
+            self._select_for_quantization(model)
+            return
         if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in
                                            checkpoint_files):  # fmt: skip
             raise CheckpointError(
@@ -233,9 +266,68 @@ class QShardHfQuantizer(HfQuantizer):
             check_magnitude(weight, f"{where} as {dtype_name(dtype)}")
         return weight.repack_for_device()
 
+    # ---- from_pretrained of a float checkpoint: quantized while loading ---------------------
+
+    def _select_for_quantization(self, model) -> None:
+        """{parameter name: its Target} of the weights quantize_ would quantize, by the same
+        rule (include / exclude / keep_float; a pattern matching nothing raises ConfigError)."""
+        from ..api import _skip_reason, check_patterns, handler_for, quantization_targets
+
+        qc = self.quantization_config
+        self.handler = handler_for(qc.config, "from_pretrained")
+        targets = quantization_targets(model)
+        check_patterns([t.name for t in targets], qc.include, qc.exclude, "from_pretrained")
+        module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self.selected = {}
+        for target in targets:
+            if _skip_reason(target, qc.include, qc.exclude, None, qc.keep_float) is None:
+                prefix = module_names[id(target.module)]
+                self.selected[f"{prefix}.{target.param}".lstrip(".")] = target
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        return not self.pre_quantized and param_name in getattr(self, "selected", {})
+
+    def get_quantize_ops(self):
+        from ._transformers_ops import QShardQuantize
+
+        return QShardQuantize(self)
+
+    def quantize(self, key: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The checkpoint's float tensor of parameter `key`, as `dtype` (the model's), quantized
+        as quantize_ quantizes it; the float tensor itself when the layout cannot take this
+        weight (UnsupportedWeightError: quantize_ reports it skipped too)."""
+        from ..api import quantize_tensor
+        from ..errors import UnsupportedWeightError
+
+        target = self.selected[key]
+        weight = value.to(dtype)
+        try:
+            return quantize_tensor(self.handler, weight, self.quantization_config.config,
+                                   target.transposed)  # fmt: skip
+        except UnsupportedWeightError:
+            return weight
+
+    def _finish_quantization(self, model) -> None:
+        """Quantize what loading left in float (a weight tied to another, or one the checkpoint
+        lacks and transformers initialized) with quantize_ itself, then describe the model as
+        a qshard checkpoint, so save_pretrained writes one."""
+        from ..api import quantize_
+
+        qc = self.quantization_config
+        names = {t.name for k, t in self.selected.items() if
+                 not isinstance(model.get_parameter(k), QTensor)}  # fmt: skip
+        if names:
+            quantize_(model, qc.config, include=sorted(names), keep_float=qc.keep_float)
+        self.pre_quantized = True
+        self.quantization_config = QShardConfig.of_model(model)
+        model.config.quantization_config = self.quantization_config
+
     def _process_model_after_weight_loading(self, model, **kwargs):
-        if self.failures:  # kept by QShardDeserialize: the first, typed
+        if self.failures:  # kept by QShardDeserialize / QShardQuantize: the first, typed
             raise self.failures[0]
+        if not self.pre_quantized:
+            self._finish_quantization(model)
+            return model
         params = dict(model.named_parameters(remove_duplicate=False))
         expected = list(self.records) + [k for k in getattr(self, "aliases", {}) if k in params]
         left = [k for k in expected if not isinstance(params.get(k), QTensor)]

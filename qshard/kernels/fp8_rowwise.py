@@ -14,14 +14,24 @@ so torch.compile fuses it into one kernel. Everything here is traceable by torch
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..config import ScaleFormat
-from .fp8_blockwise import E4M3_MAX, FP8, e4m3_to_float64, scales_from_amax
+from .fp8_blockwise import (
+    E4M3_MAX,
+    FP8,
+    e4m3_to_float32,
+    e4m3_to_float64,
+    e4m3_weight_values,
+    scales_from_amax,
+)
+from .packing import linear_in_dtype
 
 __all__ = [
     "cublas_rowwise_unavailable_reason",
     "dequantize_rowwise",
     "fp8_rowwise_linear_cublas",
+    "fp8_rowwise_linear_dequantized",
     "fp8_rowwise_linear_reference",
     "quantize_rows",
     "row_amax",
@@ -50,7 +60,31 @@ def quantize_rows(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_rowwise(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-    return (qdata.float() * scale).to(dtype)
+    """fp8 * row scale in fp32, rounded once to `dtype`."""
+    return e4m3_weight_values(qdata).mul_(scale).to(dtype)
+
+
+def fp8_rowwise_linear_dequantized(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    weight_only: bool,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference's result by dequantize-and-matmul (`backend="auto"` where no qshard kernel
+    runs, the CPU): W8A8 quantizes x per token exactly as the reference does and multiplies the
+    dequantized fp32 operands in one BLAS call (within fp32 rounding of the reference's exact
+    sums); weight-only multiplies W dequantized to x's dtype in x's dtype."""
+    if weight_only:
+        return linear_in_dtype(x, dequantize_rowwise(qdata, scale, x.dtype), bias)
+    n, k = qdata.shape
+    x2d = x.reshape(-1, k) if k else x.reshape(x.shape[:-1].numel(), 0)
+    x_scale = row_scales(x2d)
+    x_values = e4m3_to_float32(quantize_rows(x2d, x_scale)).mul_(x_scale)
+    weight = dequantize_rowwise(qdata, scale, torch.float32)
+    out = F.linear(x_values, weight, bias.float() if bias is not None else None)
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def fp8_rowwise_linear_reference(

@@ -23,7 +23,14 @@ from __future__ import annotations
 
 import torch
 
-from .packing import expand_groups, group_reduce, linear_float64, pack_nibbles, unpack_nibbles
+from .packing import (
+    apply_groups,
+    expand_groups,
+    group_reduce,
+    linear_float64,
+    pack_nibbles,
+    unpack_nibbles,
+)  # fmt: skip
 
 __all__ = [
     "SCALE_DTYPE",
@@ -108,15 +115,19 @@ def dequantize_int4(
     dtype: torch.dtype, float_zero: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """(u - zero) * scale in fp32, rounded once to `dtype`; zero = 8 when `zero` is empty.
-    `float_zero`: (u - 8) * scale + zero, rounded once to fp32 (an FMA), then to `dtype`."""
-    u = unpack_nibbles(packed, k).float()
-    full_scale = expand_groups(scale.float(), group, k)
+    `float_zero`: (u - 8) * scale + zero, rounded once to fp32 (an FMA), then to `dtype`: the
+    product has at most 12 significant bits (4 of the code, 8 of the bf16 scale), so it is
+    exact in fp32 and the sum is the one rounding. In place on the fresh fp32 codes (packing.py's
+    `apply_groups`)."""
+    w = unpack_nibbles(packed, k).float()
     if float_zero:
-        # (u - 8) * scale has at most 13 significant bits and zero 8: exact in float64.
-        exact = (u - SYMMETRIC_ZERO).double() * full_scale.double()
-        return (exact + expand_groups(zero.double(), group, k)).float().to(dtype)
-    z = expand_groups(zero.float(), group, k) if zero.numel() else SYMMETRIC_ZERO
-    return ((u - z) * full_scale).to(dtype)
+        apply_groups(w.sub_(SYMMETRIC_ZERO), scale.float(), group, torch.Tensor.mul_)
+        return apply_groups(w, zero.float(), group, torch.Tensor.add_).to(dtype)
+    if zero.numel():
+        apply_groups(w, zero.float(), group, torch.Tensor.sub_)
+    else:
+        w.sub_(SYMMETRIC_ZERO)
+    return apply_groups(w, scale.float(), group, torch.Tensor.mul_).to(dtype)
 
 
 def int4_linear_reference(

@@ -19,10 +19,21 @@ partial: W ~= e2m1 * 2**e, one e8m0 scale 2**e per row per block.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from .packing import expand_groups, group_reduce, linear_float64, pack_nibbles, unpack_nibbles
+from .packing import (
+    apply_groups,
+    expand_groups,
+    group_reduce,
+    linear_float64,
+    pack_nibbles,
+    unpack_nibbles,
+)  # fmt: skip
 
-__all__ = ["E2M1_VALUES", "GROUP", "dequantize_mxfp4", "mxfp4_linear_reference", "quantize_mxfp4"]
+__all__ = [
+    "E2M1_VALUES", "GROUP", "dequantize_mxfp4", "e2m1_values", "mxfp4_linear_reference",
+    "quantize_mxfp4",
+]  # fmt: skip
 
 GROUP = 32
 E2M1_MAX = 6.0
@@ -70,13 +81,26 @@ def quantize_mxfp4(
     return pack_nibbles(e2m1_codes(v)), scale
 
 
+def e2m1_values(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """uint8 [N, ceil(K/2)] two codes per byte -> the fp32 e2m1 values [N, K] (a fresh tensor).
+
+    Eager, one lookup per byte in a table of the 256 bytes' value pairs (1.2 ms for 2816 x 1024
+    on CPU, against 3.8 ms for unpacking then looking up each code); compiled, the per-code
+    lookup, which inductor fuses."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    if torch.compiler.is_compiling():
+        return table[unpack_nibbles(packed, k).long()]
+    byte = torch.arange(256, device=packed.device)
+    pairs = torch.stack([table[byte & 0x0F], table[byte >> 4]], dim=1)  # low nibble first
+    return F.embedding(packed.int(), pairs).flatten(1)[:, :k]
+
+
 def dequantize_mxfp4(
     packed: torch.Tensor, scale: torch.Tensor, group: int, k: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """e2m1 * 2**e in fp32 (exact), rounded once to `dtype`."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    values = table[unpack_nibbles(packed, k).long()]
-    return (values * expand_groups(scale.float(), group, k)).to(dtype)
+    values = e2m1_values(packed, k)
+    return apply_groups(values, scale.float(), group, torch.Tensor.mul_).to(dtype)
 
 
 def mxfp4_linear_reference(

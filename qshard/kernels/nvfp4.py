@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .mxfp4 import E2M1_MAX, E2M1_VALUES, e2m1_codes
-from .packing import expand_groups, group_reduce, linear_float64, pack_nibbles, unpack_nibbles
+from .mxfp4 import E2M1_MAX, e2m1_codes, e2m1_values
+from .packing import apply_groups, expand_groups, group_reduce, linear_float64, pack_nibbles
 
 __all__ = [
     "GROUP",
@@ -75,9 +75,8 @@ def dequantize_nvfp4(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, group: int, k: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    values = table[unpack_nibbles(packed, k).long()] * expand_groups(scale.float(), group, k)
-    return (values * global_scale).to(dtype)
+    values = apply_groups(e2m1_values(packed, k), scale.float(), group, torch.Tensor.mul_)
+    return values.mul_(global_scale).to(dtype)
 
 
 def nvfp4_linear_reference(

@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["expand_groups", "group_reduce", "linear_float64", "pack_nibbles", "unpack_nibbles"]
+__all__ = [
+    "apply_groups", "expand_groups", "group_reduce", "linear_float64", "pack_nibbles",
+    "unpack_nibbles",
+]  # fmt: skip
 
 
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
@@ -19,12 +22,16 @@ def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
     """uint8 [N, ceil(K/2)] -> uint8 [N, K].
 
-    By indexing, not `stack([low, high], -1).reshape(...)`: inductor's CPU codegen (torch 2.13)
-    mis-strides that reshape in a dynamic-shape TP graph (a size/stride assertion fails).
+    Compiled, by indexing, not `stack([low, high], -1).reshape(...)`: inductor's CPU codegen
+    (torch 2.13) mis-strides that reshape in a dynamic-shape TP graph (a size/stride assertion
+    fails), and fuses the gather anyway. Eager, by the stack: the gather costs 4x as much on CPU
+    (2.7 vs 0.6 ms for a 2816 x 1024 weight, docs/cpu.md).
     """
-    channels = torch.arange(k, device=packed.device)
-    shifts = ((channels % 2) * 4).to(torch.uint8)
-    return (packed[:, channels // 2] >> shifts) & 0x0F
+    if torch.compiler.is_compiling():
+        channels = torch.arange(k, device=packed.device)
+        shifts = ((channels % 2) * 4).to(torch.uint8)
+        return (packed[:, channels // 2] >> shifts) & 0x0F
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(1)[:, :k]
 
 
 def group_reduce(weight: torch.Tensor, group: int, reduce) -> torch.Tensor:
@@ -38,8 +45,35 @@ def group_reduce(weight: torch.Tensor, group: int, reduce) -> torch.Tensor:
 
 
 def expand_groups(values: torch.Tensor, group: int, k: int) -> torch.Tensor:
-    """[N, ceil(K/group)] -> [N, K], each group's value over its channels."""
-    return values[:, torch.arange(k, device=values.device) // group]
+    """[N, ceil(K/group)] -> [N, K], each group's value over its channels.
+
+    Eager, a broadcast copy (0.25 ms for a 2816 x 1024 weight on CPU); compiled, the gather
+    inductor has always been given (it fuses it; its CPU codegen has mis-handled reshapes of
+    expanded and repeated scales before, kernels/fp8_blockwise.py)."""
+    if torch.compiler.is_compiling():
+        return values[:, torch.arange(k, device=values.device) // group]
+    n, groups = values.shape
+    return values[:, :, None].expand(n, groups, group).reshape(n, groups * group)[:, :k]
+
+
+def apply_groups(values: torch.Tensor, group_values: torch.Tensor, group: int, op):
+    """op(values, each group's value over its channels) for values [N, K] and group_values
+    [N, ceil(K/group)]: elementwise, so bit for bit `op(values, expand_groups(...))`, without
+    making the expanded [N, K] operand where K is a whole number of groups. `op` may be an
+    in-place op (`torch.Tensor.mul_`) on a `values` the caller owns: on CPU a fresh [N, K]
+    result costs its page faults, more than the arithmetic (1.3 vs 4.6 ms for an int4
+    dequantization of 2816 x 1024, docs/cpu.md)."""
+    n, k = values.shape
+    if k % group or not values.is_contiguous():
+        return op(values, expand_groups(group_values, group, k))
+    return op(values.view(n, k // group, group), group_values[:, :, None]).view(n, k)
+
+
+def linear_in_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """x @ weight.T + bias for a weight already dequantized to x's dtype, by the BLAS of x's
+    device in x's dtype: `backend="auto"` where no qshard kernel runs (the CPU). The same
+    products as `linear_float64`, summed in the BLAS's order and precision instead of exactly."""
+    return F.linear(x, weight, bias.to(x.dtype) if bias is not None else None)
 
 
 def linear_float64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

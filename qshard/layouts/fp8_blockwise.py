@@ -42,6 +42,7 @@ from ..kernels.availability import (
 from ..kernels.fp8_blockwise import (
     E4M3_MAX,
     dequantize_blockwise,
+    fp8_blockwise_linear_dequantized,
     fp8_blockwise_linear_reference,
     quantize_weight_blockwise,
 )
@@ -235,7 +236,13 @@ class Fp8BlockwiseTensor(QTensor):
                 x, self.qdata, self.scale, bias, bn, bk, self.act_group_size, ue8m0,
                 backend.value,
             )  # fmt: skip
-        return fp8_blockwise_linear_reference(
+        # auto where no qshard kernel runs (the CPU): dequantize, then the BLAS.
+        linear = (
+            fp8_blockwise_linear_reference
+            if self.backend is Backend.REFERENCE
+            else fp8_blockwise_linear_dequantized
+        )
+        return linear(
             x,
             self.qdata,
             self.scale,

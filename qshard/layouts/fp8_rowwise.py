@@ -34,6 +34,7 @@ from ..kernels.fp8_rowwise import (
     cublas_rowwise_unavailable_reason,
     dequantize_rowwise,
     fp8_rowwise_linear_cublas,
+    fp8_rowwise_linear_dequantized,
     fp8_rowwise_linear_reference,
     quantize_rows,
     row_amax,
@@ -155,9 +156,13 @@ class Fp8RowwiseTensor(QTensor):
         if self.select_backend(x) is Backend.CUBLAS:
             bias = bias.to(x.dtype) if bias is not None else None
             return fp8_rowwise_linear_cublas(x, self.qdata, self.scale, bias)
-        return fp8_rowwise_linear_reference(
-            x, self.qdata, self.scale, weight_only=self.weight_only, bias=bias
+        # auto where no qshard kernel runs (the CPU): dequantize, then the BLAS.
+        linear = (
+            fp8_rowwise_linear_reference
+            if self.backend is Backend.REFERENCE
+            else fp8_rowwise_linear_dequantized
         )
+        return linear(x, self.qdata, self.scale, weight_only=self.weight_only, bias=bias)
 
     def activation_scale_spans_k(self) -> bool:
         return not self.weight_only  # one scale per token over all of K

@@ -46,6 +46,7 @@ from ..kernels.int4_tinygemm import (
     tinygemm_linear,
     tinygemm_problem,
 )
+from ..kernels.packing import linear_in_dtype
 from ..qtensor import DeviceForm, QTensor
 from .checks import (
     abs_max,
@@ -315,9 +316,15 @@ class Int4Tensor(QTensor):
             return torch.ops.qshard.int4_linear(
                 x, self.qdata, self.scale, self.zero, bias, self.group_size, self.float_zero
             )
-        return int4_linear_reference(
-            x, self.qdata, self.scale, self.zero, self.group_size, bias, self.float_zero
-        )
+        if self.backend is Backend.REFERENCE:
+            return int4_linear_reference(
+                x, self.qdata, self.scale, self.zero, self.group_size, bias, self.float_zero
+            )
+        # auto where no qshard kernel runs (the CPU): the reference's weight, the BLAS's sums.
+        k = self.logical_shape[-1]
+        weight = dequantize_int4(self.qdata, self.scale, self.zero, self.group_size, k, x.dtype,
+                                 self.float_zero)  # fmt: skip
+        return linear_in_dtype(x, weight, bias)
 
     def grouped_linear(self, x, offs, bias=None):
         if self.backend in DEVICE_FORM_BACKENDS:

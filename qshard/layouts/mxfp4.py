@@ -33,6 +33,7 @@ from ..kernels.mxfp4 import (
     mxfp4_linear_reference,
     quantize_mxfp4,
 )
+from ..kernels.packing import linear_in_dtype
 from ..qtensor import QTensor
 from .checks import (
     abs_max,
@@ -160,7 +161,12 @@ class Mxfp4Tensor(QTensor):
         if self.select_backend(x) is Backend.TRITON:
             load_w4a16_ops()
             return torch.ops.qshard.mxfp4_linear(x, self.qdata, self.scale, bias, self.group_size)
-        return mxfp4_linear_reference(x, self.qdata, self.scale, self.group_size, bias)
+        if self.backend is Backend.REFERENCE:
+            return mxfp4_linear_reference(x, self.qdata, self.scale, self.group_size, bias)
+        # auto where no qshard kernel runs (the CPU): the reference's weight, the BLAS's sums.
+        k = self.logical_shape[-1]
+        weight = dequantize_mxfp4(self.qdata, self.scale, self.group_size, k, x.dtype)
+        return linear_in_dtype(x, weight, bias)
 
     def grouped_linear(self, x, offs, bias=None):
         return weight_only_grouped_linear(self, x, offs, bias, "mxfp4", self.group_size)

@@ -42,6 +42,7 @@ from ..kernels.nvfp4 import (
     nvfp4_linear_reference,
     quantize_nvfp4,
 )
+from ..kernels.packing import linear_in_dtype
 from ..qtensor import QTensor
 from .checks import (
     abs_max,
@@ -194,7 +195,12 @@ class Nvfp4Tensor(QTensor):
             return torch.ops.qshard.nvfp4_linear(
                 x, self.qdata, self.scale, self.global_scale, bias, GROUP
             )
-        return nvfp4_linear_reference(x, self.qdata, self.scale, self.global_scale, GROUP, bias)
+        if self.backend is Backend.REFERENCE:
+            return nvfp4_linear_reference(x, self.qdata, self.scale, self.global_scale, GROUP, bias)
+        # auto where no qshard kernel runs (the CPU): the reference's weight, the BLAS's sums.
+        k = self.logical_shape[-1]
+        weight = dequantize_nvfp4(self.qdata, self.scale, self.global_scale, GROUP, k, x.dtype)
+        return linear_in_dtype(x, weight, bias)
 
     def grouped_linear(self, x, offs, bias=None):
         return weight_only_grouped_linear(self, x, offs, bias, "nvfp4", GROUP,

@@ -404,11 +404,12 @@ class QTensor(torch.Tensor):
         handler = cls._lookup("_torch_fn_ops", func)
         if handler is not None:
             return handler(func, types, args, kwargs)
-        if func in _USES_OF_WEIGHTS and torch.is_grad_enabled():
-            # A model's `w.transpose(-2, -1)` or `torch._grouped_mm(x, w, ...)` under grad mode
-            # would keep the Parameter itself in the autograd graph (as a view's base or a saved
-            # operand), and `model.half()` / `.to()` could not swap it while an output is alive:
-            # use a detached alias (the same inner tensors; no gradient flows to a frozen weight).
+        if func in _USES_OF_WEIGHTS:
+            # A model's `w.transpose(-2, -1)` or `torch._grouped_mm(x, w, ...)` would keep the
+            # Parameter itself alive as a view's base or an autograd graph's saved operand, and
+            # `model.half()` / `.to()` could not swap it while that lives (torch's "Couldn't
+            # swap"): use a detached alias (the same inner tensors; no gradient flows to a
+            # frozen weight).
             args = tuple(a.detach() if _is_frozen_parameter(a) else a for a in args)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -777,6 +778,9 @@ _USES_OF_WEIGHTS = frozenset({
     torch.Tensor.t, torch.Tensor.transpose, torch.Tensor.__getitem__, torch.Tensor.view,
     torch.Tensor.permute, torch.Tensor.unbind, torch.Tensor.select, torch.Tensor.narrow,
     torch.t, torch.transpose, torch.permute, torch.unbind, torch.select, torch.narrow,
+    torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.H.__get__,
+    torch.Tensor.mH.__get__, torch.Tensor.swapaxes, torch.Tensor.swapdims, torch.swapaxes,
+    torch.swapdims, torch.Tensor.movedim, torch.movedim, torch.adjoint, torch.Tensor.adjoint,
     torch._grouped_mm, torch.bmm, torch.matmul, torch.mm, torch.Tensor.__matmul__,
     torch.Tensor.__rmatmul__, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.bmm,
     *([torch.nn.functional.grouped_mm] if hasattr(torch.nn.functional, "grouped_mm") else []),
