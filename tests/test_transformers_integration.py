@@ -374,6 +374,16 @@ def test_bad_quantization_config_is_a_typed_error():
 # ---- registration ---------------------------------------------------------------------------
 
 
+def test_an_older_transformers_is_not_registered_with(monkeypatch):
+    import transformers
+
+    from qshard.integrations import transformers as integration
+
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    with pytest.raises(ImportError, match=r"4\.57\.1 is older than 5\.17.*upgrade transformers"):
+        integration.register()
+
+
 def test_registered_with_transformers_api():
     assert AUTO_QUANTIZATION_CONFIG_MAPPING["qshard"] is QShardConfig
     assert AUTO_QUANTIZER_MAPPING["qshard"] is QShardHfQuantizer

@@ -446,8 +446,22 @@ def attach(model: nn.Module) -> None:
     model.config.quantization_config = quantizer.quantization_config
 
 
+MIN_TRANSFORMERS = (5, 17)  # the oldest transformers the integration is tested with
+
+
 def register() -> None:
-    """Register quant_method "qshard" with transformers (once)."""
+    """Register quant_method "qshard" with transformers (once). An older transformers (whose
+    loader has no conversion ops) is not registered with: qshard/__init__.py warns instead."""
+    import transformers
+
+    version = tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
+    if version < MIN_TRANSFORMERS:
+        raise ImportError(
+            f"transformers {transformers.__version__} is older than "
+            f"{'.'.join(map(str, MIN_TRANSFORMERS))}, the oldest qshard's from_pretrained / "
+            f"save_pretrained integration supports; upgrade transformers (qshard.save / "
+            f"qshard.load work without it)"
+        )
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(QShardConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
