@@ -160,6 +160,27 @@ def test_dtype_device_map_and_several_files(tmp_path):
     assert torch.equal(loaded(ids).logits, bf16(ids).logits)
 
 
+def test_qshard_load_reads_a_save_pretrained_checkpoint_split_into_several_files(tmp_path):
+    # save_pretrained repeats one qshard header (describing every entry) in each file, and a
+    # weight's qdata and scale may lie in different files: qshard.load reads across them.
+    model = tiny_llama()
+    qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32))
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    with qshard.empty_weights():
+        fresh = LlamaForCausalLM(model.config)
+    loaded = qshard.load(tmp_path, fresh).eval()
+    assert assert_same_weights(model, loaded) == 14
+    ids = torch.randint(0, 160, (1, 7))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    # A rank's slice reads each inner tensor from the file that holds it.
+    key = "model.layers.1.mlp.gate_proj.weight"
+    with qshard.io.Checkpoint(tmp_path) as checkpoint:
+        parts = [checkpoint.read_shard(key, 0, 2, rank) for rank in range(2)]
+    whole = model.get_parameter(key).dequantize()
+    assert torch.equal(torch.cat([p.dequantize() for p in parts]), whole)
+
+
 class _FloatTensors(TorchDispatchMode):
     """Records the shape of every real (not meta) plain float tensor an op makes."""
 

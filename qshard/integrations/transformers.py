@@ -47,8 +47,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..config import config_from_dict
 from ..errors import CheckpointError, ConfigError, QShardError
-from ..io.checkpoint import read_header
-from ..io.format import METADATA_KEY, Record, crc32, decode_metadata, dtype_name
+from ..io.checkpoint import decode_headers, read_header
+from ..io.format import Record, crc32, dtype_name
 from ..layouts.validation import check_magnitude, check_qtensor
 from ..qtensor import FLOAT_DTYPES, QTensor
 
@@ -404,35 +404,14 @@ def _check_float_tensors(records: dict[str, Record], where: dict[str, str]) -> N
 
 
 def read_records(files) -> tuple[dict[str, Record], dict[str, str]]:
-    """({entry key: Record}, {entry key: file}) of the safetensors `files` of one checkpoint,
-    every header checked. A save_pretrained checkpoint repeats one qshard header (describing
-    every entry) in each of its files; qshard.save gives each file its own."""
+    """({entry key: Record}, {entry key: the file that holds it}) of the safetensors `files` of
+    one checkpoint, every header checked (`qshard.io.checkpoint.decode_headers`: one header
+    repeated in every file by save_pretrained, or one per file by qshard.save)."""
     headers = [read_header(pathlib.Path(f)) for f in files]
-    stored, file_of = {}, {}
-    for header in headers:
-        for key in header.stored:
-            if key in stored:
-                raise CheckpointError(f"{header.path}: tensor {key!r} is also in {file_of[key]}")
-            stored[key], file_of[key] = header.stored[key], str(header.path)
-    texts = {(h.metadata or {}).get(METADATA_KEY) for h in headers}
-    if len(headers) > 1 and len(texts) == 1 and None not in texts:
-        where = str(headers[0].path.parent)
-        records, _ = decode_metadata(headers[0].metadata, stored, where)
-        places = {k: file_of[r.stored()[0].key] if r.stored() else where for k, r in
-                  records.items()}  # fmt: skip
-        return records, places
-    records, places, save_ids = {}, {}, set()
-    for header in headers:
-        found, save_id = decode_metadata(header.metadata, header.stored, str(header.path))
-        save_ids.add(save_id)
-        for key, record in found.items():
-            if key in records:
-                raise CheckpointError(f"{header.path}: entry {key!r} is also in {places[key]}")
-            records[key], places[key] = record, str(header.path)
-    if len(save_ids - {None}) > 1:
-        raise CheckpointError(
-            f"{headers[0].path.parent}: the files come from different saves; save the model again"
-        )
+    where = str(headers[0].path.parent if len(headers) > 1 else headers[0].path)
+    records, holder = decode_headers(headers, where)
+    places = {key: str(holder[r.stored()[0].key].path) if r.stored() else where for key, r in
+              records.items()}  # fmt: skip
     return records, places
 
 

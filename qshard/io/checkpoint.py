@@ -23,13 +23,22 @@ import torch
 from ..errors import CheckpointError
 from ..layouts.validation import check_qtensor
 from ..safejson import parse_json, read_json_file
-from .format import SAFETENSORS_DTYPES, Record, StoredTensor, crc32, decode_metadata, dtype_name
+from .format import (
+    METADATA_KEY,
+    SAFETENSORS_DTYPES,
+    Record,
+    StoredTensor,
+    crc32,
+    decode_metadata,
+    dtype_name,
+)
 
 __all__ = [
     "INDEX_NAME",
     "SINGLE_FILE_NAME",
     "Checkpoint",
     "check_index",
+    "decode_headers",
     "read_header",
     "read_tensor",
 ]
@@ -178,39 +187,67 @@ def _one_of_several(name: str) -> bool:
     return shard is not None and int(shard.group(2)) > 1
 
 
+def decode_headers(
+    headers: list[FileHeader], where: str
+) -> tuple[dict[str, Record], dict[str, FileHeader]]:
+    """({entry key: Record}, {stored tensor key: the file holding it}) of one checkpoint's files.
+
+    Two forms: qshard.save gives each file its own header, describing the entries it holds
+    (their save ids must agree); transformers' save_pretrained of a qshard model repeats one
+    header, describing every entry, in each of its files, and a weight's inner tensors may lie
+    in different files. Every stored tensor is in one file only and described exactly once."""
+    stored, holder = {}, {}
+    for header in headers:
+        for key in header.stored:
+            if key in stored:
+                raise CheckpointError(
+                    f"{header.path}: tensor {key!r} is also in {holder[key].path}"
+                )
+            stored[key], holder[key] = header.stored[key], header
+    texts = {(h.metadata or {}).get(METADATA_KEY) for h in headers}
+    if len(headers) > 1 and len(texts) == 1 and None not in texts:  # save_pretrained's form
+        records, _ = decode_metadata(headers[0].metadata, stored, where)
+        return records, holder
+    records, entry_file, save_ids = {}, {}, {}
+    for header in headers:
+        found, save_ids[header.path.name] = decode_metadata(
+            header.metadata, header.stored, str(header.path)
+        )
+        for key, record in found.items():
+            if key in records:
+                raise CheckpointError(f"{header.path}: entry {key!r} is also in {entry_file[key]}")
+            records[key], entry_file[key] = record, header.path
+    if len(set(save_ids.values())) > 1:
+        raise CheckpointError(
+            f"{where}: the files come from different saves (save ids {save_ids}); the index "
+            f"and the shards are from different saves, save the model again"
+        )
+    return records, holder
+
+
 class Checkpoint:
     """The entries of a checkpoint, with every header checked; tensor data is read on demand."""
 
     def __init__(self, path: str | os.PathLike):
         files, weight_map = checkpoint_files(path)
         self.headers = {file: read_header(file) for file in files}
-        self.records: dict[str, Record] = {}
-        self.file_of: dict[str, FileHeader] = {}
-        save_ids = {}
-        for header in self.headers.values():
-            if weight_map is not None:
+        if weight_map is not None:
+            for header in self.headers.values():
                 check_index(weight_map, header)
-            records, save_ids[header.path.name] = decode_metadata(
-                header.metadata, header.stored, str(header.path)
-            )
-            for key, record in records.items():
-                if key in self.records:
-                    raise CheckpointError(
-                        f"{header.path}: entry {key!r} is also in {self.file_of[key].path}"
-                    )
-                self.records[key], self.file_of[key] = record, header
-        if len(set(save_ids.values())) > 1:
-            raise CheckpointError(
-                f"{path}: the files come from different saves (save ids {save_ids}); the index "
-                f"and the shards are from different saves, save the model again"
-            )
+        where = str(files[0].parent if len(files) > 1 else files[0])
+        self.records, self.holder = decode_headers(list(self.headers.values()), where)
         for key, record in self.records.items():
             target = self.records.get(record.alias_of) if record.alias_of else record
             if target is None or target.alias_of is not None:
                 raise CheckpointError(
-                    f"{self.file_of[key].path}: entry {key!r} is an alias of "
+                    f"{self.where(key)}: entry {key!r} is an alias of "
                     f"{record.alias_of!r}, which is not a stored entry of this checkpoint"
                 )
+
+    def where(self, key: str) -> pathlib.Path:
+        """The file that holds entry `key` (its first stored tensor's), for messages."""
+        stored = self.records[key].stored()
+        return self.holder[stored[0].key].path if stored else next(iter(self.headers))
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -229,11 +266,10 @@ class Checkpoint:
     def read(self, key: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """Entry `key`, whole, with its checksums verified."""
         record = self.record(key)
-        header = self.file_of[record.key]
         if record.tensor is not None:
-            return self._read_stored(header, record.tensor).to(device)
-        inner = {name: self._read_stored(header, s) for name, s in record.inner.items()}
-        check_qtensor(record.build(inner), f"{header.path}: {record.key}")  # before moving it
+            return self._read_stored(self.holder[record.tensor.key], record.tensor).to(device)
+        inner = {name: self._read_stored(self.holder[s.key], s) for name, s in record.inner.items()}
+        check_qtensor(record.build(inner), f"{self.where(record.key)}: {record.key}")  # before .to
         return record.build({n: t.to(device) for n, t in inner.items()}).repack_for_device()
 
     def read_shard(
@@ -247,10 +283,10 @@ class Checkpoint:
         from ..tp.styles import chunk_bounds, shard_cuts  # imports torch.distributed.tensor
 
         record = self.record(key)
-        header = self.file_of[record.key]
         size = record.outer_shape()[dim]
         start, end = chunk_bounds(size, world, rank)
         if record.tensor is not None:
+            header = self.holder[record.tensor.key]
             return self._read_slice(header, record.tensor, dim, start, end).to(device)
         meta = record.meta()
         logical = meta.logical_dim(dim)
@@ -262,6 +298,7 @@ class Checkpoint:
         for name, stored in record.inner.items():
             # Every inner tensor has the logical dims in order (a leading E for experts); one
             # index of it covers `p` of `logical`, or all of it (p None: read whole).
+            header = self.holder[stored.key]
             p = meta.inner_step(name, logical)
             if p is None:
                 tensor = self._read_stored(header, stored)
@@ -272,7 +309,7 @@ class Checkpoint:
         shape[logical] = last - first
         part = record.build(inner, shape=tuple(shape))
         what = ("experts", "rows", "columns")[logical - meta.lead + 1]
-        check_qtensor(part, f"{header.path}: {record.key} ({what} {first}..{last})")
+        check_qtensor(part, f"{self.where(record.key)}: {record.key} ({what} {first}..{last})")
         # Offsets of all the full weight's cuts, relative to this part: realign packs the part
         # exactly as it packs the whole weight for those cuts.
         part = part.realign(logical, [c - first for c in shard_cuts(size, world)])
