@@ -107,3 +107,14 @@ def test_nonfinite_activations_stay_nonfinite_under_w8a8():
     x[0, 3] = float("nan")
     out = torch.nn.functional.linear(x, tensor)
     assert out[0].isnan().all() and out[1].isfinite().all()
+
+
+def test_fp8_dequantization_of_non_contiguous_codes():
+    # Codes that are a transposed (dense, permuted) or sliced view: the same values as a cast.
+    codes = gaussian(256, 384, std=50.0).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 3) + 0.5
+    for q in (codes.t(), codes[:, 5:300]):
+        n, k = q.shape
+        expected = q.float() * fp8_blockwise.expand_block_scales(scale, (128, 128), (n, k))
+        dequantized = fp8_blockwise.dequantize_blockwise(q, scale, (128, 128), torch.float32)
+        assert torch.equal(dequantized, expected)

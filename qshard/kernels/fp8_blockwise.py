@@ -162,7 +162,7 @@ def dequantize_blockwise(
     values and by broadcasting where the blocks tile the weight (the same products)."""
     (n, k), (bn, bk) = qdata.shape, block_size
     values = e4m3_weight_values(qdata)
-    if torch.compiler.is_compiling() or n % bn or k % bk:
+    if torch.compiler.is_compiling() or n % bn or k % bk or not values.is_contiguous():
         return (values * expand_block_scales(scale, block_size, (n, k))).to(dtype)
     values.view(n // bn, bn, k // bk, bk).mul_(scale[:, None, :, None])
     return values.to(dtype)
