@@ -185,6 +185,7 @@ class QShardHfQuantizer(HfQuantizer):
                 f"save_pretrained or qshard.save"
             )
         records, where = read_records(checkpoint_files)
+        self.checkpoint_files = [str(f) for f in checkpoint_files]  # read_whole reads them
         params = dict(model.named_parameters())
         quantized = {k: r for k, r in records.items() if r.layout is not None}
         if not quantized:
@@ -220,6 +221,30 @@ class QShardHfQuantizer(HfQuantizer):
         # Tensors transformers ties (tie_word_embeddings) are stored once, as qshard aliases.
         self.aliases = {k: r.alias_of for k, r in records.items() if r.alias_of in quantized}
         _check_float_tensors(records, where)
+
+    def update_parallel_plan(self, model, plan):
+        """transformers' hook before it shards the model for a tp_plan / ep_plan (preprocess_model):
+        a QShardError, before any weight is read, for a style qshard does not apply to a
+        quantized weight (qshard/integrations/_transformers_ops.py, `check_parallel_plans`)."""
+        from ._transformers_ops import check_parallel_plans
+
+        super().update_parallel_plan(model, plan)
+        check_parallel_plans(self, model)
+
+    def read_whole(self, key: str) -> dict[str, torch.Tensor]:
+        """{inner name: tensor} of quantized parameter `key`, whole, from the checkpoint files:
+        for a parameter transformers shards, whose inner tensors it reads cut as if they were
+        the float weight (QShardDeserialize cuts the checked QTensor itself)."""
+        from safetensors import safe_open
+
+        if getattr(self, "file_of_stored", None) is None:
+            self.file_of_stored = {name: path for path in self.checkpoint_files
+                                   for name in read_header(pathlib.Path(path)).stored}  # fmt: skip
+        inner = {}
+        for name, stored in self.records[key].inner.items():
+            with safe_open(self.file_of_stored[stored.key], "pt") as f:
+                inner[name] = f.get_tensor(stored.key)
+        return inner
 
     @property
     def serialized_names(self) -> dict[str, list[str]]:
@@ -323,6 +348,8 @@ class QShardHfQuantizer(HfQuantizer):
         model.config.quantization_config = self.quantization_config
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        from ..api import _is_dtensor
+
         if self.failures:  # kept by QShardDeserialize / QShardQuantize: the first, typed
             raise self.failures[0]
         if not self.pre_quantized:
@@ -330,7 +357,9 @@ class QShardHfQuantizer(HfQuantizer):
             return model
         params = dict(model.named_parameters(remove_duplicate=False))
         expected = list(self.records) + [k for k in getattr(self, "aliases", {}) if k in params]
-        left = [k for k in expected if not isinstance(params.get(k), QTensor)]
+        # under a tp_plan, a sharded weight is a DTensor of this rank's QTensor
+        local = {k: p.to_local() if _is_dtensor(p) else p for k, p in params.items()}
+        left = [k for k in expected if not isinstance(local.get(k), QTensor)]
         if left:
             raise CheckpointError(
                 f"from_pretrained of a qshard checkpoint: {left[:5]} ({len(left)} in all) were "
