@@ -488,8 +488,14 @@ def attach_to_transformers(model: nn.Module) -> None:
     format (integrations/transformers.py)."""
     hf = sys.modules.get("transformers.modeling_utils")
     if hf is not None and isinstance(model, hf.PreTrainedModel):
-        from .integrations.transformers import attach
+        try:
+            from .integrations.transformers import attach
+        except ImportError as e:  # an unsupported transformers: the model is quantized anyway
+            import warnings
 
+            warnings.warn(f"qshard: save_pretrained will not write this model ({e})",
+                          stacklevel=3)  # fmt: skip
+            return
         attach(model)
 
 

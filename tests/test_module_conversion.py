@@ -70,8 +70,8 @@ _OWN_USES = {
     "x @ w.mT": lambda x, w: x @ w.mT,
     "x @ w.transpose(0, 1)": lambda x, w: x @ w.transpose(0, 1),
     "torch.matmul(x, w.swapaxes(0, 1))": lambda x, w: torch.matmul(x, w.swapaxes(0, 1)),
-    "a view kept by the user": lambda x, w: w.T,
-}
+    "a view kept by the user": lambda x, w: w.T,  # under grad mode; under no_grad it keeps
+}  # the Parameter alive and torch cannot swap it (docs/transformers.md)
 
 
 @pytest.mark.parametrize("use", sorted(_OWN_USES))

@@ -366,6 +366,76 @@ def test_quantizing_moe_experts_while_loading(tmp_path, monkeypatch, name):
     assert torch.equal(loaded(ids).logits, expected(ids).logits)
 
 
+def test_quantizing_while_loading_refuses_a_checkpoint_of_another_shape(tmp_path):
+    # transformers skips its own shape check for parameters a quantizer quantizes on load.
+    tiny_llama().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shapes = r"(\[96, 64\] in the checkpoint and \[128, 64\]|\[64, 96\] .* \[64, 128\])"
+    with pytest.raises(qshard.CheckpointError, match=shapes + " in the model"):
+        AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=QShardConfig(config=LAYOUTS["int4"])
+        )
+
+
+def test_quantizing_while_loading_a_converter_that_splits_one_tensor_into_several(tmp_path):
+    # HRM-Text stores a fused gqkv / gate_up projection that transformers' converter chunks into
+    # several parameters: one conversion call hands the quantizer all of them.
+    from transformers import HrmTextConfig
+
+    config = HrmTextConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=1, num_attention_heads=2, head_dim=32, H_cycles=1,
+                           L_cycles=1, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    int4 = LAYOUTS["int4"]
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path)
+    report = qshard.quantize_(expected, int4)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=QShardConfig(config=int4)
+    )
+    assert assert_same_weights(expected, loaded) == len(report.quantized) > 0
+
+
+def test_quantizing_while_loading_leaves_tied_weights_to_quantize_(tmp_path):
+    # A tied model whose checkpoint holds both keys (as converted checkpoints do): the head,
+    # asked for, stays float and tied, as quantize_ leaves it, and a warning says why.
+    from safetensors.torch import load_file
+
+    model = tiny_llama()
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = QShardConfig(config=LAYOUTS["int4"], include=["lm_head", "*.q_proj"], keep_float=[])
+    with pytest.warns(UserWarning, match=r"stayed float: lm_head: its weight is tied"):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert not isinstance(loaded.lm_head.weight, qshard.QTensor)
+    assert isinstance(loaded.model.layers[1].self_attn.q_proj.weight, qshard.Int4Tensor)
+
+
+def test_quantizing_while_loading_names_the_weight_it_cannot_quantize(tmp_path):
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("inf")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(qshard.QShardError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=QShardConfig(config=LAYOUTS["fp8_block"])
+        )
+
+
+def test_qshard_config_patterns_are_checked_and_a_string_is_one_pattern():
+    config = QShardConfig(config=LAYOUTS["int4"], keep_float="lm_head")
+    assert config.keep_float == ["lm_head"]
+    with pytest.raises(qshard.ConfigError, match=r"include=5; pass a fnmatch pattern"):
+        QShardConfig(config=LAYOUTS["int4"], include=5)
+
+
 def test_quantizing_while_loading_selects_as_quantize_does(tmp_path):
     tiny_llama().save_pretrained(tmp_path)
     with pytest.raises(qshard.ConfigError, match=r"'layers\.\*' matches no weight.*'\*layers"):
@@ -378,7 +448,8 @@ def test_quantizing_while_loading_selects_as_quantize_does(tmp_path):
     model.config.tie_word_embeddings = True
     model.tie_weights()
     model.save_pretrained(tmp_path / "tied")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tied", quantization_config=config)
+    with pytest.warns(UserWarning, match=r"1 selected weights stayed float: lm_head: its weight"):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tied", quantization_config=config)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert not isinstance(loaded.lm_head.weight, qshard.QTensor)
     quantized = [n for n, p in loaded.named_parameters() if isinstance(p, qshard.QTensor)]
@@ -403,6 +474,18 @@ def test_an_older_transformers_is_not_registered_with(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "4.57.1")
     with pytest.raises(ImportError, match=r"4\.57\.1 is older than 5\.17.*upgrade transformers"):
         integration.register()
+
+
+def test_quantize_with_an_older_transformers_quantizes_and_warns(monkeypatch):
+    # The integration module cannot load; quantize_ still quantizes and says what it cannot do.
+    import transformers
+
+    model = tiny_llama()
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    monkeypatch.delitem(sys.modules, "qshard.integrations.transformers")
+    with pytest.warns(UserWarning, match=r"save_pretrained will not write this model"):
+        qshard.quantize_(model, LAYOUTS["int4"])
+    assert isinstance(model.model.layers[0].mlp.up_proj.weight, qshard.Int4Tensor)
 
 
 def test_registered_with_transformers_api():

@@ -276,6 +276,15 @@ class QShardDeserialize(ConversionOps):
             if not is_dtensor(target):
                 weight = quantizer.build(full_layer_name, inner, target.dtype)
                 return {full_layer_name: nn.Parameter(weight, requires_grad=False)}
+            if not hasattr(quantizer, "parallel_styles"):  # no update_parallel_plan call
+                import transformers
+
+                raise QShardError(
+                    f"from_pretrained with a tp_plan: {full_layer_name!r} is sharded by "
+                    f"transformers {transformers.__version__}, which did not show qshard its "
+                    f"plan before loading (HfQuantizer.update_parallel_plan), so qshard cannot "
+                    f"check the style; upgrade transformers, or {_INSTEAD}"
+                )
             # transformers read each inner tensor cut as if it were the weight: read them whole
             device = next(iter(inner.values())).device
             whole = quantizer.build(full_layer_name, quantizer.read_whole(full_layer_name),
@@ -310,18 +319,30 @@ class QShardQuantize(ConversionOps):
         return type(self)(self.hf_quantizer)  # one quantizer for every parameter (see above)
 
     def convert(self, input_dict, full_layer_name=None, model=None, **kwargs):
+        """{parameter name: tensor} for every parameter transformers' converter made from the
+        checkpoint (a split fused qkv gives several): the selected ones quantized, the others
+        passed through."""
         quantizer = self.hf_quantizer
+        out = {}
         try:
-            (value,) = input_dict.values()
-            value = value[0] if isinstance(value, list) else value
-            target = model.get_parameter(full_layer_name)  # on meta: the model's dtype
-            if is_dtensor(target):
-                raise QShardError(_quantize_while_sharding(full_layer_name))
-            weight = quantizer.quantize(full_layer_name, value, target.dtype)
+            for key, value in input_dict.items():
+                if isinstance(value, list):
+                    if len(value) != 1:
+                        raise quantizer_error(key, key, len(value))
+                    value = value[0]
+                if key not in quantizer.selected:
+                    out[key] = value
+                    continue
+                target = model.get_parameter(key)  # on meta: the model's dtype and shape
+                if is_dtensor(target):
+                    raise QShardError(_quantize_while_sharding(key))
+                weight = quantizer.quantize(key, value, target)
+                frozen = isinstance(weight, QTensor)  # a float fallback stays trainable
+                out[key] = nn.Parameter(weight, requires_grad=not frozen)
         except Exception as e:
             quantizer.failures.append(e)  # raised, typed, once loading ends (see above)
             return {}
-        return {full_layer_name: nn.Parameter(weight, requires_grad=False)}
+        return out
 
 
 def quantizer_error(key: str, pattern: str, count: int):

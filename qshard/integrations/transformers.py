@@ -108,11 +108,19 @@ class QShardConfig(QuantizationConfigMixin):
         self.config_groups = groups
         self.config = config
         self.include, self.exclude = include, exclude
-        if keep_float is None:
-            from ..api import KEEP_FLOAT
+        from ..api import KEEP_FLOAT
 
-            keep_float = list(KEEP_FLOAT)
-        self.keep_float = list(keep_float)
+        for field, value in (("include", include), ("exclude", exclude), ("keep_float",
+                                                                          keep_float)):  # fmt: skip
+            patterns = [value] if isinstance(value, str) else value
+            if value is not None and not (isinstance(patterns, list | tuple) and
+                                          all(isinstance(p, str) for p in patterns)):  # fmt: skip
+                raise ConfigError(
+                    f"QShardConfig: {field}={value!r}; pass a fnmatch pattern or a list of them, "
+                    f"e.g. ['*.mlp.*']"
+                )
+        self.keep_float = list(KEEP_FLOAT) if keep_float is None else (
+            [keep_float] if isinstance(keep_float, str) else list(keep_float))  # fmt: skip
 
     @classmethod
     def of_model(cls, model: nn.Module) -> QShardConfig:
@@ -295,19 +303,26 @@ class QShardHfQuantizer(HfQuantizer):
 
     def _select_for_quantization(self, model) -> None:
         """{parameter name: its Target} of the weights quantize_ would quantize, by the same
-        rule (include / exclude / keep_float; a pattern matching nothing raises ConfigError)."""
+        rule (include / exclude / keep_float; a pattern matching nothing raises ConfigError).
+        Tied parameters are left to `_finish_quantization`: quantize_ decides for them once
+        transformers has tied them (it refuses a weight tied to one it does not quantize)."""
         from ..api import _skip_reason, check_patterns, handler_for, quantization_targets
 
         qc = self.quantization_config
         self.handler = handler_for(qc.config, "from_pretrained")
+        self.skipped: dict[str, str] = {}  # weight name -> why it stayed float
         targets = quantization_targets(model)
         check_patterns([t.name for t in targets], qc.include, qc.exclude, "from_pretrained")
-        module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-        self.selected = {}
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        tied = set(tied) | set(tied.values())
+        self.selected, self.tied = {}, {}
         for target in targets:
-            if _skip_reason(target, qc.include, qc.exclude, None, qc.keep_float) is None:
-                prefix = module_names[id(target.module)]
-                self.selected[f"{prefix}.{target.param}".lstrip(".")] = target
+            if _skip_reason(target, qc.include, qc.exclude, None, qc.keep_float) is not None:
+                continue
+            # A Linear's weight is "<module>.weight"; an experts target is named by its param.
+            linear = isinstance(target.module, nn.Linear)
+            key = f"{target.name}.{target.param}".lstrip(".") if linear else target.name
+            (self.tied if key in tied else self.selected)[key] = target
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         return not self.pre_quantized and param_name in getattr(self, "selected", {})
@@ -317,32 +332,51 @@ class QShardHfQuantizer(HfQuantizer):
 
         return QShardQuantize(self)
 
-    def quantize(self, key: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The checkpoint's float tensor of parameter `key`, as `dtype` (the model's), quantized
-        as quantize_ quantizes it; the float tensor itself when the layout cannot take this
-        weight (UnsupportedWeightError: quantize_ reports it skipped too)."""
+    def quantize(self, key: str, value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's float tensor of parameter `key`, as the model's dtype (`target` is
+        its meta parameter), quantized as quantize_ quantizes it; the float tensor itself when
+        the layout cannot take this weight (UnsupportedWeightError: kept in `skipped`, warned
+        about once loading ends, as quantize_ reports it)."""
         from ..api import quantize_tensor
         from ..errors import UnsupportedWeightError
 
-        target = self.selected[key]
-        weight = value.to(dtype)
+        if tuple(value.shape) != tuple(target.shape):  # transformers skips its own check here
+            raise CheckpointError(
+                f"from_pretrained: {key!r} is {list(value.shape)} in the checkpoint and "
+                f"{list(target.shape)} in the model; config.json does not describe this "
+                f"checkpoint"
+            )
+        selected = self.selected[key]
+        weight = value.to(target.dtype)
         try:
             return quantize_tensor(self.handler, weight, self.quantization_config.config,
-                                   target.transposed)  # fmt: skip
-        except UnsupportedWeightError:
+                                   selected.transposed)  # fmt: skip
+        except UnsupportedWeightError as e:
+            self.skipped[selected.name] = str(e)
             return weight
+        except QShardError as e:
+            raise type(e)(f"from_pretrained: quantizing {key!r}: {e}") from e
 
     def _finish_quantization(self, model) -> None:
-        """Quantize what loading left in float (a weight tied to another, or one the checkpoint
-        lacks and transformers initialized) with quantize_ itself, then describe the model as
-        a qshard checkpoint, so save_pretrained writes one."""
+        """Quantize what loading left in float (tied weights, or one the checkpoint lacks and
+        transformers initialized) with quantize_ itself, say which weights stayed float and
+        why, then describe the model as a qshard checkpoint, so save_pretrained writes one."""
+        import warnings
+
         from ..api import quantize_
 
         qc = self.quantization_config
-        names = {t.name for k, t in self.selected.items() if
-                 not isinstance(model.get_parameter(k), QTensor)}  # fmt: skip
+        left = {**self.selected, **self.tied}
+        names = {t.name for k, t in left.items() if not isinstance(model.get_parameter(k),
+                                                                     QTensor)}  # fmt: skip
+        names -= set(self.skipped)
         if names:
-            quantize_(model, qc.config, include=sorted(names), keep_float=qc.keep_float)
+            report = quantize_(model, qc.config, include=sorted(names), keep_float=qc.keep_float)
+            self.skipped.update({s.name: s.reason for s in report.skipped if s.name in names})
+        if self.skipped:
+            lines = "; ".join(f"{name}: {why}" for name, why in sorted(self.skipped.items()))
+            warnings.warn(f"from_pretrained with a QShardConfig: {len(self.skipped)} selected "
+                          f"weights stayed float: {lines}", stacklevel=2)  # fmt: skip
         self.pre_quantized = True
         self.quantization_config = QShardConfig.of_model(model)
         model.config.quantization_config = self.quantization_config

@@ -201,7 +201,8 @@ def decode_headers(
         for key in header.stored:
             if key in stored:
                 raise CheckpointError(
-                    f"{header.path}: tensor {key!r} is also in {holder[key].path}"
+                    f"{header.path}: tensor {key!r} is also in {holder[key].path}; the files "
+                    f"come from different saves, save the model again"
                 )
             stored[key], holder[key] = header.stored[key], header
     texts = {(h.metadata or {}).get(METADATA_KEY) for h in headers}
@@ -209,13 +210,25 @@ def decode_headers(
         records, _ = decode_metadata(headers[0].metadata, stored, where)
         return records, holder
     records, entry_file, save_ids = {}, {}, {}
+    mixed = len(texts - {None}) > 1  # several files, unlike headers
     for header in headers:
-        found, save_ids[header.path.name] = decode_metadata(
-            header.metadata, header.stored, str(header.path)
-        )
+        try:
+            found, save_ids[header.path.name] = decode_metadata(
+                header.metadata, header.stored, str(header.path)
+            )
+        except CheckpointError as e:
+            if not mixed:
+                raise
+            raise CheckpointError(
+                f"{e}. The files' qshard headers differ: files of different saves, or an index "
+                f"that lists files of another save; save the model again"
+            ) from None
         for key, record in found.items():
             if key in records:
-                raise CheckpointError(f"{header.path}: entry {key!r} is also in {entry_file[key]}")
+                raise CheckpointError(
+                    f"{header.path}: entry {key!r} is also in {entry_file[key]}; the files come "
+                    f"from different saves, save the model again"
+                )
             records[key], entry_file[key] = record, header.path
     if len(set(save_ids.values())) > 1:
         raise CheckpointError(

@@ -82,6 +82,7 @@ class Format(enum.IntEnum):
 
 
 _INT4_ASYM: tl.constexpr = tl.constexpr(int(Format.INT4_ASYM))
+_INT4_SYM: tl.constexpr = tl.constexpr(int(Format.INT4_SYM))
 _INT4_FZERO: tl.constexpr = tl.constexpr(int(Format.INT4_FZERO))
 _MXFP4: tl.constexpr = tl.constexpr(int(Format.MXFP4))
 _NVFP4: tl.constexpr = tl.constexpr(int(Format.NVFP4))
@@ -390,65 +391,165 @@ def _halves_to_fp32(pair):
 
 
 @triton.jit
+def _int4_exact(words, J: tl.constexpr):
+    """Nibble J of every word as the exact float u - 8, u the code: the nibble and-ed in place
+    under an exponent that makes its lowest bit worth 1 (the float 2**(23 - p) + u, p its bit
+    position), then 2**(23 - p) + 8 subtracted. Nibbles 5..7 (bits 20..31 reach fp32's
+    exponent) are taken from the word shifted right by 12 (one shift per word). One and-or
+    with both constants (a single LOP3, by PTX: Triton's own `&` then `|` compiles to two) and
+    one subtraction, where `_int4_nibble` (1 + u/16) takes a shift and two LOP3s."""
+    if J >= 5:
+        src = words >> 12
+        POS: tl.constexpr = 4 * J - 12
+    else:
+        src = words
+        POS: tl.constexpr = 4 * J
+    MAGIC: tl.constexpr = (150 - POS) << 23  # the exponent of 2**(23 - POS)
+    MASK: tl.constexpr = 15 << POS
+    if _INTERPRETED:
+        bits = (src & MASK) | MAGIC
+    else:
+        bits = tl.inline_asm_elementwise(f"lop3.b32 $0, $1, {MASK}, {MAGIC}, 0xEA;", "=r,r",
+                                         [src], dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+    magic = tl.full((), MAGIC, tl.int32).to(tl.float32, bitcast=True)
+    return bits.to(tl.float32, bitcast=True) - (magic + 8.0)
+
+
+@triton.jit
+def _x_planes(x_ptr, word):
+    """The activations of the words `word` [W] as eight fp32 planes [W] (plane j: x[8w + j]).
+    16-bit activations are loaded as 32-bit pairs (4 loads per word, not 8; x 4-byte aligned,
+    which the launcher ensures) and widened in registers: bf16 by a shift or a mask, fp16 by
+    `_halves_to_fp32`."""
+    if x_ptr.dtype.element_ty == tl.float32:
+        xp = x_ptr + word * 8
+        return (tl.load(xp), tl.load(xp + 1), tl.load(xp + 2), tl.load(xp + 3),
+                tl.load(xp + 4), tl.load(xp + 5), tl.load(xp + 6), tl.load(xp + 7))  # fmt: skip
+    xp = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + word * 4
+    p01 = tl.load(xp)
+    p23 = tl.load(xp + 1)
+    p45 = tl.load(xp + 2)
+    p67 = tl.load(xp + 3)
+    if x_ptr.dtype.element_ty == tl.bfloat16:  # a bf16 is the top half of its fp32
+        return ((p01 << 16).to(tl.float32, bitcast=True),
+                (p01 & -65536).to(tl.float32, bitcast=True),
+                (p23 << 16).to(tl.float32, bitcast=True),
+                (p23 & -65536).to(tl.float32, bitcast=True),
+                (p45 << 16).to(tl.float32, bitcast=True),
+                (p45 & -65536).to(tl.float32, bitcast=True),
+                (p67 << 16).to(tl.float32, bitcast=True),
+                (p67 & -65536).to(tl.float32, bitcast=True))  # fmt: skip
+    x0, x1 = _halves_to_fp32(p01)
+    x2, x3 = _halves_to_fp32(p23)
+    x4, x5 = _halves_to_fp32(p45)
+    x6, x7 = _halves_to_fp32(p67)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _gemv_words_step(acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, stride_sn,
+                     FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+    """acc [rows, G] + this step's share of each (row, group): the step's words [rows, BLOCK_W]
+    from word w0, their activations and their groups' scales. int4: s * (sum (u - 8) x
+    - (z - 8) sum x) (a float zero point: s * sum (u - 8) x + zero * sum x; symmetric: no
+    sum x); e2m1: s * sum v x, v the value * 2**-14 (`_word_pair`)."""
+    ROWS: tl.constexpr = words.shape[0]
+    WG: tl.constexpr = GROUP // 8 if GROUP // 8 < BLOCK_W else BLOCK_W  # words per group
+    G: tl.constexpr = BLOCK_W // WG
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, w0 + tl.arange(0, BLOCK_W))
+    group = (w0 + tl.arange(0, G) * WG) // (GROUP // 8)
+    scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
+                               n_ok[:, None], FORMAT)  # fmt: skip
+    if FORMAT >= _MXFP4:
+        low, high = _halves_to_fp32(_word_pair(words, 0))
+        p = low * x0[None, :]
+        p += high * x4[None, :]  # one FFMA per product (a sum of two products is three ops)
+        low, high = _halves_to_fp32(_word_pair(words, 1))
+        p += low * x1[None, :]
+        p += high * x5[None, :]
+        low, high = _halves_to_fp32(_word_pair(words, 2))
+        p += low * x2[None, :]
+        p += high * x6[None, :]
+        low, high = _halves_to_fp32(_word_pair(words, 3))
+        p += low * x3[None, :]
+        p += high * x7[None, :]
+        return acc + tl.sum(tl.reshape(p, (ROWS, G, WG)), axis=2) * scale
+    p = _int4_exact(words, 0) * x0[None, :]
+    p += _int4_exact(words, 1) * x1[None, :]
+    p += _int4_exact(words, 2) * x2[None, :]
+    p += _int4_exact(words, 3) * x3[None, :]
+    p += _int4_exact(words, 4) * x4[None, :]
+    p += _int4_exact(words, 5) * x5[None, :]
+    p += _int4_exact(words, 6) * x6[None, :]
+    p += _int4_exact(words, 7) * x7[None, :]
+    group_sum = tl.sum(tl.reshape(p, (ROWS, G, WG)), axis=2)
+    if FORMAT == _INT4_SYM:
+        return acc + group_sum * scale
+    x_word = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    x_sum = tl.sum(tl.reshape(x_word, (G, WG)), axis=1)[None, :]
+    if FORMAT == _INT4_FZERO:
+        return acc + group_sum * scale + zero * x_sum
+    return acc + (group_sum - (zero - 8.0) * x_sum) * scale
+
+
+@triton.jit
 def _gemv_words_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr,
-    M, N, KW, stride_xm, stride_qw, stride_sn, stride_om,
-    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, partials_ptr, arrived_ptr,
+    M, N, KW, steps_per_split, stride_xm, stride_qw, stride_sn, stride_om,
+    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr, EVICT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     """The GEMV on 32-bit words (8 codes each; K a multiple of 8 * BLOCK_W): the codes are
     never split into bytes or put back in K order. Nibble j of every word in the tile is decoded
-    in place and multiplies the activations x[8w + j], loaded as 8 strided vectors per step and
-    shared by the tile's rows; the group sums then take the scales as in `_gemv_kernel`.
-    int4: nibble j becomes 1 + u/16 with one shift and one and-or (`_decode`'s value).
-    e2m1: nibbles j and j + 4 become the fp16 halves of one value with two shifts and two masks
-    (`_word_pair`), each half read as fp32 by one conversion. About 3 (int4) and 4 (e2m1)
-    instructions per weight, against `_decode`'s byte unpacking and K-order interleave
-    (docs/kernels/w4a16.md)."""
+    in place and multiplies the activations x[8w + j] (`_x_planes`, shared by the tile's rows);
+    each (row, group) keeps its own scaled sum across the steps, summed over the groups once at
+    the end. int4 (`_int4_exact`): one LOP3 and one subtraction per code, the exact u - 8;
+    e2m1 (`_word_pair`): nibbles j and j + 4 placed as the fp16 halves of one register by two
+    shifts and two masks, each half read as fp32 by one conversion.
+    Grid (row bands x tokens, splits of K): with SPLIT, each program takes steps_per_split steps
+    and the last of a band's splits to finish sums their partial sums (`finish_tile`), so that
+    a layer with few rows (o, down) still fills the GPU. The codes are loaded PREFETCH (1 or 2)
+    steps ahead of their use; EVICT loads them evict-first (each is read once)."""
     pid = tl.program_id(0)
-    m = pid % M
+    m = pid % M  # the programs of one weight band run together and share it through L2
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     WG: tl.constexpr = GROUP // 8 if GROUP // 8 < BLOCK_W else BLOCK_W  # words per group
     G: tl.constexpr = BLOCK_W // WG  # groups per step
-    word = tl.arange(0, BLOCK_W)
+    POLICY: tl.constexpr = "evict_first" if EVICT else ""
+    first_step = tl.program_id(1) * steps_per_split
+    w_end = tl.minimum(first_step + steps_per_split, KW // BLOCK_W) * BLOCK_W
     x_ptr += m * stride_xm
-    q_ptrs = q_ptr + offs_n[:, None] * stride_qw + word[None, :]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    group_acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    words = tl.load(q_ptrs, mask=n_ok[:, None], other=0)
-    for w0 in range(0, KW, BLOCK_W):
-        next_ok = offs_n < N * (w0 + BLOCK_W < KW)  # (no rows at all past K)
-        next_words = tl.load(q_ptrs + w0 + BLOCK_W, mask=next_ok[:, None], other=0)
-        group = (w0 + tl.arange(0, G) * WG) // (GROUP // 8)
-        scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
-                                   n_ok[:, None], FORMAT)  # fmt: skip
-        partial = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-        x_ptrs = x_ptr + (w0 + word) * 8
-        if FORMAT >= _MXFP4:
-            for j in tl.static_range(4):
-                low, high = _halves_to_fp32(_word_pair(words, j))
-                x_low = tl.load(x_ptrs + j).to(tl.float32)
-                x_high = tl.load(x_ptrs + j + 4).to(tl.float32)
-                partial += low * x_low[None, :]
-                partial += high * x_high[None, :]
-            # The groups' scaled sums summed across the row once, after the loop.
-            group_acc += tl.sum(tl.reshape(partial, (BLOCK_N, G, WG)), axis=2) * scale
+    q_ptrs = q_ptr + offs_n[:, None] * stride_qw + tl.arange(0, BLOCK_W)[None, :]
+    acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    w0 = first_step * BLOCK_W
+    # (`N * (w < w_end)` rows: nothing is loaded past this program's last step)
+    words = tl.load(q_ptrs + w0, mask=(offs_n < N * (w0 < w_end))[:, None], other=0,
+                    eviction_policy=POLICY)  # fmt: skip
+    if PREFETCH == 2:
+        w1 = w0 + BLOCK_W
+        words1 = tl.load(q_ptrs + w1, mask=(offs_n < N * (w1 < w_end))[:, None], other=0,
+                         eviction_policy=POLICY)  # fmt: skip
+    for w0 in range(first_step * BLOCK_W, w_end, BLOCK_W):
+        if PREFETCH == 2:
+            w2 = w0 + 2 * BLOCK_W
+            words2 = tl.load(q_ptrs + w2, mask=(offs_n < N * (w2 < w_end))[:, None], other=0,
+                             eviction_policy=POLICY)  # fmt: skip
         else:
-            x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
-            for j in tl.static_range(8):
-                xj = tl.load(x_ptrs + j).to(tl.float32)
-                partial += _int4_nibble(words, j) * xj[None, :]
-                x_sum += xj
-            group_sum = tl.sum(tl.reshape(partial, (BLOCK_N, G, WG)), axis=2)
-            group_x = tl.sum(tl.reshape(x_sum, (G, WG)), axis=1)[None, :]
-            acc += tl.sum(_group_terms(group_sum, group_x, scale, zero, FORMAT), axis=1)
-        words = next_words
+            w1 = w0 + BLOCK_W
+            words1 = tl.load(q_ptrs + w1, mask=(offs_n < N * (w1 < w_end))[:, None], other=0,
+                             eviction_policy=POLICY)  # fmt: skip
+        acc = _gemv_words_step(acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, stride_sn,
+                               FORMAT, GROUP, BLOCK_W)  # fmt: skip
+        words = words1
+        if PREFETCH == 2:
+            words1 = words2
+    total = tl.sum(acc, axis=1)
     if FORMAT >= _MXFP4:  # the decoded e2m1 values are value * 2**-14
-        acc = tl.sum(group_acc, axis=1) * (_global_scale(g_ptr, FORMAT) * 16384.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        total = total * (_global_scale(g_ptr, FORMAT) * 16384.0)
+    offs_m = m + tl.arange(0, 1)
+    finish_tile(total[:, None], partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m,
+                n_ok, offs_m < M, M, N, stride_om, HAS_BIAS, SPLIT)  # fmt: skip
 
 
 @triton.jit
@@ -633,6 +734,33 @@ def dequantize_launch(fmt: Format, qdata, scale, zero, global_scale, group: int,
     return w
 
 
+def _gemv_words_launch(config: dict, x, qdata, args, out, common) -> torch.Tensor:
+    """The word GEMV (`_gemv_words_kernel`) with `config` (BLOCK_N, BLOCK_W, num_warps and
+    optionally SPLIT_K, PREFETCH, EVICT); `args` as `linear_launch` passes them."""
+    m, k = x.shape
+    n = qdata.shape[0]
+    config = {"SPLIT_K": 1, "PREFETCH": 1, "EVICT": 0,
+              **{key: v for key, v in config.items() if key != "KERNEL"}}  # fmt: skip
+    assert k % (8 * config["BLOCK_W"]) == 0, "the word GEMV needs K a multiple of its step"
+    if config["PREFETCH"] not in (1, 2):
+        raise ValueError(f"word GEMV config PREFETCH={config['PREFETCH']!r}: the codes are "
+                         "loaded 1 or 2 steps ahead; give 1 or 2 (or leave it out for 1)")
+    if x.dtype != torch.float32 and x.data_ptr() % 4:
+        x = x.clone()  # 16-bit activations are read as 32-bit pairs (`_x_planes`)
+    words = qdata.view(torch.int32)  # 8 codes per word, element 8w + j at bits 4j
+    steps = words.shape[1] // config["BLOCK_W"]
+    steps_per_split = triton.cdiv(steps, min(config.pop("SPLIT_K"), max(steps, 1)))
+    split = triton.cdiv(steps, steps_per_split) if steps else 1
+    grid = (triton.cdiv(n, config["BLOCK_N"]) * m, split)
+    partials, arrived = workspace(m, n, split, grid[0], x.device) if split > 1 else (out, out)
+    _gemv_words_kernel[grid](
+        x, words, *args[2:], partials, arrived, m, n, words.shape[1], steps_per_split,
+        x.stride(0), words.stride(0), args[2].stride(0), out.stride(0), SPLIT=split > 1,
+        **common, **config,
+    )  # fmt: skip
+    return out
+
+
 def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group: int,
                   config: dict | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] -> x @ W.T + bias [M, N] in x's dtype, by the kernel `kernel_for` picks.
@@ -657,15 +785,7 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     zero = zero if zero.numel() else qdata  # an empty tensor may have no address to pass
     args = (x, qdata, _scale_arg(scale), zero, global_scale, bias if bias is not None else out, out)
     if kernel == "gemv_words":
-        config = {k: v for k, v in config.items() if k != "KERNEL"}
-        assert k % (8 * config["BLOCK_W"]) == 0, "the word GEMV needs K a multiple of its step"
-        words = qdata.view(torch.int32)  # 8 codes per word, element 8w + j at bits 4j
-        grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
-        _gemv_words_kernel[grid](
-            x, words, args[2], zero, global_scale, args[5], out, m, n, words.shape[1],
-            x.stride(0), words.stride(0), scale.stride(0), out.stride(0), **common, **config,
-        )  # fmt: skip
-        return out
+        return _gemv_words_launch(config, x, qdata, args, out, common)
     if kernel == "gemv":
         config = dict(config)
         grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)

@@ -126,9 +126,10 @@ def weight_only_backend(weight: QTensor, x: torch.Tensor) -> Backend:
     """The backend of a 4-bit weight-only matmul (int4, MXFP4, NVFP4) for input x.
 
     `auto`: the Triton kernels (`kernels/w4a16_triton.py`) on a CUDA GPU where they can run
-    (sm_80+), the reference path elsewhere (CPU: the reference is the CPU path, never the
-    interpreter). `reference`: always the reference. `triton`: the kernels, or
-    BackendUnavailableError naming why they cannot run here."""
+    (sm_80+), else REFERENCE, which the layouts' `_linear` runs as dequantize + BLAS (never the
+    interpreter) unless the weight's backend is `reference` itself. `reference`: always the
+    float64 reference. `triton`: the kernels, or BackendUnavailableError naming why they cannot
+    run here."""
     backend = weight.backend
     if backend is Backend.REFERENCE:
         return Backend.REFERENCE

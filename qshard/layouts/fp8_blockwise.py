@@ -10,7 +10,7 @@ Attributes:
     act_group_size  activations are quantized per token per this many channels; divides bk
     weight_only     True: activations stay in their float dtype (W8A16)
     scale_format    ScaleFormat.FP32, or UE8M0 (scales rounded up to powers of two)
-    backend         AUTO (GPU kernels where they run, else the reference), REFERENCE, TRITON
+    backend         AUTO (GPU kernels where they run, else dequantize + BLAS), REFERENCE, TRITON
                     or CUBLAS (forced; BackendUnavailableError where they cannot run)
 
 Packing for the shape ops: qdata (1, 1), scale (bn, bk). A slice whose offsets are not multiples

@@ -168,7 +168,8 @@ class Fp8RowwiseTensor(QTensor):
         return not self.weight_only  # one scale per token over all of K
 
     def select_backend(self, x: torch.Tensor) -> Backend:
-        """`auto`: cuBLAS where it can run (W8A8, see `_unavailable_reason`), else the reference.
+        """`auto`: cuBLAS where it can run (W8A8, see `_unavailable_reason`), else REFERENCE, which
+        `_linear` runs as dequantize + BLAS unless the weight's backend is `reference` itself.
         A forced `cublas` that cannot run raises BackendUnavailableError."""
         if self.backend is Backend.REFERENCE:
             return Backend.REFERENCE

@@ -12,7 +12,7 @@ Attributes:
     symmetric   False: W = (u - zero) * scale, u in 0..15; True: scale only
     zero_point_domain  INT (above) or FLOAT: W = (u - 8) * scale + zero, zero a float (torchao's
                 Int4Tensor, HQQ, tinygemm's own convention); asymmetric only
-    backend     AUTO (the Triton kernels on a CUDA GPU, the reference elsewhere), REFERENCE,
+    backend     AUTO (the Triton kernels on a CUDA GPU, dequantize + BLAS elsewhere), REFERENCE,
                 TRITON (forced; BackendUnavailableError where it cannot run), TINYGEMM (torch's
                 int4 kernels, CPU and CUDA) or GEMLITE (CUDA, gemlite installed)
 Device form (TINYGEMM, GEMLITE; see qtensor/base.py): the kernel's own arrangement, made from the

@@ -176,6 +176,63 @@ def test_the_word_gemv_matches_the_reference(name, group, n, k, block_w, m):
     check(weight.launch(x, bias, config), weight.reference(x, bias), ACT_DTYPE)
 
 
+# The word GEMV's options (docs/kernels/w4a16.md, v9): K split over programs (the last split of
+# a row band sums the partial sums), uneven splits, the codes loaded two steps ahead and
+# evict-first, every int4 group size and the re-grouped 16 of a TP cut, odd N, two tokens, and
+# fp32 activations (the int4 codes decoded to the exact u - 8: an fp32 product sum).
+WORD_GEMV_OPTIONS = [
+    ("int4-asym", 32, 40, 1024, dict(BLOCK_N=16, BLOCK_W=16, SPLIT_K=3, PREFETCH=2), 1),
+    ("int4-asym", 64, 33, 768, dict(BLOCK_N=32, BLOCK_W=32, SPLIT_K=2), 2),
+    ("int4-sym", 128, 24, 2048, dict(BLOCK_N=16, BLOCK_W=64, SPLIT_K=4, PREFETCH=2, EVICT=1), 1),
+    ("int4-fzero", 256, 48, 1536, dict(BLOCK_N=8, BLOCK_W=32, SPLIT_K=5), 1),
+    ("int4-asym", 16, 17, 512, dict(BLOCK_N=16, BLOCK_W=16, PREFETCH=2), 1),
+    ("int4-sym", 32, 24, 768, dict(BLOCK_N=32, BLOCK_W=16, SPLIT_K=6, PREFETCH=2), 2),
+    ("mxfp4", 32, 40, 1024, dict(BLOCK_N=16, BLOCK_W=32, SPLIT_K=3, PREFETCH=2), 1),
+    ("mxfp4", 16, 24, 512, dict(BLOCK_N=16, BLOCK_W=64, PREFETCH=2, EVICT=1), 1),
+    ("nvfp4", 16, 33, 768, dict(BLOCK_N=32, BLOCK_W=16, SPLIT_K=2), 2),
+]
+
+
+@pytest.mark.parametrize("dtype", [ACT_DTYPE, torch.float32])
+@pytest.mark.parametrize(("name", "group", "n", "k", "options", "m"), WORD_GEMV_OPTIONS)
+def test_the_word_gemv_options_match_the_reference(name, group, n, k, options, m, dtype):
+    load_w4a16_ops()
+    weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
+    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
+    bias = torch.randn(n, dtype=dtype, device=DEVICE)
+    config = {"KERNEL": "gemv_words", "num_warps": 4, **options}
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    out.copy_(weight.launch(x, bias, config))  # every element written (nan otherwise)
+    check(out, weight.reference(x, bias), dtype)
+    # The same sums, however K is split: equal up to fp32 summation order.
+    whole = weight.launch(x, bias, {**config, "SPLIT_K": 1})
+    check(out, whole, torch.float32 if dtype == torch.float32 else dtype)
+
+
+def test_the_word_gemv_reads_activations_that_start_between_words():
+    """16-bit activations are read as 32-bit pairs: a row starting 2 bytes into its storage is
+    copied first, not misread."""
+    load_w4a16_ops()
+    weight = quantized("int4-asym", torch.randn(24, 512, device=DEVICE) * 0.02, 128)
+    x = torch.randn(1, 513, dtype=ACT_DTYPE, device=DEVICE)[:, 1:]
+    assert x.is_contiguous() and x.data_ptr() % 4 == 2
+    config = {"KERNEL": "gemv_words", "BLOCK_N": 8, "BLOCK_W": 32, "num_warps": 4}
+    check(weight.launch(x, None, config), weight.reference(x, None), ACT_DTYPE)
+
+
+@pytest.mark.parametrize("group", [16, 32, 64])
+def test_the_word_gemv_runs_tp_cut_re_grouped_int4_weights(group):
+    """A tensor-parallel cut of an int4 weight at a multiple of a finer group (its scales and
+    zeros repeated: `regroup`) runs the default kernel at one token and equals its reference."""
+    config = qshard.Int4WeightOnlyConfig(128, backend="triton")
+    full = qshard.Int4Tensor.from_float(torch.randn(40, 2048 + 128, device=DEVICE) * 0.02, config)
+    cut = full[:, group : group + 2048]
+    assert cut.group_size == group
+    x = torch.randn(1, 2048, dtype=ACT_DTYPE, device=DEVICE)
+    reference = F.linear(x.double(), cut.dequantize(torch.float64)).to(ACT_DTYPE)
+    check(F.linear(x, cut.to(ACT_DTYPE)), reference, ACT_DTYPE)
+
+
 def test_the_default_gemv_is_the_word_gemv_with_k_a_multiple_of_its_step():
     from qshard.kernels.w4a16_triton import Format, default_config
 
