@@ -139,3 +139,42 @@ def test_a_quantized_weight_that_requires_grad_keeps_its_gradient():
     torch.nn.functional.linear(x, weight).sum().backward()
     assert weight.grad is not None
     torch.testing.assert_close(weight.grad.float(), torch.ones(3, 64).t() @ x)
+
+
+def test_views_and_matmuls_of_weights_under_inference_mode():
+    # Under inference_mode, matmul, .T, .mT, swapaxes and narrow reach the QTensor as
+    # themselves (no autograd decomposition), and views must not be inference tensors.
+    model = _model(qshard.Int4WeightOnlyConfig(group_size=32))
+    w = model[0].weight
+    x = torch.randn(2, 3, 128)
+    expected = x @ w.dequantize().t()
+    uses = {
+        "x @ w.t()": lambda: x @ w.t(),
+        "x @ w.T": lambda: x @ w.T,
+        "x @ w.mT": lambda: x @ w.mT,
+        "matmul(x, w.swapaxes(0, 1))": lambda: torch.matmul(x, w.swapaxes(0, 1)),
+        "F.linear": lambda: torch.nn.functional.linear(x, w),
+    }
+    with torch.inference_mode():
+        for name, use in uses.items():
+            torch.testing.assert_close(use(), expected, rtol=1e-5, atol=1e-5, msg=name)
+        assert torch.equal(w[0:64].dequantize(), w.dequantize()[0:64])
+        assert torch.equal(w.narrow(0, 64, 64).dequantize(), w.dequantize()[64:128])
+        w.narrow(0, 0, 64).copy_(w[64:128])  # the loading pattern writes into the weight
+    assert torch.equal(w.dequantize()[0:64], w.dequantize()[64:128])
+    model.half()
+    assert model[0].weight.dtype == torch.float16
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_quantized_experts_run_under_inference_mode(implementation):
+    import moe_models
+
+    model = moe_models.build("gpt_oss")  # transposed experts: indexing, views and bmm
+    qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32))
+    model.set_experts_implementation(implementation)
+    ids = torch.randint(0, moe_models.VOCAB, (1, 8))
+    with torch.no_grad():
+        expected = model(ids).logits
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)

@@ -121,9 +121,13 @@ class QTensor(torch.Tensor):
     ):
         outer, strides = _outer_layout(shape, transposed)
         device = inner[cls.inner_names[0]].device
-        return torch.Tensor._make_wrapper_subclass(
-            cls, outer, strides=strides, dtype=dtype, device=device, requires_grad=False
-        )
+        # Never an inference tensor: a view op's output under inference_mode gets its base's
+        # version counter, which torch refuses to give an inference tensor ("Cannot set
+        # version_counter for inference tensor"); a plain tensor's view there is normal too.
+        with torch.inference_mode(False):
+            return torch.Tensor._make_wrapper_subclass(
+                cls, outer, strides=strides, dtype=dtype, device=device, requires_grad=False
+            )
 
     def __init__(
         self,

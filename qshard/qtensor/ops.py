@@ -119,6 +119,29 @@ def _transpose(func, args, kwargs):
     return return_and_correct_aliasing(func, args, kwargs, out)
 
 
+@QTensor.implements(aten.narrow.default)
+def _narrow(func, args, kwargs):
+    """`w.narrow(dim, start, length)`: reaches dispatch under inference_mode only."""
+    q, dim, start, length = args
+    return _slice(aten.slice.Tensor, (q, dim, start, start + length), {})
+
+
+_TRANSPOSE_ALIASES = [aten.numpy_T.default, aten.mT.default, aten.mH.default,
+                      aten.adjoint.default, aten.swapaxes.default, aten.swapdims.default]
+
+
+@QTensor.implements(_TRANSPOSE_ALIASES)
+def _transpose_alias(func, args, kwargs):
+    """`w.T`, `w.mT`, `swapaxes`...: what reaches dispatch under inference_mode (outside it,
+    autograd decomposes them into transpose / permute first)."""
+    q = args[0]
+    if func in (aten.swapaxes.default, aten.swapdims.default):
+        return _transpose(aten.transpose.int, (q, args[1], args[2]), {})
+    if func is aten.numpy_T.default:
+        return _transpose(aten.permute.default, (q, list(range(q.dim()))[::-1]), {})
+    return _transpose(aten.transpose.int, (q, -2, -1), {})
+
+
 @QTensor.implements([aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default])
 def _view(func, args, kwargs):
     q, size = args[0], list(args[1])
@@ -479,6 +502,20 @@ def _mm(func, args, kwargs):
     if not w.transposed:
         return _mm_grad_input(x, w)
     return _untransposed_weight(w)._linear(x, None)
+
+
+@QTensor.implements(aten.matmul.default)
+def _matmul(func, args, kwargs):
+    """x @ W.t() with x of any leading dims: what `matmul` reaches dispatch as under
+    inference_mode (outside it, autograd decomposes it into reshapes and `mm` first)."""
+    x, w = args
+    if isinstance(x, QTensor) or not isinstance(w, QTensor) or w.dim() != 2 or x.dim() < 1:
+        raise UnsupportedOpError(
+            f"matmul: {type(x).__name__} {list(x.shape)} @ {type(w).__name__} {list(w.shape)}; "
+            f"qshard multiplies activations by a 2-D weight (x @ W.t(), F.linear(x, W))"
+        )
+    out = _mm(aten.mm.default, (x.reshape(-1, x.shape[-1]), w), {})
+    return out.reshape(*x.shape[:-1], w.shape[-1])
 
 
 def _mm_grad_input(grad: torch.Tensor, w: QTensor) -> torch.Tensor:
