@@ -16,7 +16,7 @@ from ..errors import (
 )
 from ..kernels.availability import load_grouped_ops, triton_unavailable_reason
 from ..qtensor import FLOAT_DTYPES, QTensor
-from .validation import check_magnitude
+from .validation import check_chunk, check_magnitude
 
 __all__ = [
     "abs_max",
@@ -49,16 +49,13 @@ def abs_max(tensor: torch.Tensor) -> float:
     return rows_max(lambda t: t.float().abs(), tensor)
 
 
-BOUND_CHUNK = 1 << 20  # elements per step of a bound: no temporaries the size of the scales
-
-
 def rows_max(fn, *tensors: torch.Tensor) -> float:
     """The largest value of `fn(*parts)` over blocks of rows of `tensors` (each [N, ...], cut
-    alike), about BOUND_CHUNK elements at a time so that a load's peak memory stays the
+    alike), about `check_chunk` elements at a time so that a load's peak memory stays the
     quantized size (tests/io/test_memory.py); 0.0 when there is nothing."""
     first = tensors[0]
     rows = first.shape[0] if first.dim() else 1
-    step = max(1, BOUND_CHUNK // max(1, first.numel() // max(rows, 1)))
+    step = max(1, check_chunk(first) // max(1, first.numel() // max(rows, 1)))
     best = 0.0
     for start in range(0, rows, step):
         value = fn(*(t.detach()[start : start + step] for t in tensors))
