@@ -165,13 +165,15 @@ GEMV_SWEEP = [  # (weight rows, K per step, warps)
     (32, 256, 4),
     (8, 512, 2),
 ]
-WORDS_SWEEP = [  # (weight rows, 32-bit words (8 codes) per step, warps)
-    (16, 128, 4),
-    (8, 128, 4),
-    (16, 64, 4),
-    (32, 64, 4),
-    (16, 256, 8),
-    (32, 128, 8),
+WORDS_SWEEP = [  # (weight rows, 32-bit words (8 codes) per step, warps, codes evict-first)
+    (8, 128, 4, 1),
+    (16, 128, 4, 1),
+    (16, 256, 4, 1),
+    (16, 64, 2, 1),
+    (8, 256, 4, 1),
+    (16, 256, 8, 1),
+    (8, 128, 4, 0),
+    (16, 128, 4, 0),
 ]
 FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages, prefetch depths)
     # Depth 2 (codes loaded two steps ahead, docs/kernels/w4a16.md, v8) on the configs that
@@ -195,9 +197,11 @@ def sweep_candidates(m: int):
 
     device = torch.device("cuda", torch.cuda.current_device())
     if m <= 4:
-        for bn, bw, warps in WORDS_SWEEP:  # every format (e2m1 since v7)
-            yield f"gemv-words {bn}x{bw}w {warps}w", lambda n, k, c=(bn, bw, warps): dict(
-                KERNEL="gemv_words", BLOCK_N=c[0], BLOCK_W=c[1], num_warps=c[2])  # fmt: skip
+        for bn, bw, warps, evict in WORDS_SWEEP:  # every format (e2m1 since v7)
+            label = f"gemv-words {bn}x{bw}w {warps}w" + (" evict-first" if evict else "")
+            yield label, lambda n, k, c=(bn, bw, warps, evict): dict(
+                KERNEL="gemv_words", BLOCK_N=c[0], BLOCK_W=c[1], num_warps=c[2], EVICT=c[3]
+            )  # fmt: skip
         for bn, bk, warps in GEMV_SWEEP:
             yield f"gemv {bn}x{bk} {warps}w", lambda n, k, c=(bn, bk, warps): dict(
                 BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2])  # fmt: skip

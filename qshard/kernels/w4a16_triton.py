@@ -11,15 +11,18 @@ step's codes and scales are loaded ahead by hand (one step, or two with the smal
 `PREFETCH` = 2), and so are the activations where they are carried (the GEMVs; the small-M
 kernel with 1): Triton pipelines only loads that feed a dot.
 
-- M = 1 (decode): a GEMV. For int4 with K a multiple of its step, `_gemv_words_kernel`, which
-  decodes whole 32-bit words and never rebuilds the K order (fewer instructions per weight);
-  otherwise `_gemv_kernel`. Each program takes BLOCK_N weight rows and streams BLOCK_K of K per
-  step; decoded values times activations in fp32, summed per group, then the group's scale (and
-  zero point) applied to the sum. It multiplies the exact weight, not the weight rounded to the
-  activation dtype as the reference does: within the activation dtype's rounding for bf16/fp16
-  (the tests' tolerance); for fp32 activations the int4 zero-point term, 16 * sum v x -
+- M = 1 (decode): a GEMV. With K a multiple of its step, `_gemv_words_kernel` (every format),
+  which decodes whole 32-bit words in place and never rebuilds the K order: int4 codes as the
+  exact u - 8 (`_int4_exact`: one LOP3 and one subtraction), e2m1 pairs as fp16 halves; the
+  activations read as 32-bit pairs; each (row, group) keeps its scaled sum across the steps;
+  optionally K split over programs (SPLIT_K) and the codes loaded two steps ahead or
+  evict-first (the default loads them evict-first). Otherwise `_gemv_kernel` (bytes, BLOCK_K
+  of K per step). Both multiply the exact weight, not the weight rounded to the activation
+  dtype as the reference does: within the activation dtype's rounding for bf16/fp16 (the tests'
+  tolerance). In `_gemv_kernel`, for fp32 activations, the int4 zero-point term, 16 * sum v x -
   (16 + z) * sum x, cancels and costs a few fp32 ulps of the group sums (up to ~1e-5 relative
-  on activations with a large mean).
+  on activations with a large mean). On the H100 (v9) the Llama layer at M = 1 takes int4 58 us,
+  MXFP4 61 us, NVFP4 68 us (63-66 % / 60 % of the copy bandwidth).
 - 2 <= M <= FUSED_MAX_M: a tensor-core kernel, "swap AB" (weight rows on the MMA's M side, the
   tokens on its N side), K split over programs so a 4096-wide layer fills the GPU (`split_k.py`).
   The weight tile is dequantized in fp32 and rounded to the activation dtype, as the reference.
@@ -38,7 +41,7 @@ Formats (FORMAT, a constexpr), each weight exactly the reference's fp32 value:
 Compiled kernels flush fp32 subnormal results to zero (weights below 1.2e-38; the reference
 keeps them). Measured on an H200 (docs/kernels/w4a16.md): the Llama-3.1-8B layer at 1.53x /
 0.84x / 0.49x / 0.92x of bf16 (int4 g128) at M = 1 / 16 / 128 / 2048; on an H100 with the word
-GEMV and tuned configs 2.29x / 1.19x / 0.67x / 0.88x.
+GEMV and tuned configs 2.29x / 1.19x / 0.67x / 0.88x (M = 1: 2.78x since v9).
 Ops: `torch.ops.qshard.int4_linear`, `.mxfp4_linear`, `.nvfp4_linear` (fake implementations
 beside them); references: `int4.py`, `mxfp4.py`, `nvfp4.py`.
 """
@@ -53,7 +56,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .split_k import finish_tile, split_count, workspace
+from .split_k import _sm_count, finish_tile, split_count, workspace
 from .tuning import tuned_config
 
 __all__ = [
@@ -650,11 +653,17 @@ def _dequantize_kernel(
 # ---- configs and launchers ---------------------------------------------------------------------
 
 
-def gemv_words_config(fmt: Format) -> dict:
-    """The word GEMV's config: 128 words (1024 K) per step, 16 rows for int4 and 8 for e2m1,
-    the best of the H100 sweeps (docs/kernels/w4a16.md, v5 and v7)."""
-    rows = 8 if fmt >= Format.MXFP4 else 16
-    return {"KERNEL": "gemv_words", "BLOCK_N": rows, "BLOCK_W": 128, "num_warps": 4}
+def gemv_words_config(fmt: Format, n: int, k: int, sms: int) -> dict:
+    """The word GEMV's config for an N x K weight on a GPU of `sms` SMs: 128 words (1024 K) per
+    step on 4 warps, the codes loaded evict-first; 16 rows when there are at least 2.5 bands of
+    16 rows per SM (Llama-3.1-8B's qkv and gate_up on an H100), else 8 (o, down: 16-row bands
+    would leave half the SMs idle); int4 with 8 rows and a long K (>= 8192, a multiple of 2048:
+    down) takes 256 words per step. NVFP4 always 8 x 128. On the H100 sweep each choice was
+    its shape's fastest or within 3 % of it (6 % for MXFP4's down; docs/kernels/w4a16.md, v9)."""
+    rows = 16 if fmt != Format.NVFP4 and triton.cdiv(n, 16) >= 2.5 * sms else 8
+    long_k = fmt < Format.MXFP4 and rows == 8 and k >= 8192 and k % 2048 == 0
+    return {"KERNEL": "gemv_words", "BLOCK_N": rows, "BLOCK_W": 256 if long_k else 128,
+            "num_warps": 4, "EVICT": 1}  # fmt: skip
 
 
 def gemv_config(fmt: Format) -> dict:
@@ -688,7 +697,8 @@ def default_config(fmt: Format, m: int, n: int, k: int, device: torch.device) ->
     and its config."""
     kernel = kernel_for(m, None)
     if kernel == "gemv":
-        words = gemv_words_config(fmt)  # K a multiple of a step: whole words
+        sms = 4 if device.type == "cpu" else _sm_count(device.index or 0)  # (as split_count)
+        words = gemv_words_config(fmt, n, k, sms)  # K a multiple of a step: whole words
         return words if k % (8 * words["BLOCK_W"]) == 0 else gemv_config(fmt)
     return small_m_config(m, n, k, device) if kernel == "small_m" else DEQUANTIZE
 
@@ -743,8 +753,10 @@ def _gemv_words_launch(config: dict, x, qdata, args, out, common) -> torch.Tenso
               **{key: v for key, v in config.items() if key != "KERNEL"}}  # fmt: skip
     assert k % (8 * config["BLOCK_W"]) == 0, "the word GEMV needs K a multiple of its step"
     if config["PREFETCH"] not in (1, 2):
-        raise ValueError(f"word GEMV config PREFETCH={config['PREFETCH']!r}: the codes are "
-                         "loaded 1 or 2 steps ahead; give 1 or 2 (or leave it out for 1)")
+        raise ValueError(
+            f"word GEMV config PREFETCH={config['PREFETCH']!r}: the codes are "
+            "loaded 1 or 2 steps ahead; give 1 or 2 (or leave it out for 1)"
+        )
     if x.dtype != torch.float32 and x.data_ptr() % 4:
         x = x.clone()  # 16-bit activations are read as 32-bit pairs (`_x_planes`)
     words = qdata.view(torch.int32)  # 8 codes per word, element 8w + j at bits 4j

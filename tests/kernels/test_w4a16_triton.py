@@ -246,6 +246,28 @@ def test_the_default_gemv_is_the_word_gemv_with_k_a_multiple_of_its_step():
     assert "SPLIT_K" in default_config(Format.INT4_ASYM, 2, 4096, 4096, cpu)
 
 
+def test_the_default_word_gemv_config_follows_the_shape():
+    """16 rows where 16-row bands give every SM 2.5 or more (qkv, gate_up on 132 SMs), else 8;
+    256 words per step for int4 with a long K (down); NVFP4 8 x 128 everywhere; evict-first."""
+    from qshard.kernels.w4a16_triton import Format, gemv_words_config
+
+    def shape(fmt, n, k):
+        config = gemv_words_config(fmt, n, k, 132)
+        assert config["KERNEL"] == "gemv_words" and config["EVICT"] == 1
+        return config["BLOCK_N"], config["BLOCK_W"]
+
+    for fmt in (Format.INT4_ASYM, Format.INT4_SYM, Format.INT4_FZERO):
+        assert shape(fmt, 6144, 4096) == (16, 128)  # qkv
+        assert shape(fmt, 4096, 4096) == (8, 128)  # o
+        assert shape(fmt, 28672, 4096) == (16, 128)  # gate_up
+        assert shape(fmt, 4096, 14336) == (8, 256)  # down
+        assert shape(fmt, 4096, 9216) == (8, 128)  # K no multiple of 2048
+    assert shape(Format.MXFP4, 6144, 4096) == (16, 128)
+    assert shape(Format.MXFP4, 4096, 14336) == (8, 128)
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        assert shape(Format.NVFP4, n, k) == (8, 128)
+
+
 def test_the_default_small_m_config_prefetches_two_steps_for_128_token_tiles():
     from qshard.kernels.w4a16_triton import Format, default_config
 
@@ -435,16 +457,19 @@ for fmt in (0, 1, 2, 3, 4):
         target=GPUTarget("cuda", 80, 32),
     )
 from qshard.kernels.w4a16_triton import _gemv_words_kernel
-names = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "g_ptr", "bias_ptr", "out_ptr", "M", "N", "KW",
-         "stride_xm", "stride_qw", "stride_sn", "stride_om", "FORMAT", "GROUP", "HAS_BIAS",
-         "BLOCK_N", "BLOCK_W"]
+names = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "g_ptr", "bias_ptr", "out_ptr", "partials_ptr",
+         "arrived_ptr", "M", "N", "KW", "steps_per_split", "stride_xm", "stride_qw", "stride_sn",
+         "stride_om", "FORMAT", "GROUP", "HAS_BIAS", "SPLIT", "PREFETCH", "EVICT", "BLOCK_N",
+         "BLOCK_W"]
 for fmt in (0, 1, 2, 3, 4):
     scale = "*u8" if fmt >= 3 else "*bf16"
-    types = ["*bf16", "*i32", scale, "*bf16", "*fp32", "*bf16", "*bf16"] + ["i32"] * 7
+    types = ["*bf16", "*i32", scale, "*bf16", "*fp32", "*bf16", "*bf16", "*fp32", "*i32"]
     triton.compile(
-        ASTSource(fn=_gemv_words_kernel, signature=dict(zip(names, types + ["constexpr"] * 5)),
+        ASTSource(fn=_gemv_words_kernel,
+                  signature=dict(zip(names, types + ["i32"] * 8 + ["constexpr"] * 8)),
                   constexprs={"FORMAT": fmt, "GROUP": 128 if fmt < 3 else 16, "HAS_BIAS": True,
-                              "BLOCK_N": 16, "BLOCK_W": 128}),
+                              "SPLIT": True, "PREFETCH": 2, "EVICT": 1, "BLOCK_N": 16,
+                              "BLOCK_W": 128}),
         target=GPUTarget("cuda", 80, 32),
     )
 """
