@@ -472,7 +472,7 @@ def test_an_older_transformers_is_not_registered_with(monkeypatch):
     from qshard.integrations import transformers as integration
 
     monkeypatch.setattr(transformers, "__version__", "4.57.1")
-    with pytest.raises(ImportError, match=r"4\.57\.1 is older than 5\.17.*upgrade transformers"):
+    with pytest.raises(ImportError, match=r"4\.57\.1 is older than 5\.23.*upgrade transformers"):
         integration.register()
 
 

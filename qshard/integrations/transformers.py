@@ -488,7 +488,10 @@ def attach(model: nn.Module) -> None:
     model.config.quantization_config = quantizer.quantization_config
 
 
-MIN_TRANSFORMERS = (5, 17)  # the oldest transformers the integration is tested with
+# The oldest transformers the integration is tested with. 5.17 (the GPU image's) loads no qshard
+# checkpoint: its loader never hands the quantizer's deserialize op the inner tensors (every
+# quantized weight is left unloaded; 20 of the integration tests fail there, measured).
+MIN_TRANSFORMERS = (5, 23)
 
 
 def register() -> None:
