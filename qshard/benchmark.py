@@ -1,5 +1,6 @@
 """`qshard bench`: the time of a model's linear layers in each quantized layout against bf16,
-at a few batch sizes (tokens M), on this machine's GPU (or its CPU, through the reference paths).
+at a few batch sizes (tokens M), on this machine's GPU (or its CPU: dequantize + BLAS,
+docs/cpu.md).
 
 The shapes come from a Hugging Face model directory (every 2-D `*.weight` that `qshard
 quantize` would quantize, read from the safetensors headers, each distinct [N, K] once with its

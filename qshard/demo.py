@@ -192,5 +192,5 @@ def run_minilm_demo() -> dict[str, dict[str, float]]:
     for name, r in results.items():
         print(f"| {name} | {r['cosine_min']:.4f} / {r['cosine_mean']:.4f} | "
               f"{r['linear_bytes'] / 2**20:.1f} MiB | {r['ms']:.1f} ms |")  # fmt: skip
-    print("\n(CPU: the reference paths; the speedups are the GPU kernels', bench/README.md)")
+    print("\n(CPU: dequantize + BLAS, docs/cpu.md; the GPU kernels' speedups: bench/README.md)")
     return results
