@@ -192,8 +192,7 @@ class QShardHfQuantizer(HfQuantizer):
                 f"checkpoints are safetensors files (model.safetensors or an index), written by "
                 f"save_pretrained or qshard.save"
             )
-        records, where = read_records(checkpoint_files)
-        self.checkpoint_files = [str(f) for f in checkpoint_files]  # read_whole reads them
+        records, where, self.file_of_stored = read_records(checkpoint_files)
         params = dict(model.named_parameters())
         quantized = {k: r for k, r in records.items() if r.layout is not None}
         if not quantized:
@@ -245,9 +244,6 @@ class QShardHfQuantizer(HfQuantizer):
         the float weight (QShardDeserialize cuts the checked QTensor itself)."""
         from safetensors import safe_open
 
-        if getattr(self, "file_of_stored", None) is None:
-            self.file_of_stored = {name: path for path in self.checkpoint_files
-                                   for name in read_header(pathlib.Path(path)).stored}  # fmt: skip
         inner = {}
         for name, stored in self.records[key].inner.items():
             with safe_open(self.file_of_stored[stored.key], "pt") as f:
@@ -466,16 +462,17 @@ def _check_float_tensors(records: dict[str, Record], where: dict[str, str]) -> N
                     )
 
 
-def read_records(files) -> tuple[dict[str, Record], dict[str, str]]:
-    """({entry key: Record}, {entry key: the file that holds it}) of the safetensors `files` of
-    one checkpoint, every header checked (`qshard.io.checkpoint.decode_headers`: one header
-    repeated in every file by save_pretrained, or one per file by qshard.save)."""
+def read_records(files) -> tuple[dict[str, Record], dict[str, str], dict[str, str]]:
+    """({entry key: Record}, {entry key: the file that holds it}, {stored tensor key: its file})
+    of the safetensors `files` of one checkpoint, every header checked
+    (`qshard.io.checkpoint.decode_headers`: one header repeated in every file by save_pretrained,
+    or one per file by qshard.save)."""
     headers = [read_header(pathlib.Path(f)) for f in files]
     where = str(headers[0].path.parent if len(headers) > 1 else headers[0].path)
     records, holder = decode_headers(headers, where)
     places = {key: str(holder[r.stored()[0].key].path) if r.stored() else where for key, r in
               records.items()}  # fmt: skip
-    return records, places
+    return records, places, {key: str(header.path) for key, header in holder.items()}
 
 
 def attach(model: nn.Module) -> None:

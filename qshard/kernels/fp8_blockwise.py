@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ScaleFormat
-from .packing import apply_groups, linear_in_dtype
+from .packing import apply_groups, linear_float64, linear_in_dtype
 
 __all__ = [
     "E4M3_MAX",
@@ -218,11 +218,7 @@ def fp8_blockwise_linear_reference(
     """
     n, k = qdata.shape
     if weight_only:
-        weight = dequantize_blockwise(qdata, scale, block_size, x.dtype)
-        out = x.double() @ weight.double().t()
-        if bias is not None:
-            out = out + bias.to(x.dtype).double()
-        return out.to(x.dtype)
+        return linear_float64(x, dequantize_blockwise(qdata, scale, block_size, x.dtype), bias)
     bn, bk = block_size
     group = act_group_size
     # reshape(-1, 0) is ambiguous; K is static, so this branch costs compile nothing.

@@ -22,8 +22,9 @@ reach memory outside x and out (the reference path refuses them with a typed err
   `fp8_blockwise_triton.py`.
 - 4-bit weight-only (int4, MXFP4, NVFP4: `w4a16_grouped_launch`): the 2-D small-M kernel's
   steps (`_small_m_step`, `_small_m_mma`: codes decoded by bit placement, weights rounded to the
-  activation dtype as the reference). At decode (up to 2 routed rows per expert on average, K a
-  multiple of 8; `w4a16_grouped_config`) the 2-D word GEMV's step instead
+  activation dtype as the reference). At decode (up to GEMV_MAX_ROWS_PER_EXPERT = 1 routed
+  row per expert on average, K a multiple of 8; `w4a16_grouped_config`) the 2-D word GEMV's
+  step instead
   (`_w4a16_grouped_gemv_kernel`: a program per routed row and weight band, CUDA-core FMAs on
   the exact fp32 weights, as `w4a16_triton._gemv_words_kernel`: within the activation dtype's
   rounding of the reference). Dequantizing the experts for bf16 `_grouped_mm` at prefill was
