@@ -247,7 +247,7 @@ class Checkpoint:
         if weight_map is not None:
             for header in self.headers.values():
                 check_index(weight_map, header)
-        where = str(files[0].parent if len(files) > 1 else files[0])
+        where = str(path)
         self.records, self.holder = decode_headers(list(self.headers.values()), where)
         for key, record in self.records.items():
             target = self.records.get(record.alias_of) if record.alias_of else record
