@@ -58,6 +58,7 @@ import triton.language as tl
 
 from .split_k import _sm_count, finish_tile, split_count, workspace
 from .tuning import tuned_config
+from .w4a16_gluon import register_config, register_launch, register_problem
 
 __all__ = [
     "DEQUANTIZE",
@@ -712,7 +713,8 @@ def tuned_format(fmt: Format, group: int) -> str:
 
 def kernel_for(m: int, config: dict | None) -> str:
     """Which kernel runs M tokens: "gemv", "small_m" or "dequantize" (+ cuBLAS); a config
-    names its kernel by its keys (SPLIT_K: small-M, KERNEL: dequantize, else a GEMV config)."""
+    names its kernel by its keys (SPLIT_K: small-M, KERNEL: dequantize, register or
+    gemv_words, else a GEMV config)."""
     if config is not None:
         if "KERNEL" in config:
             return config["KERNEL"]
@@ -720,6 +722,15 @@ def kernel_for(m: int, config: dict | None) -> str:
     if m <= GEMV_MAX_M:
         return "gemv"
     return "small_m" if m <= FUSED_MAX_M else "dequantize"
+
+
+def register_choice(fmt: Format, x, qdata, group: int) -> dict | None:
+    """The register kernel's config (w4a16_gluon.py) where it runs this matmul and is the
+    faster kernel for its token count on this GPU, else None (the Triton kernels run)."""
+    m, k = x.shape
+    if register_problem(int(fmt), x, qdata, group) is not None:
+        return None
+    return {"KERNEL": "register", **register_config(m, qdata.shape[0], k, x.device)}
 
 
 def _scale_arg(scale: torch.Tensor) -> torch.Tensor:
@@ -782,6 +793,8 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     n = qdata.shape[0]
     assert all(t is None or t.is_contiguous() for t in (x, qdata, scale, zero, bias)), "strides"
     if config is None:
+        config = register_choice(fmt, x, qdata, group)
+    if config is None:
         config = tuned_config("w4a16", tuned_format(fmt, group), n, k, m, x.device)
         config = config or default_config(fmt, m, n, k, x.device)
     kernel = kernel_for(m, config)
@@ -796,6 +809,8 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     common = dict(FORMAT=int(fmt), GROUP=group, HAS_BIAS=bias is not None)
     zero = zero if zero.numel() else qdata  # an empty tensor may have no address to pass
     args = (x, qdata, _scale_arg(scale), zero, global_scale, bias if bias is not None else out, out)
+    if kernel == "register":
+        return register_launch(int(fmt), x, qdata, scale, zero, bias, out, group, config)
     if kernel == "gemv_words":
         return _gemv_words_launch(config, x, qdata, args, out, common)
     if kernel == "gemv":

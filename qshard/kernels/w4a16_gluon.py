@@ -1,0 +1,387 @@
+"""Register-operand W4A16 kernel for Hopper, in Gluon (`triton.experimental.gluon`): the
+dequantized int4 weight feeds the tensor cores from registers (mma.sync's A operand), read
+straight from qshard's canonical packing, no device form (issue 24; notes and measurements:
+docs/kernels/w4a16_register.md).
+
+out^T = W x^T with the weight rows on the MMA's M side ("swap AB", as Marlin): a program's tile
+is 64 weight rows (4 warps x 16) by BLOCK_M tokens, over STEPS chunks of 128 columns of K.
+
+**The K permutation that makes the canonical packing an MMA operand.** An MMA sums over K in any
+order, as long as both operands use the same one. Thread (g, t) = (lane / 4, lane % 4) of a warp
+loads 16 contiguous bytes of its rows g and g + 8 per chunk: columns 32t .. 32t + 31 (one
+LDG.128 each). mma.sync's m16n8k16 A fragment gives that thread logical columns 2t, 2t + 1,
+2t + 8, 2t + 9 of each 16, so logical column k = 32j + 8b + 2t + h of a chunk is taken to be
+actual column a = 32t + 8j + 2b + h (j: the thread's word, b: the byte in it, h: the nibble):
+every thread's fragments are exactly the bytes it loaded, decoded in place. The activations are
+given the same permutation on their way into shared memory: 16-byte pieces of x (8 columns,
+32t + 8j .. + 7) are copied by cp.async to column 32j + 8t of the chunk, so that each thread
+reads its B fragments (tokens g, g + 8, ...; the same 8 columns) with one LDS.128 per 8 tokens
+and per 32 columns; a 64-byte XOR swizzle on odd token rows makes those reads conflict-free.
+With the weight in qshard's own packing there is no device form: the kernel runs on any slice,
+shard or loaded weight, and the weight's memory is not doubled.
+
+**The decode** (per 32-bit word, 8 codes; PTX in `_DECODE_BF16`): byte b's two nibbles placed
+16 bits apart by one PRMT (the word and the word >> 4) and masked into the low mantissa bits of
+bf16 128.0 by one LOP3: the pair (128 + u, 128 + u'); then bf16x2 FMAs: (v - (128 + zero)),
+exact, times the scale, rounded once: the reference's weight bit for bit. For fp16 activations
+and float zero points the product is formed in fp32 ((u - z) * s exact, + zero rounded once)
+and converted to the activation dtype: the reference's two roundings, also bit for bit.
+
+**The pipeline.** A work item is (64-row tile, K split of STEPS chunks). Programs loop over
+items (a persistent grid); the next item's codes and scales are loaded into registers and its x
+slice copied into the other of two shared buffers (cp.async) before the current item is decoded
+and multiplied. Split K: fp32 partial sums, the last program of a tile to arrive sums them in
+split order and writes the tile (`split_k.py`'s scheme).
+
+Scope: Hopper (sm_90; mma.sync would run on sm_80 too, but the configs and the choice against
+the Triton kernels were measured on an H100 only), bf16 or fp16 activations, 2..128 tokens,
+int4 asymmetric / symmetric / float zero point, groups of 32..256, K a multiple of 32. Elsewhere
+`w4a16_triton`'s kernels run, chosen inside the same `torch.library` op (`w4a16_triton.py`).
+Gluon kernels do not run in the Triton interpreter: CI compiles them for sm_90 (no GPU needed)
+and checks the permutation and the decode in PyTorch; their numerics are tested on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from .split_k import _sm_count, workspace
+
+try:  # Gluon: in every Triton that torch ships since 3.4; its Hopper API as of triton 3.6
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+    # renamed after triton 3.6 (3.9 has the new names; both are looked up here only)
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    GLUON_IMPORT_ERROR = None
+except Exception as error:  # an old or a future Triton: the Triton kernels run instead
+    GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
+
+__all__ = ["REGISTER_MAX_M", "register_config", "register_launch", "register_problem"]
+
+ROWS = 64  # weight rows per program: 4 warps x 16 (mma.sync's M)
+CHUNK = 128  # columns of K per chunk (the MMAs over a chunk share one x slice in shared memory)
+REGISTER_MIN_M, REGISTER_MAX_M = 2, 128
+REGISTER_GROUPS = (32, 64, 128, 256)  # a 32-column word run never crosses a group
+INT4_FORMATS = (0, 1, 2)  # Format.INT4_ASYM, INT4_SYM, INT4_FZERO (w4a16_triton.Format)
+
+
+def register_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
+    """Why the register kernel cannot run this matmul, or None if it can."""
+    if GLUON_IMPORT_ERROR is not None:
+        return f"Gluon is not available in triton {triton.__version__} ({GLUON_IMPORT_ERROR})"
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "the register kernel is built and measured for Hopper (sm_90) only"
+    m, k = x.shape
+    if fmt not in INT4_FORMATS:
+        return "the register kernel covers the int4 formats (MXFP4 / NVFP4: not yet)"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"it multiplies bf16 or fp16 activations, not {x.dtype}"
+    if not REGISTER_MIN_M <= m <= REGISTER_MAX_M:
+        return f"it runs {REGISTER_MIN_M}..{REGISTER_MAX_M} tokens, not {m}"
+    if group not in REGISTER_GROUPS:
+        return f"it takes groups of {list(REGISTER_GROUPS)} columns, not {group}"
+    if k % 32 or qdata.data_ptr() % 16 or x.data_ptr() % 16:
+        return "it reads 16-byte runs of codes and activations: K % 32 == 0, 16-byte aligned"
+    return None
+
+
+def register_config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """STEPS chunks of 128 columns per work item and PER_SM programs per SM (persistent grid):
+    4 chunks, 2 per SM at 16 tokens, the probe's best on the Llama-3.1-8B shapes (H100,
+    docs/kernels/w4a16_register.md); fewer chunks where the x slices would not fit twice."""
+    block_m = max(16, triton.next_power_of_2(m))
+    steps = 4 if block_m <= 64 else 2
+    return {"BLOCK_M": block_m, "STEPS": steps, "PER_SM": 2 if block_m <= 32 else 1}
+
+
+def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
+                    config: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """out [M, N] = x [M, K] @ W.T + bias by the register kernel (`register_problem` is None);
+    x, qdata, scale, zero, bias contiguous; `zero` any tensor for the symmetric format."""
+    m, k = x.shape
+    n = qdata.shape[0]
+    config = dict(config or register_config(m, n, k, x.device))
+    block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
+    tiles = triton.cdiv(n, ROWS)
+    splits = triton.cdiv(triton.cdiv(k, CHUNK), steps)
+    items = tiles * splits
+    grid = min(items, per_sm * _sm_count(x.device.index or 0))
+    partials, arrived = workspace(m, n, splits, tiles, x.device) if splits > 1 else (out, out)
+    _register_kernel[(grid,)](
+        x, qdata.view(torch.int32), scale, zero, bias if bias is not None else out, out,
+        partials, arrived, m, n, k, k // 32, scale.stride(0), splits,
+        FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STEPS=steps,
+        BLOCK_M=block_m, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# ---- the kernel --------------------------------------------------------------------------------
+
+if GLUON_IMPORT_ERROR is None:
+    _ROWS = gl.constexpr(ROWS)
+    _CHUNK = gl.constexpr(CHUNK)
+    _DECODE_PAIRS = """
+    shr.u32 r, $8, 4;
+    prmt.b32 v0, $8, r, 0x4400; lop3.b32 v0, v0, mask, bias, 0xEA;
+    prmt.b32 v1, $8, r, 0x5511; lop3.b32 v1, v1, mask, bias, 0xEA;
+    prmt.b32 v2, $8, r, 0x6622; lop3.b32 v2, v2, mask, bias, 0xEA;
+    prmt.b32 v3, $8, r, 0x7733; lop3.b32 v3, v3, mask, bias, 0xEA;
+    fma.rn.bf16x2 v0, v0, one, nz; fma.rn.bf16x2 v1, v1, one, nz;
+    fma.rn.bf16x2 v2, v2, one, nz; fma.rn.bf16x2 v3, v3, one, nz;
+    """
+    # Word $8 -> bytes b = 0..3 as bf16 pairs (128 + low nibble, 128 + high nibble), then
+    # (v - (128 + zero)) exactly ($10 = -(128 + zero), bf16); then * scale ($9, bf16).
+    _DECODE_BF16 = gl.constexpr(
+        "{\n.reg .b32 r, v0, v1, v2, v3, mask, bias, one, nz, s, neg0;\n"
+        "mov.b32 mask, 0x000f000f; mov.b32 bias, 0x43004300; mov.b32 one, 0x3f803f80;\n"
+        "mov.b32 nz, {$10, $10}; mov.b32 s, {$9, $9}; mov.b32 neg0, 0x80008000;\n"
+        + _DECODE_PAIRS
+        + "fma.rn.bf16x2 v0, v0, s, neg0; fma.rn.bf16x2 v1, v1, s, neg0;\n"
+        "fma.rn.bf16x2 v2, v2, s, neg0; fma.rn.bf16x2 v3, v3, s, neg0;\n"
+        "mov.b32 {$0, $1}, v0; mov.b32 {$2, $3}, v1; mov.b32 {$4, $5}, v2; mov.b32 {$6, $7}, v3;\n"
+        "}"
+    )
+    # The same pairs (u - z) exact, then in fp32: (u - z) * scale + zero ($9 scale, $11 zero,
+    # fp32; zero -0.0 for the integer formats), rounded once, converted by cvt.rn to `$CVT`.
+    _DECODE_FP32 = (
+        "{\n.reg .b32 r, v0, v1, v2, v3, mask, bias, one, nz, lo, hi, hmask;\n"
+        "mov.b32 mask, 0x000f000f; mov.b32 bias, 0x43004300; mov.b32 one, 0x3f803f80;\n"
+        "mov.b32 nz, {$10, $10}; mov.b32 hmask, 0xffff0000;\n"
+        + _DECODE_PAIRS
+        + "".join(
+            f"shl.b32 lo, v{b}, 16; and.b32 hi, v{b}, hmask;\n"
+            f"fma.rn.f32 lo, lo, $9, $11; fma.rn.f32 hi, hi, $9, $11;\n"
+            f"cvt.rn.$CVT.f32 v{b}, hi, lo; mov.b32 {{${2 * b}, ${2 * b + 1}}}, v{b};\n"
+            for b in range(4)
+        )
+        + "}"
+    )
+    _DECODE_FP32_BF16 = gl.constexpr(_DECODE_FP32.replace("$CVT", "bf16x2"))
+    _DECODE_FP32_F16 = gl.constexpr(_DECODE_FP32.replace("$CVT", "f16x2"))
+
+    @gluon.constexpr_function
+    def _codes_layout():
+        """One chunk's code words [64 rows m, 4 t, 4 j]: thread (warp w, lane 4g + t) holds
+        words 4t .. 4t + 3 (one 16-byte load) of rows 16w + g and 16w + g + 8."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[_ROWS, 4, 4],
+        )  # fmt: skip
+
+    @gluon.constexpr_function
+    def _x_layout(block_m):
+        """x's 32 columns [block_m tokens n, 32 (8t + e)] of one word j, as thread (g, t) reads
+        them: tokens g, g + 8, ..., 8 contiguous columns; every warp holds all of them."""
+        tiles = [[8 << i, 0] for i in range(block_m.bit_length() - 4)]
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4]] + tiles,
+            lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[block_m, 32],
+        )  # fmt: skip
+
+    @gluon.jit
+    def _load_chunk(q_ptr, s_ptr, z_ptr, tile, chunk, N, K, KW4, stride_sn,
+                    FORMAT: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
+        """Chunk `chunk`'s code words [64, 4, 4] of rows tile * 64 .. + 63, and each thread's
+        scale and zero [64, 4] (one per row and 32-column run); masked past N and K."""
+        CODES: gl.constexpr = _codes_layout()
+        RUNS: gl.constexpr = gl.SliceLayout(2, CODES)
+        m = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, RUNS))
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, RUNS))
+        j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, CODES)))
+        rows = tile * _ROWS + m
+        col = chunk * _CHUNK + 32 * t  # each thread's 32-column run
+        ok = (rows < N)[:, None] & (col < K)[None, :]
+        run = rows[:, None] * (KW4 * 4) + (col // 8)[None, :]  # the run's first word
+        words = gl.load(q_ptr + run[:, :, None] + j[None, None, :], mask=ok[:, :, None], other=0)
+        at = rows[:, None] * stride_sn + (col // GROUP)[None, :]
+        scale = gl.load(s_ptr + at, mask=ok, other=0.0)
+        if FORMAT == 1:  # symmetric: every zero is 8 (not stored)
+            zero = gl.full([_ROWS, 4], 8.0, gl.bfloat16, RUNS)
+        else:
+            zero = gl.load(z_ptr + at, mask=ok, other=0.0)
+        return words, scale, zero
+
+    @gluon.jit
+    def _chunk_weights(words, scale, zero, j: gl.constexpr, FORMAT: gl.constexpr,
+                       dtype: gl.constexpr):  # fmt: skip
+        """Word j of each thread's runs decoded: the A operand [64, 32] (logical columns
+        32j + 8b + 2t + h of the chunk, see the module docstring), in `dtype`."""
+        w = gl.reshape(words, [_ROWS, 4, 2, 2])  # word j = 2 j1 + j0, in registers
+        w = gl.split(gl.split(w)[j % 2])[j // 2]  # [64, 4]: rows x runs
+        scale = gl.convert_layout(scale, w.type.layout, assert_trivial=True)  # the same
+        zero = gl.convert_layout(zero, w.type.layout, assert_trivial=True)  # registers
+        if FORMAT == 2:  # float zero point: (u - 8) * s + zero
+            neg_c = gl.full([_ROWS, 4], -136.0, gl.bfloat16, w.type.layout)
+        else:
+            neg_c = (-(zero.to(gl.float32) + 128.0)).to(gl.bfloat16)  # exact: 8-bit integers
+        if dtype == gl.bfloat16 and FORMAT != 2:
+            p = gl.inline_asm_elementwise(
+                _DECODE_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [w, scale, neg_c],
+                dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            if FORMAT == 2:
+                add = zero.to(gl.float32)
+            else:
+                add = gl.full([_ROWS, 4], -0.0, gl.float32, w.type.layout)
+            args = [w, scale.to(gl.float32), neg_c, add]
+            if dtype == gl.bfloat16:
+                p = gl.inline_asm_elementwise(
+                    _DECODE_FP32_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r", args,
+                    dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)  # fmt: skip
+            else:
+                p = gl.inline_asm_elementwise(
+                    _DECODE_FP32_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r", args,
+                    dtype=(gl.float16,) * 8, is_pure=True, pack=1)  # fmt: skip
+        # p[2b + h]: [64 m, 4 t] -> [m, 4 t, 2 h, 2 b0, 2 b1] -> [m, b1, b0, t, h] = [64, 32]
+        a = gl.join(gl.join(gl.join(p[0], p[1]), gl.join(p[2], p[3])),
+                    gl.join(gl.join(p[4], p[5]), gl.join(p[6], p[7])))  # fmt: skip
+        return gl.reshape(gl.permute(a, [0, 4, 3, 1, 2]), [_ROWS, 32])
+
+    @gluon.jit
+    def _b_operand(x, BLOCK_M: gl.constexpr):
+        """x's 32 columns of a word j [BLOCK_M, 32 at 8t + e] (e = 4 s0 + 2 c8 + h), as the B
+        operand [32 logical columns 16 s0 + 8 c8 + 2t + h, BLOCK_M] (a relabelling)."""
+        x = gl.reshape(x, [BLOCK_M, 4, 2, 2, 2])  # n, t, s0, c8, h
+        return gl.reshape(gl.permute(x, [2, 3, 1, 4, 0]), [32, BLOCK_M])
+
+    @gluon.jit
+    def _copy_x(x_ptr, x_rows, base, chunk, M, K, BLOCK_M: gl.constexpr):
+        """cp.async of x[:, chunk] into shared memory x_rows[base + j] ([BLOCK_M, 32] each):
+        the 8-column piece 32t + 8j of the chunk goes to [base + j][:, 8t] (tokens >= M,
+        columns >= K zero-filled)."""
+        XC: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+        n = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gl.SliceLayout(2, XC)))
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, XC)))
+        e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, XC)))
+        for j in gl.static_range(4):
+            col = chunk * _CHUNK + 8 * j + 32 * t  # the piece's first column
+            ok = (n < M)[:, None, None] & (col < K)[None, :, None]
+            src = x_ptr + (n[:, None] * K + col[None, :])[:, :, None] + e[None, None, :]
+            _async_load(x_rows.index(base + j).reshape([BLOCK_M, 4, 8]), src, mask=ok)
+
+    @gluon.jit
+    def _load_item(q_ptr, s_ptr, z_ptr, x_ptr, x_rows, base, item, items, tiles, M, N, K, KW4,
+                   stride_sn, FORMAT: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr,
+                   BLOCK_M: gl.constexpr):  # fmt: skip
+        """Issue work item `item`'s loads: its STEPS chunks of codes and scales into registers
+        (a tuple), its x slices into x_smem[base ..] (one cp.async group). Nothing waits. An
+        item past the end loads nothing (its tile is out of range)."""
+        tile = item % tiles
+        first = (item // tiles) * STEPS
+        live = item < items
+        chunks = ()
+        for st in gl.static_range(STEPS):
+            chunks = chunks + (_load_chunk(q_ptr, s_ptr, z_ptr, tile, first + st, N * live, K,
+                                           KW4, stride_sn, FORMAT, GROUP),)  # fmt: skip
+        for st in gl.static_range(STEPS):  # after the codes: their loads go out first
+            _copy_x(x_ptr, x_rows, (base + st) * 4, first + st, M * live, K, BLOCK_M)
+        async_copy.commit_group()
+        return chunks
+
+    @gluon.jit
+    def _item_mma(acc, chunks, x_rows, base, FORMAT: gl.constexpr, STEPS: gl.constexpr,
+                  BLOCK_M: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+        A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        for st in gl.static_range(STEPS):
+            words, scale, zero = chunks[st]
+            for j in gl.static_range(4):
+                a = gl.convert_layout(_chunk_weights(words, scale, zero, j, FORMAT, dtype), A,
+                                      assert_trivial=True)  # fmt: skip
+                x = x_rows.index((base + st) * 4 + j).load(_x_layout(BLOCK_M))
+                b = gl.convert_layout(_b_operand(x, BLOCK_M), B, assert_trivial=True)
+                acc = mma_v2(a, b, acc)
+        return acc
+
+    @gluon.jit
+    def _store_tile(acc, bias_ptr, out_ptr, tile, M, N, HAS_BIAS: gl.constexpr,
+                    BLOCK_M: gl.constexpr):  # fmt: skip
+        """out[n, rows] = acc^T + bias (fp32), cast to out's dtype."""
+        OUT: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])  # rows fastest
+        acc = gl.convert_layout(acc, OUT)
+        rows = tile * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, OUT))
+        toks = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT))
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
+        mask = (rows < N)[:, None] & (toks < M)[None, :]
+        gl.store(out_ptr + toks[None, :] * N + rows[:, None],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+    @gluon.jit
+    def _finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, tile, split, splits, M, N,
+                     HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr):
+        """Write the tile, or store this split's partial sums and, if this program is the
+        tile's last to arrive, write their sum in split order (split_k.py's scheme)."""
+        if SPLIT:
+            MMA: gl.constexpr = acc.type.layout
+            rows = tile * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, MMA))
+            toks = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+            mask = (rows < N)[:, None] & (toks < M)[None, :]
+            at = toks[None, :] * N + rows[:, None]
+            gl.store(part_ptr + split * M * N + at, acc, mask=mask)
+            _barrier()  # every thread's partial sums are stored before the program counts
+            arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == splits - 1:
+                total = gl.zeros([_ROWS, BLOCK_M], gl.float32, MMA)
+                for sp in range(splits):
+                    total += gl.load(part_ptr + sp * M * N + at, mask=mask, other=0.0,
+                                     cache_modifier=".cg")  # fmt: skip
+                _store_tile(total, bias_ptr, out_ptr, tile, M, N, HAS_BIAS, BLOCK_M)
+        else:
+            _store_tile(acc, bias_ptr, out_ptr, tile, M, N, HAS_BIAS, BLOCK_M)
+
+    @gluon.jit
+    def _register_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+        M, N, K, KW4, stride_sn, splits,
+        FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
+        SPLIT: gl.constexpr, STEPS: gl.constexpr, BLOCK_M: gl.constexpr,
+    ):  # fmt: skip
+        """The persistent loop over work items (module docstring)."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+        # [buffer, chunk, j] x [BLOCK_M, 32]: 64-byte rows, so lanes 0-7 of a B read (tokens
+        # g, g + 1, 16 bytes at 8t) cover 128 bytes: no bank conflict, no swizzle needed
+        XS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                   order=[1, 0])  # fmt: skip
+        dtype: gl.constexpr = x_ptr.dtype.element_ty
+        tiles = gl.cdiv(N, _ROWS)
+        items = tiles * splits
+        item = gl.program_id(0)
+        x_rows = gl.allocate_shared_memory(dtype, [2 * STEPS * 4, BLOCK_M, 32], XS)
+        cur = _load_item(q_ptr, s_ptr, z_ptr, x_ptr, x_rows, 0, item, items, tiles, M, N, K,
+                         KW4, stride_sn, FORMAT, GROUP, STEPS, BLOCK_M)  # fmt: skip
+        buf = 0
+        while item < items:
+            nxt_item = item + gl.num_programs(0)
+            nxt = _load_item(q_ptr, s_ptr, z_ptr, x_ptr, x_rows, (1 - buf) * STEPS, nxt_item,
+                             items, tiles, M, N, K, KW4, stride_sn, FORMAT, GROUP, STEPS,
+                             BLOCK_M)  # fmt: skip
+            async_copy.wait_group(1)  # this item's x has landed (the next one's may not)
+            _barrier()
+            acc = gl.zeros([_ROWS, BLOCK_M], gl.float32, MMA)
+            acc = _item_mma(acc, cur, x_rows, buf * STEPS, FORMAT, STEPS, BLOCK_M, dtype)
+            _finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, item % tiles,
+                         item // tiles, splits, M, N, HAS_BIAS, SPLIT, BLOCK_M)  # fmt: skip
+            _barrier()  # every warp is done with this buffer before it is refilled
+            cur = nxt
+            item = nxt_item
+            buf = 1 - buf
+
+
+@functools.cache
+def _signature_names() -> tuple[str, ...]:
+    """The kernel's parameters in order (for the compile-only test)."""
+    return tuple(_register_kernel.arg_names)

@@ -1,0 +1,219 @@
+"""The register-operand int4 kernel (kernels/w4a16_gluon.py). On the CPU: it compiles for sm_90
+(no GPU needed; catches a Gluon API break in CI), its K permutation is the same on the weight
+and the activation side, and its PTX decode, emulated bit by bit, gives the reference's weights.
+On a Hopper GPU: against the reference on fresh random inputs, odd shapes, every int4 format,
+group and activation dtype, TP-cut weights, compiled, and chosen by the op."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import relative_error
+
+from qshard.kernels import int4
+from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+# As test_w4a16_triton.py: the reference multiplies the same (bit-exact) weights and sums in
+# float64; the kernel sums in fp32 and rounds once: a few units of the activation dtype.
+MAX_RELATIVE_ERROR = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+FORMATS = {"int4-asym": (0, False, False), "int4-sym": (1, True, False),
+           "int4-fzero": (2, False, True)}  # fmt: skip
+
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from qshard.kernels.w4a16_gluon import _register_kernel
+names = list(_register_kernel.arg_names)
+for fmt, dtype, block_m in ((0, "bf16", 16), (1, "bf16", 128), (2, "fp16", 32)):
+    types = [f"*{dtype}", "*i32", "*bf16", "*bf16", f"*{dtype}", f"*{dtype}", "*fp32", "*i32"]
+    source = GluonASTSource(
+        fn=_register_kernel, signature=dict(zip(names, types + ["i32"] * 6 + ["constexpr"] * 6)),
+        constexprs={"FORMAT": fmt, "GROUP": 128, "HAS_BIAS": True, "SPLIT": True,
+                    "STEPS": 2 if block_m > 64 else 4, "BLOCK_M": block_m},
+        attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+"""
+
+
+@pytest.mark.skipif(HOPPER, reason="compiles for sm_90 without a GPU: done on the CPU")
+def test_compiles_for_sm90():
+    """Every format and activation dtype, the smallest and largest token tile: Gluon's API
+    moves between Triton versions (two renames between 3.6 and 3.9), and this is where CI sees
+    it. With no Gluon at all the op must say why and run the Triton kernels instead."""
+    if GLUON_IMPORT_ERROR is not None:
+        from qshard.kernels.w4a16_gluon import register_problem
+
+        x = torch.zeros(16, 128, dtype=torch.bfloat16)
+        assert "Gluon is not available" in register_problem(0, x, x, 128)
+        return
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_weight_and_activation_permutations_agree():
+    """The module docstring's K permutation, from the kernel's index expressions: logical
+    column k' = 8b + 2t + h of word j (the A operand after `_chunk_weights`, the B operand after
+    `_b_operand`) must be the same actual column on both sides, and a bijection of the chunk."""
+    k = torch.arange(32)
+    b, t, h = k // 8, (k % 8) // 2, k % 2
+    s0, c8 = k // 16, (k // 8) % 2  # the B side's names for the same bits
+    for j in range(4):
+        # weight: word 4t + j of the thread's run, byte b, nibble h -> canonical column
+        weight_col = 2 * (4 * (4 * t + j) + b) + h
+        # activation: `_copy_x` puts column 32t + 8j + e at [j][:, 8t + e], e = 4 s0 + 2 c8 + h
+        x_col = 32 * t + 8 * j + (4 * s0 + 2 * c8 + h)
+        assert torch.equal(weight_col, x_col)
+    every = torch.cat([2 * (4 * (4 * t + j) + b) + h for j in range(4)])
+    assert torch.equal(every.sort().values, torch.arange(128))
+
+
+def _bf16(bits: torch.Tensor) -> torch.Tensor:
+    return (bits & 0xFFFF).to(torch.int16).view(torch.bfloat16).double()
+
+
+def _decode_emulated(words: torch.Tensor, scale, zero, fmt: int, dtype) -> torch.Tensor:
+    """The PTX of `_DECODE_BF16` / `_DECODE_FP32`, step by step on int64 words: [..] -> [.., 8]
+    weights (byte b, nibble h at 2b + h)."""
+    q = words.to(torch.int64) & 0xFFFFFFFF
+    r = q >> 4
+    neg_c = -136.0 if fmt == 2 else -(zero.double() + 128.0)
+    out = []
+    for b in range(4):
+        # prmt(q, r, 0x(4+b)(4+b)bb): byte 0 = q's byte b, byte 2 = r's byte b
+        v = ((q >> 8 * b) & 0xFF) | (((r >> 8 * b) & 0xFF) << 16)
+        v = (v & 0x000F000F) | 0x43004300  # lop3 0xEA: (a & b) | c
+        for half in (v, v >> 16):
+            d = _bf16(half) + neg_c  # exact: 8-bit integers
+            if dtype == torch.bfloat16 and fmt != 2:
+                w = (d * scale.double()).to(torch.bfloat16)  # one rounding (exact product)
+            else:
+                add = zero.double() if fmt == 2 else 0.0
+                w = (d * scale.double() + add).float().to(dtype)  # fp32 fma, then cvt.rn
+            out.append(w)
+    return torch.stack(out, -1)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_emulated_equals_the_reference(name, dtype):
+    """Bit for bit the reference's weights (dequantize_int4 in the activation dtype), with
+    scales over bf16's range and float zero points of both signs."""
+    fmt, symmetric, float_zero = FORMATS[name]
+    n, k, group = 8, 256, 32
+    w = torch.randn(n, k) * torch.logspace(-6, 2, n)[:, None]
+    qdata, scale, zero = int4.quantize_int4(w, group, symmetric, float_zero)
+    expected = int4.dequantize_int4(qdata, scale, zero, group, k, dtype, float_zero)
+    words = qdata.view(torch.int32)  # 8 codes per word, column 8i + 2b + h
+    per_word = lambda t: t.repeat_interleave(group // 8, dim=1)  # noqa: E731
+    zeros = per_word(zero) if zero.numel() else torch.full((n, k // 8), 8.0)
+    got = _decode_emulated(words, per_word(scale), zeros, fmt, dtype).reshape(n, k)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+# ---- on a Hopper GPU ---------------------------------------------------------------------------
+
+hopper = pytest.mark.skipif(not HOPPER, reason="the register kernel runs on Hopper (sm_90)")
+
+# (N, K, group): N not a multiple of the 64-row tile, K not of the 128-column chunk (2880:
+# gpt-oss's hidden size), a single chunk, long K (split K), groups 32..256.
+SHAPES = [(96, 2880, 32), (1000, 4096, 128), (64, 128, 64), (4160, 14336, 128), (200, 1024, 256)]
+
+
+@hopper
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_the_reference(name, dtype, shape):
+    from qshard.kernels.w4a16_gluon import register_launch, register_problem
+
+    fmt, symmetric, float_zero = FORMATS[name]
+    n, k, group = shape
+    w = torch.randn(n, k, device="cuda") * 0.02
+    qdata, scale, zero = int4.quantize_int4(w, group, symmetric, float_zero)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    for m in (2, 7, 16, 33, 64, 100, 128):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        assert register_problem(fmt, x, qdata, group) is None
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        zero_arg = zero if zero.numel() else qdata
+        got = register_launch(fmt, x, qdata, scale, zero_arg, bias if m % 2 else None, out, group)
+        want = int4.int4_linear_reference(x, qdata, scale, zero, group,
+                                          bias if m % 2 else None, float_zero)  # fmt: skip
+        err = relative_error(got, want)
+        assert err <= MAX_RELATIVE_ERROR[dtype], f"M={m}: {err:.2e} > {MAX_RELATIVE_ERROR[dtype]}"
+
+
+@hopper
+def test_every_config_matches_the_reference():
+    """Each (STEPS, PER_SM, BLOCK_M) a tuned config could name: one item per program, a
+    persistent grid, partial last splits."""
+    from qshard.kernels.w4a16_gluon import register_launch
+
+    n, k, group = 1000, 3200, 128
+    w = torch.randn(n, k, device="cuda") * 0.02
+    qdata, scale, zero = int4.quantize_int4(w, group, False)
+    for steps in (1, 2, 3, 4, 8):
+        for per_sm in (1, 2, 4, 0):
+            for m, block_m in ((5, 16), (20, 32), (64, 64), (65, 128)):
+                if block_m * steps > 512 and block_m > 32:
+                    continue  # the x slices would not fit in shared memory twice
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                config = {"BLOCK_M": block_m, "STEPS": steps, "PER_SM": per_sm or 10**6}
+                got = register_launch(0, x, qdata, scale, zero, None, out, group, config)
+                want = int4.int4_linear_reference(x, qdata, scale, zero, group)
+                assert relative_error(got, want) <= MAX_RELATIVE_ERROR[torch.bfloat16], config
+
+
+@hopper
+def test_the_op_chooses_it_and_tp_cuts_run_on_it():
+    """`qshard.ops.int4_linear` on Hopper at 2..128 tokens runs the register kernel (and the
+    Triton kernels where it cannot: group 16); a TP shard of 64 columns of a g128 weight
+    (re-grouped to 64) runs on it unchanged, equal to the whole weight's matching columns."""
+    import qshard
+    from qshard.kernels.w4a16_triton import Format, register_choice
+
+    lin = torch.nn.Linear(4096, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    qshard.quantize_(lin, qshard.Int4WeightOnlyConfig(group_size=128))
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    w = lin.weight
+    assert register_choice(Format.INT4_ASYM, x, w.qdata, 128) is not None
+    want = int4.int4_linear_reference(x, w.qdata, w.scale, w.zero, 128)
+    assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
+    shard = w[:, 64:2112]  # cuts a 128-group: re-grouped to 64
+    assert shard.group_size == 64
+    assert register_choice(Format.INT4_ASYM, x[:, 64:2112], shard.qdata, 64) is not None
+    got = torch.nn.functional.linear(x[:, 64:2112].contiguous(), shard)
+    want = int4.int4_linear_reference(x[:, 64:2112], shard.qdata, shard.scale, shard.zero, 64)
+    assert relative_error(got, want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
+    fine = w[:, 16:2064]  # group 16: the Triton kernels
+    assert register_choice(Format.INT4_ASYM, x[:, 16:2064], fine.qdata, 16) is None
+
+
+@hopper
+def test_compiled_and_cuda_graphs():
+    """torch.compile (fullgraph) of a quantized linear at 16 and 48 tokens, and a CUDA graph
+    replay, equal eager: the kernel is inside the op, so the compiler only sees the op."""
+    import qshard
+
+    lin = torch.nn.Linear(2048, 3072, bias=True, device="cuda", dtype=torch.bfloat16)
+    qshard.quantize_(lin, qshard.Int4WeightOnlyConfig(group_size=64, symmetric=True))
+    compiled = torch.compile(lin, fullgraph=True, dynamic=True)
+    for m in (16, 48):
+        x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(compiled(x), lin(x), atol=0, rtol=0)
+    x = torch.randn(24, 2048, device="cuda", dtype=torch.bfloat16)
+    want = lin(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = lin(x)
+    graph.replay()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
