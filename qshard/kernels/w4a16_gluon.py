@@ -92,12 +92,15 @@ def register_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int)
 
 
 def register_config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """STEPS chunks of 128 columns per work item and PER_SM programs per SM (persistent grid):
-    4 chunks, 2 per SM at 16 tokens, the probe's best on the Llama-3.1-8B shapes (H100,
-    docs/kernels/w4a16_register.md); fewer chunks where the x slices would not fit twice."""
+    """BLOCK_M tokens per tile, STEPS chunks of 128 columns per work item, a ring of STAGES
+    chunks, PER_SM programs per SM (persistent grid). At 2-16 tokens 8 / 4 / 2 was the best or
+    within 5 % of the best of eight configs on most Llama-3.1-8B shapes (H100; larger M is not
+    chosen by the op, docs/kernels/w4a16_register.md v2)."""
     block_m = max(16, triton.next_power_of_2(m))
-    steps = 4 if block_m <= 64 else 2
-    return {"BLOCK_M": block_m, "STEPS": steps, "PER_SM": 2 if block_m <= 32 else 1}
+    if block_m <= 32:
+        return {"BLOCK_M": block_m, "STEPS": 8, "STAGES": 4, "PER_SM": 2}
+    return {"BLOCK_M": block_m, "STEPS": 16 if block_m == 64 else 8, "STAGES": 4 if block_m == 64
+            else 3, "PER_SM": 1 if block_m == 128 else 2}  # fmt: skip
 
 
 def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
@@ -117,7 +120,7 @@ def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
         x, qdata.view(torch.int32), scale, zero, bias if bias is not None else out, out,
         partials, arrived, m, n, k, k // 32, scale.stride(0), splits,
         FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STEPS=steps,
-        BLOCK_M=block_m, num_warps=4,
+        STAGES=config["STAGES"], BLOCK_M=block_m, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -182,33 +185,57 @@ if GLUON_IMPORT_ERROR is None:
         them: tokens g, g + 8, ..., 8 contiguous columns; every warp holds all of them."""
         tiles = [[8 << i, 0] for i in range(block_m.bit_length() - 4)]
         return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4]] + tiles,
+            reg_bases=[[0, 1], [0, 2], [0, 4], *tiles],
             lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
             warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[block_m, 32],
         )  # fmt: skip
 
     @gluon.jit
-    def _load_chunk(q_ptr, s_ptr, z_ptr, tile, chunk, N, K, KW4, stride_sn,
-                    FORMAT: gl.constexpr, GROUP: gl.constexpr):  # fmt: skip
-        """Chunk `chunk`'s code words [64, 4, 4] of rows tile * 64 .. + 63, and each thread's
-        scale and zero [64, 4] (one per row and 32-column run); masked past N and K."""
+    def _issue_job(q_ptr, x_ptr, codes, x_rows, job, jobs, tiles, M, N, K, KW4,
+                   STEPS: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+        """cp.async of job `job` (chunk job % STEPS of this program's item job // STEPS) into
+        ring slot job % STAGES: the 64 rows' code words [64, 4, 4] (each thread copies the
+        16 bytes it will decode) and x's chunk; one commit group, empty past the last job."""
         CODES: gl.constexpr = _codes_layout()
         RUNS: gl.constexpr = gl.SliceLayout(2, CODES)
+        item = gl.program_id(0) + (job // STEPS) * gl.num_programs(0)
+        tile = item % tiles
+        chunk = (item // tiles) * STEPS + job % STEPS
+        live = job < jobs
         m = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, RUNS))
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, RUNS))
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, CODES)))
         rows = tile * _ROWS + m
         col = chunk * _CHUNK + 32 * t  # each thread's 32-column run
-        ok = (rows < N)[:, None] & (col < K)[None, :]
+        ok = (rows < N * live)[:, None] & (col < K)[None, :]
         run = rows[:, None] * (KW4 * 4) + (col // 8)[None, :]  # the run's first word
-        words = gl.load(q_ptr + run[:, :, None] + j[None, None, :], mask=ok[:, :, None], other=0)
-        at = rows[:, None] * stride_sn + (col // GROUP)[None, :]
-        scale = gl.load(s_ptr + at, mask=ok, other=0.0)
-        if FORMAT == 1:  # symmetric: every zero is 8 (not stored)
-            zero = gl.full([_ROWS, 4], 8.0, gl.bfloat16, RUNS)
-        else:
-            zero = gl.load(z_ptr + at, mask=ok, other=0.0)
-        return words, scale, zero
+        slot = job % STAGES
+        _async_load(codes.index(slot), q_ptr + run[:, :, None] + j[None, None, :],
+                    mask=ok[:, :, None])  # fmt: skip
+        _copy_x(x_ptr, x_rows, slot * 4, chunk, M * live, K, BLOCK_M)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _item_scales(s_ptr, z_ptr, item, items, tiles, N, K, stride_sn, FORMAT: gl.constexpr,
+                     GROUP: gl.constexpr, STEPS: gl.constexpr):  # fmt: skip
+        """Work item `item`'s scales and zeros, a tuple of STEPS ([64, 4], [64, 4]): one per
+        row and 32-column run of each chunk (loaded into registers an item ahead)."""
+        RUNS: gl.constexpr = gl.SliceLayout(2, _codes_layout())
+        m = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, RUNS))
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, RUNS))
+        rows = (item % tiles) * _ROWS + m
+        out = ()
+        for st in gl.static_range(STEPS):
+            col = ((item // tiles) * STEPS + st) * _CHUNK + 32 * t
+            ok = (rows < N * (item < items))[:, None] & (col < K)[None, :]
+            at = rows[:, None] * stride_sn + (col // GROUP)[None, :]
+            scale = gl.load(s_ptr + at, mask=ok, other=0.0)
+            if FORMAT == 1:  # symmetric: every zero is 8 (not stored)
+                zero = gl.full([_ROWS, 4], 8.0, gl.bfloat16, RUNS)
+            else:
+                zero = gl.load(z_ptr + at, mask=ok, other=0.0)
+            out = out + ((scale, zero),)  # noqa: RUF005 (Triton builds tuples so)
+        return out
 
     @gluon.jit
     def _chunk_weights(words, scale, zero, j: gl.constexpr, FORMAT: gl.constexpr,
@@ -270,39 +297,20 @@ if GLUON_IMPORT_ERROR is None:
             _async_load(x_rows.index(base + j).reshape([BLOCK_M, 4, 8]), src, mask=ok)
 
     @gluon.jit
-    def _load_item(q_ptr, s_ptr, z_ptr, x_ptr, x_rows, base, item, items, tiles, M, N, K, KW4,
-                   stride_sn, FORMAT: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr,
-                   BLOCK_M: gl.constexpr):  # fmt: skip
-        """Issue work item `item`'s loads: its STEPS chunks of codes and scales into registers
-        (a tuple), its x slices into x_smem[base ..] (one cp.async group). Nothing waits. An
-        item past the end loads nothing (its tile is out of range)."""
-        tile = item % tiles
-        first = (item // tiles) * STEPS
-        live = item < items
-        chunks = ()
-        for st in gl.static_range(STEPS):
-            chunks = chunks + (_load_chunk(q_ptr, s_ptr, z_ptr, tile, first + st, N * live, K,
-                                           KW4, stride_sn, FORMAT, GROUP),)  # fmt: skip
-        for st in gl.static_range(STEPS):  # after the codes: their loads go out first
-            _copy_x(x_ptr, x_rows, (base + st) * 4, first + st, M * live, K, BLOCK_M)
-        async_copy.commit_group()
-        return chunks
-
-    @gluon.jit
-    def _item_mma(acc, chunks, x_rows, base, FORMAT: gl.constexpr, STEPS: gl.constexpr,
-                  BLOCK_M: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+    def _job_mma(acc, codes, x_rows, slot, scale, zero, FORMAT: gl.constexpr,
+                 BLOCK_M: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+        """acc + one chunk of the weight (decoded from ring slot `slot`) @ x's chunk."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        for st in gl.static_range(STEPS):
-            words, scale, zero = chunks[st]
-            for j in gl.static_range(4):
-                a = gl.convert_layout(_chunk_weights(words, scale, zero, j, FORMAT, dtype), A,
-                                      assert_trivial=True)  # fmt: skip
-                x = x_rows.index((base + st) * 4 + j).load(_x_layout(BLOCK_M))
-                b = gl.convert_layout(_b_operand(x, BLOCK_M), B, assert_trivial=True)
-                acc = mma_v2(a, b, acc)
+        words = codes.index(slot).load(_codes_layout())  # the 16 bytes this thread copied
+        for j in gl.static_range(4):
+            a = gl.convert_layout(_chunk_weights(words, scale, zero, j, FORMAT, dtype), A,
+                                  assert_trivial=True)  # fmt: skip
+            x = x_rows.index(slot * 4 + j).load(_x_layout(BLOCK_M))
+            b = gl.convert_layout(_b_operand(x, BLOCK_M), B, assert_trivial=True)
+            acc = mma_v2(a, b, acc)
         return acc
 
     @gluon.jit
@@ -347,38 +355,48 @@ if GLUON_IMPORT_ERROR is None:
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
         M, N, K, KW4, stride_sn, splits,
         FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
-        SPLIT: gl.constexpr, STEPS: gl.constexpr, BLOCK_M: gl.constexpr,
+        SPLIT: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
     ):  # fmt: skip
-        """The persistent loop over work items (module docstring)."""
+        """A persistent loop over this program's work items, their chunks streamed through a
+        ring of STAGES shared-memory slots by cp.async, STAGES - 1 chunks in flight (module
+        docstring)."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-        # [buffer, chunk, j] x [BLOCK_M, 32]: 64-byte rows, so lanes 0-7 of a B read (tokens
-        # g, g + 1, 16 bytes at 8t) cover 128 bytes: no bank conflict, no swizzle needed
-        XS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
-                                                   order=[1, 0])  # fmt: skip
+        # x: [slot, j] x [BLOCK_M, 32]: 64-byte rows, so lanes 0-7 of a B read (tokens g and
+        # g + 1, 16 bytes at 8t) cover 128 bytes: no bank conflict, no swizzle needed; the
+        # codes: each thread reads back the 16-byte runs it copied (512 contiguous per warp)
+        XS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        CS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         tiles = gl.cdiv(N, _ROWS)
         items = tiles * splits
-        item = gl.program_id(0)
-        x_rows = gl.allocate_shared_memory(dtype, [2 * STEPS * 4, BLOCK_M, 32], XS)
-        cur = _load_item(q_ptr, s_ptr, z_ptr, x_ptr, x_rows, 0, item, items, tiles, M, N, K,
-                         KW4, stride_sn, FORMAT, GROUP, STEPS, BLOCK_M)  # fmt: skip
-        buf = 0
-        while item < items:
-            nxt_item = item + gl.num_programs(0)
-            nxt = _load_item(q_ptr, s_ptr, z_ptr, x_ptr, x_rows, (1 - buf) * STEPS, nxt_item,
-                             items, tiles, M, N, K, KW4, stride_sn, FORMAT, GROUP, STEPS,
-                             BLOCK_M)  # fmt: skip
-            async_copy.wait_group(1)  # this item's x has landed (the next one's may not)
-            _barrier()
+        pid = gl.program_id(0)
+        my_items = gl.cdiv(items - pid, gl.num_programs(0))
+        jobs = my_items * STEPS
+        codes = gl.allocate_shared_memory(gl.int32, [STAGES, _ROWS, 4, 4], CS)
+        x_rows = gl.allocate_shared_memory(dtype, [STAGES * 4, BLOCK_M, 32], XS)
+        for ahead in gl.static_range(STAGES - 1):
+            _issue_job(q_ptr, x_ptr, codes, x_rows, ahead, jobs, tiles, M, N, K, KW4, STEPS,
+                       STAGES, BLOCK_M)  # fmt: skip
+        scales = _item_scales(s_ptr, z_ptr, pid, items, tiles, N, K, stride_sn, FORMAT, GROUP,
+                              STEPS)  # fmt: skip
+        for it in range(my_items):
+            item = pid + it * gl.num_programs(0)
+            next_scales = _item_scales(s_ptr, z_ptr, item + gl.num_programs(0), items, tiles,
+                                       N, K, stride_sn, FORMAT, GROUP, STEPS)  # fmt: skip
             acc = gl.zeros([_ROWS, BLOCK_M], gl.float32, MMA)
-            acc = _item_mma(acc, cur, x_rows, buf * STEPS, FORMAT, STEPS, BLOCK_M, dtype)
+            for st in gl.static_range(STEPS):
+                job = it * STEPS + st
+                async_copy.wait_group(STAGES - 2)  # job's copies have landed (this thread's)
+                _barrier()  # everyone's have; and everyone is done with the slot refilled next
+                _issue_job(q_ptr, x_ptr, codes, x_rows, job + STAGES - 1, jobs, tiles, M, N,
+                           K, KW4, STEPS, STAGES, BLOCK_M)  # fmt: skip
+                scale, zero = scales[st]
+                acc = _job_mma(acc, codes, x_rows, job % STAGES, scale, zero, FORMAT, BLOCK_M,
+                               dtype)  # fmt: skip
             _finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, item % tiles,
                          item // tiles, splits, M, N, HAS_BIAS, SPLIT, BLOCK_M)  # fmt: skip
-            _barrier()  # every warp is done with this buffer before it is refilled
-            cur = nxt
-            item = nxt_item
-            buf = 1 - buf
+            scales = next_scales
 
 
 @functools.cache

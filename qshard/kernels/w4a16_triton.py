@@ -93,6 +93,9 @@ _NVFP4: tl.constexpr = tl.constexpr(int(Format.NVFP4))
 
 GEMV_MAX_M = 1
 FUSED_MAX_M = 128
+# The register kernel (w4a16_gluon.py) runs up to 128 tokens, but measured on an H100 it beats
+# the small-M kernel below only at the fewest tokens (docs/kernels/w4a16_register.md, v2).
+REGISTER_CHOICE_MAX_M = 6
 MIN_STEPS_PER_SPLIT = 4
 
 
@@ -728,7 +731,7 @@ def register_choice(fmt: Format, x, qdata, group: int) -> dict | None:
     """The register kernel's config (w4a16_gluon.py) where it runs this matmul and is the
     faster kernel for its token count on this GPU, else None (the Triton kernels run)."""
     m, k = x.shape
-    if register_problem(int(fmt), x, qdata, group) is not None:
+    if m > REGISTER_CHOICE_MAX_M or register_problem(int(fmt), x, qdata, group) is not None:
         return None
     return {"KERNEL": "register", **register_config(m, qdata.shape[0], k, x.device)}
 

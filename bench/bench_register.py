@@ -1,0 +1,120 @@
+"""The register-operand int4 kernel (qshard/kernels/w4a16_gluon.py) against the Triton small-M
+kernel it replaces, bf16 F.linear and (at 16 tokens) the toolchain probe's device-form Gluon
+wgmma kernel, on the Llama-3.1-8B layer; a sweep of its configs. Notes:
+docs/kernels/w4a16_register.md.
+
+    PYTHONPATH=$PWD python bench/bench_register.py [--ms 2,4,8,16,32,64,128]
+        [--shapes qkv,o,gate_up,down] [--configs STEPS:STAGES:PER_SM,...] [--no-probe]
+
+Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated past the L2).
+Prints per shape and M the time of each method and of each register config, then per M the
+layer's sum: bf16, Triton (the config the op chose before: tuned or default), the register
+kernel with its default config and with the best config per shape, and speedups over bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_fp8 import LLAMA, copies_for, time_us, versions_line
+
+from qshard.kernels import int4
+from qshard.kernels.tuning import tuned_config
+from qshard.kernels.w4a16_gluon import register_config, register_launch
+from qshard.kernels.w4a16_triton import Format, default_config, linear_launch, tuned_format
+
+GROUP = 128
+
+
+def triton_config(n: int, k: int, m: int) -> dict:
+    """What `linear_launch` chose before the register kernel: tuned, else the default."""
+    fmt = tuned_format(Format.INT4_ASYM, GROUP)
+    device = torch.device("cuda")
+    return tuned_config("w4a16", fmt, n, k, m, device) or default_config(
+        Format.INT4_ASYM, m, n, k, device)  # fmt: skip
+
+
+def timed(make, weights, x) -> float:
+    fns = [make(*w) for w in weights]
+    return time_us(lambda: [f(x) for f in fns], len(fns))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ms", default="2,4,8,16,32,64,128")
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down")
+    parser.add_argument("--configs", default="4:4:2,4:6:2,4:6:3,8:4:2,8:6:2,8:8:1,8:8:2,16:6:2")
+    parser.add_argument("--no-probe", action="store_true")
+    args = parser.parse_args()
+    print(versions_line([]))
+    ms = [int(m) for m in args.ms.split(",")]
+    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+    sums: dict[tuple[int, str], float] = {}
+    for name in args.shapes.split(","):
+        n, k = LLAMA[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        q, s, z = int4.quantize_int4(w, GROUP, symmetric=False)
+        count = copies_for(n * k // 2, 1)
+        weights = [(q.clone(), s.clone(), z.clone()) for _ in range(count)]
+        dense = [w.clone() for _ in range(copies_for(n * k * 2, 1))]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
+                                 [(d,) for d in dense], x)}  # fmt: skip
+            cfg = triton_config(n, k, m)
+            row["triton"] = timed(lambda q, s, z, c=cfg: (lambda a: linear_launch(
+                Format.INT4_ASYM, a, q, s, z, s, None, GROUP, c)), weights, x)  # fmt: skip
+            default = register_config(m, n, k, x.device)
+            best = None
+            mine = (default["STEPS"], default["STAGES"], default["PER_SM"])
+            for steps, stages, per_sm in [*configs, mine]:
+                config = {**default, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm}
+                if (config["BLOCK_M"] * 256 + 4096) * stages > 200 * 1024:
+                    continue  # the ring must fit in shared memory
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                t = timed(lambda q, s, z, c=config, o=out: (lambda a: register_launch(
+                    0, a, q, s, z, None, o, GROUP, c)), weights, x)  # fmt: skip
+                row[f"reg {steps}:{stages}:{per_sm}"] = t
+                if (steps, stages, per_sm) == mine:
+                    row["reg default"] = t
+                if best is None or t < best[0]:
+                    best = (t, f"{steps}:{stages}:{per_sm}")
+            row["reg best"] = best[0]
+            if m == 16 and not args.no_probe:
+                row.update(probe(weights, n, k, x))
+            cells = "  ".join(f"{key} {v:.2f}" for key, v in row.items())
+            print(f"{name} {n}x{k} M={m}: {cells}  (best reg {best[1]})", flush=True)
+            for key, v in row.items():
+                sums[m, key] = sums.get((m, key), 0.0) + v
+    print("\nlayer (shapes summed), us, and speedup over bf16:")
+    for m in ms:
+        bf16 = sums[m, "bf16"]
+        cells = "  ".join(f"{key} {v:.1f} ({bf16 / v:.2f}x)" for (mm, key), v in sums.items()
+                          if (mm == m and not key.startswith("reg ")) or (key in (
+                              "reg default", "reg best") and mm == m))  # fmt: skip
+        print(f"M={m}: {cells}")
+
+
+def probe(weights, n, k, x) -> dict:
+    """The toolchain probe's best kernel (device form, Gluon wgmma, STEPS 4, 2 per SM)."""
+    try:
+        import register_operand_probe as rp
+
+        forms = [rp.device_form(q, s, z, k) for q, s, z in weights]
+        run = rp.gluon_launcher(4, n, k, x.shape[0], per_sm=2, wgmma=True)
+        return {"probe": timed(lambda *f: (lambda a: run(a, *f)), forms, x)}
+    except Exception as e:  # reported, not hidden
+        print(f"probe: {type(e).__name__}: {e}")
+        return {}
+
+
+if __name__ == "__main__":
+    main()
