@@ -14,9 +14,9 @@ LDG.128 each). mma.sync's m16n8k16 A fragment gives that thread logical columns 
 actual column a = 32t + 8j + 2b + h (j: the thread's word, b: the byte in it, h: the nibble):
 every thread's fragments are exactly the bytes it loaded, decoded in place. The activations are
 given the same permutation on their way into shared memory: 16-byte pieces of x (8 columns,
-32t + 8j .. + 7) are copied by cp.async to column 32j + 8t of the chunk, so that each thread
-reads its B fragments (tokens g, g + 8, ...; the same 8 columns) with one LDS.128 per 8 tokens
-and per 32 columns; a 64-byte XOR swizzle on odd token rows makes those reads conflict-free.
+32t + 8j .. + 7) are copied by cp.async to [j][:, 8t] of the chunk's four 32-column shared
+tiles, so that each thread reads its B fragments (tokens g, g + 8, ...; the same 8 columns)
+with one conflict-free LDS.128 per 8 tokens and per 32 columns.
 With the weight in qshard's own packing there is no device form: the kernel runs on any slice,
 shard or loaded weight, and the weight's memory is not doubled.
 
@@ -28,13 +28,15 @@ and float zero points the product is formed in fp32 ((u - z) * s exact, + zero r
 and converted to the activation dtype: the reference's two roundings, also bit for bit.
 
 **The pipeline.** A work item is (64-row tile, K split of STEPS chunks). Programs loop over
-items (a persistent grid); the next item's codes and scales are loaded into registers and its x
-slice copied into the other of two shared buffers (cp.async) before the current item is decoded
-and multiplied. Split K: fp32 partial sums, the last program of a tile to arrive sums them in
-split order and writes the tile (`split_k.py`'s scheme).
+items (a persistent grid), streaming their chunks through a ring of STAGES shared-memory slots
+by cp.async (each slot: the 64 rows' codes, each thread copying the 16-byte runs it will decode,
+and x's chunk), STAGES - 1 chunks in flight, across item boundaries and the epilogue; the scales
+of the next item are loaded into registers an item ahead. Split K: fp32 partial sums, the last
+program of a tile to arrive sums them in split order and writes the tile (`split_k.py`).
 
 Scope: Hopper (sm_90; mma.sync would run on sm_80 too, but the configs and the choice against
-the Triton kernels were measured on an H100 only), bf16 or fp16 activations, 2..128 tokens,
+the Triton kernels were measured on an H100 only), bf16 or fp16 activations, 2..128 tokens (the
+op chooses it for 2..8, where it is faster than the Triton small-M kernel: w4a16_triton.py),
 int4 asymmetric / symmetric / float zero point, groups of 32..256, K a multiple of 32. Elsewhere
 `w4a16_triton`'s kernels run, chosen inside the same `torch.library` op (`w4a16_triton.py`).
 Gluon kernels do not run in the Triton interpreter: CI compiles them for sm_90 (no GPU needed)
@@ -42,8 +44,6 @@ and checks the permutation and the decode in PyTorch; their numerics are tested 
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -93,12 +93,15 @@ def register_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int)
 
 def register_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """BLOCK_M tokens per tile, STEPS chunks of 128 columns per work item, a ring of STAGES
-    chunks, PER_SM programs per SM (persistent grid). At 2-16 tokens 8 / 4 / 2 was the best or
-    within 5 % of the best of eight configs on most Llama-3.1-8B shapes (H100; larger M is not
-    chosen by the op, docs/kernels/w4a16_register.md v2)."""
+    chunks, PER_SM programs per SM (persistent grid). At 2-8 tokens 8 / 4 / 3 was the best of
+    the configs timed on three of the four Llama-3.1-8B shapes and within 0.5 % on the fourth
+    (H100; docs/kernels/w4a16_register.md, v2). Larger tiles: the best of the v2 sweep, which
+    the op does not choose (the Triton kernel is faster there)."""
     block_m = max(16, triton.next_power_of_2(m))
-    if block_m <= 32:
-        return {"BLOCK_M": block_m, "STEPS": 8, "STAGES": 4, "PER_SM": 2}
+    if block_m == 16:
+        return {"BLOCK_M": 16, "STEPS": 8, "STAGES": 4, "PER_SM": 3}
+    if block_m == 32:
+        return {"BLOCK_M": 32, "STEPS": 16, "STAGES": 6, "PER_SM": 2}
     return {"BLOCK_M": block_m, "STEPS": 16 if block_m == 64 else 8, "STAGES": 4 if block_m == 64
             else 3, "PER_SM": 1 if block_m == 128 else 2}  # fmt: skip
 
@@ -398,8 +401,3 @@ if GLUON_IMPORT_ERROR is None:
                          item // tiles, splits, M, N, HAS_BIAS, SPLIT, BLOCK_M)  # fmt: skip
             scales = next_scales
 
-
-@functools.cache
-def _signature_names() -> tuple[str, ...]:
-    """The kernel's parameters in order (for the compile-only test)."""
-    return tuple(_register_kernel.arg_names)

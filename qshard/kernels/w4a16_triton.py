@@ -23,8 +23,11 @@ kernel with 1): Triton pipelines only loads that feed a dot.
   (16 + z) * sum x, cancels and costs a few fp32 ulps of the group sums (up to ~1e-5 relative
   on activations with a large mean). On the H100 (v9) the Llama layer at M = 1 takes int4 58 us,
   MXFP4 61 us, NVFP4 68 us (63-66 % / 60 % of the copy bandwidth).
-- 2 <= M <= FUSED_MAX_M: a tensor-core kernel, "swap AB" (weight rows on the MMA's M side, the
-  tokens on its N side), K split over programs so a 4096-wide layer fills the GPU (`split_k.py`).
+- 2 <= M <= REGISTER_CHOICE_MAX_M on Hopper (int4, bf16/fp16, K % 32 == 0, groups >= 32):
+  the register-operand Gluon kernel (`w4a16_gluon.py`; H100, Llama-3.1-8B layer at M = 2..8:
+  1.5-1.65x of bf16 where the kernel below gives 1.36x).
+- 2 <= M <= FUSED_MAX_M otherwise: a tensor-core kernel, "swap AB" (weight rows on the MMA's M
+  side, the tokens on its N side), K split over programs so a 4096-wide layer fills the GPU (`split_k.py`).
   The weight tile is dequantized in fp32 and rounded to the activation dtype, as the reference.
   On the H100 (v8) the Llama layer at M = 32 takes int4 129 us, MXFP4 146 us, NVFP4 176 us.
 - Above: the weight is dequantized once into the activation dtype (bit-exact vs the reference)
@@ -94,8 +97,8 @@ _NVFP4: tl.constexpr = tl.constexpr(int(Format.NVFP4))
 GEMV_MAX_M = 1
 FUSED_MAX_M = 128
 # The register kernel (w4a16_gluon.py) runs up to 128 tokens, but measured on an H100 it beats
-# the small-M kernel below only at the fewest tokens (docs/kernels/w4a16_register.md, v2).
-REGISTER_CHOICE_MAX_M = 6
+# the small-M kernel below only up to 8 (docs/kernels/w4a16_register.md, v2).
+REGISTER_CHOICE_MAX_M = 8
 MIN_STEPS_PER_SPLIT = 4
 
 
