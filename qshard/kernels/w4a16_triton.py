@@ -29,7 +29,8 @@ kernel with 1): Triton pipelines only loads that feed a dot.
 - 2 <= M <= FUSED_MAX_M otherwise: a tensor-core kernel, "swap AB" (weight rows on the MMA's M
   side, the tokens on its N side), K split over programs so a 4096-wide layer fills the GPU
   (`split_k.py`). The weight tile is dequantized in fp32 and rounded to the activation dtype,
-  as the reference. On the H100 (v8) the Llama layer at M = 32 takes int4 129 us, MXFP4 146 us, NVFP4 176 us.
+  as the reference. On the H100 (v8) the Llama layer at M = 32 takes int4 129 us, MXFP4
+  146 us, NVFP4 176 us.
 - Above: the weight is dequantized once into the activation dtype (bit-exact vs the reference)
   and cuBLAS multiplies (`F.linear`): compute-bound there.
 Configs: a tuned one for this GPU, shape and M bucket where a shipped (or loaded) tuned file has
