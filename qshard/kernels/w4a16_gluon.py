@@ -98,12 +98,12 @@ def register_config(m: int, n: int, k: int, device: torch.device) -> dict:
     (H100; docs/kernels/w4a16_register.md, v2). Larger tiles: the best of the v2 sweep, which
     the op does not choose (the Triton kernel is faster there)."""
     block_m = max(16, triton.next_power_of_2(m))
-    if block_m == 16:
-        return {"BLOCK_M": 16, "STEPS": 8, "STAGES": 4, "PER_SM": 3}
-    if block_m == 32:
-        return {"BLOCK_M": 32, "STEPS": 16, "STAGES": 6, "PER_SM": 2}
-    return {"BLOCK_M": block_m, "STEPS": 16 if block_m == 64 else 8, "STAGES": 4 if block_m == 64
-            else 3, "PER_SM": 1 if block_m == 128 else 2}  # fmt: skip
+    steps, stages, per_sm = _CONFIGS[block_m]
+    return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm}
+
+
+# BLOCK_M -> (STEPS, STAGES, PER_SM); see `register_config`
+_CONFIGS = {16: (8, 4, 3), 32: (16, 6, 2), 64: (16, 4, 2), 128: (8, 3, 1)}
 
 
 def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
