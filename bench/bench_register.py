@@ -51,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ms", default="2,4,8,16,32,64,128")
     parser.add_argument("--shapes", default="qkv,o,gate_up,down")
-    parser.add_argument("--configs", default="4:4:2,4:6:2,4:6:3,8:4:2,8:6:2,8:8:1,8:8:2,16:6:2")
+    parser.add_argument("--configs", default="4:4:3,4:4:4,8:4:2,8:4:4,8:8:2,12:6:2,16:4:2,16:8:2")
     parser.add_argument("--no-probe", action="store_true")
     args = parser.parse_args()
     print(versions_line([]))
@@ -77,8 +77,8 @@ def main() -> None:
             mine = (default["STEPS"], default["STAGES"], default["PER_SM"])
             for steps, stages, per_sm in [*configs, mine]:
                 config = {**default, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm}
-                if (config["BLOCK_M"] * 256 + 4096) * stages > 200 * 1024:
-                    continue  # the ring must fit in shared memory
+                if (config["BLOCK_M"] * 256 + 4096) * stages > 200 * 1024 or steps % stages:
+                    continue  # the ring must fit in shared memory, an item fill it exactly
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 t = timed(lambda q, s, z, c=config, o=out: (lambda a: register_launch(
                     0, a, q, s, z, None, o, GROUP, c)), weights, x)  # fmt: skip

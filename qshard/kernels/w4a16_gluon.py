@@ -97,13 +97,13 @@ def register_config(m: int, n: int, k: int, device: torch.device) -> dict:
     the configs timed on three of the four Llama-3.1-8B shapes and within 0.5 % on the fourth
     (H100; docs/kernels/w4a16_register.md, v2). Larger tiles: the best of the v2 sweep, which
     the op does not choose (the Triton kernel is faster there)."""
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = 8 if m <= 8 else max(16, triton.next_power_of_2(m))
     steps, stages, per_sm = _CONFIGS[block_m]
     return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm}
 
 
 # BLOCK_M -> (STEPS, STAGES, PER_SM); see `register_config`
-_CONFIGS = {16: (8, 4, 3), 32: (16, 6, 2), 64: (16, 4, 2), 128: (8, 3, 1)}
+_CONFIGS = {8: (8, 4, 3), 16: (8, 4, 3), 32: (16, 4, 2), 64: (16, 4, 2), 128: (8, 2, 1)}
 
 
 def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
@@ -114,6 +114,10 @@ def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     n = qdata.shape[0]
     config = dict(config or register_config(m, n, k, x.device))
     block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
+    if steps % config["STAGES"] or block_m not in _CONFIGS:
+        raise ValueError(f"register kernel config {config}: STEPS must be a multiple of STAGES "
+                         f"(each chunk's ring slot is fixed at compile time) and BLOCK_M one "
+                         f"of {sorted(_CONFIGS)}")  # fmt: skip
     tiles = triton.cdiv(n, ROWS)
     splits = triton.cdiv(triton.cdiv(k, CHUNK), steps)
     items = tiles * splits
@@ -194,44 +198,50 @@ if GLUON_IMPORT_ERROR is None:
         )  # fmt: skip
 
     @gluon.jit
-    def _issue_job(q_ptr, x_ptr, codes, x_rows, job, jobs, tiles, M, N, K, KW4,
-                   STEPS: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
-        """cp.async of job `job` (chunk job % STEPS of this program's item job // STEPS) into
-        ring slot job % STAGES: the 64 rows' code words [64, 4, 4] (each thread copies the
-        16 bytes it will decode) and x's chunk; one commit group, empty past the last job."""
+    def _item_at(item, items, tiles, N, M, STEPS: gl.constexpr):
+        """Work item `item`'s first row, first chunk, and the rows and tokens that exist (none
+        past the last item, so that its copies are empty): one division per item."""
+        live = item < items
+        return (item % tiles) * _ROWS, (item // tiles) * STEPS, N * live, M * live
+
+    @gluon.jit
+    def _issue_chunk(q_ptr, x_ptr, codes, x_slot, at, step: gl.constexpr, K, KW4,
+                     BLOCK_M: gl.constexpr):  # fmt: skip
+        """cp.async of chunk `step` of the item at `at` (`_item_at`) into one ring slot
+        (`codes` [64, 4, 4], `x_slot` [4, BLOCK_M, 32]): the 64 rows' code words (each thread
+        copies the 16 bytes it will decode) and x's chunk; one commit group."""
         CODES: gl.constexpr = _codes_layout()
         RUNS: gl.constexpr = gl.SliceLayout(2, CODES)
-        item = gl.program_id(0) + (job // STEPS) * gl.num_programs(0)
-        tile = item % tiles
-        chunk = (item // tiles) * STEPS + job % STEPS
-        live = job < jobs
+        row0, chunk0, n_live, m_live = at
+        chunk = chunk0 + step
         m = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, RUNS))
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, RUNS))
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, CODES)))
-        rows = tile * _ROWS + m
+        rows = row0 + m
         col = chunk * _CHUNK + 32 * t  # each thread's 32-column run
-        ok = (rows < N * live)[:, None] & (col < K)[None, :]
+        ok = (rows < n_live)[:, None] & (col < K)[None, :]
         run = rows[:, None] * (KW4 * 4) + (col // 8)[None, :]  # the run's first word
-        slot = job % STAGES
-        _async_load(codes.index(slot), q_ptr + run[:, :, None] + j[None, None, :],
-                    mask=ok[:, :, None])  # fmt: skip
-        _copy_x(x_ptr, x_rows, slot * 4, chunk, M * live, K, BLOCK_M)
+        _async_load(codes, q_ptr + run[:, :, None] + j[None, None, :], mask=ok[:, :, None])
+        _copy_x(x_ptr, x_slot, chunk, m_live, K, BLOCK_M)
         async_copy.commit_group()
 
     @gluon.jit
-    def _item_scales(s_ptr, z_ptr, item, items, tiles, N, K, stride_sn, FORMAT: gl.constexpr,
+    def _item_scales(s_ptr, z_ptr, at, K, stride_sn, FORMAT: gl.constexpr,
                      GROUP: gl.constexpr, STEPS: gl.constexpr):  # fmt: skip
-        """Work item `item`'s scales and zeros, a tuple of STEPS ([64, 4], [64, 4]): one per
-        row and 32-column run of each chunk (loaded into registers an item ahead)."""
+        """The scales and zeros of the item at `at` (`_item_at`), a tuple of STEPS ([64, 4],
+        [64, 4]): one per row and 32-column run of each chunk (loaded an item ahead)."""
         RUNS: gl.constexpr = gl.SliceLayout(2, _codes_layout())
+        row0, chunk0, n_live, _ = at
         m = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, RUNS))
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, RUNS))
-        rows = (item % tiles) * _ROWS + m
+        rows = row0 + m
+        row_ok = (rows < n_live)[:, None]
+        row_at = rows[:, None] * stride_sn
         out = ()
         for st in gl.static_range(STEPS):
-            col = ((item // tiles) * STEPS + st) * _CHUNK + 32 * t
-            ok = (rows < N * (item < items))[:, None] & (col < K)[None, :]
-            at = rows[:, None] * stride_sn + (col // GROUP)[None, :]
+            col = (chunk0 + st) * _CHUNK + 32 * t
+            ok = row_ok & (col < K)[None, :]
+            at = row_at + (col // GROUP)[None, :]
             scale = gl.load(s_ptr + at, mask=ok, other=0.0)
             if FORMAT == 1:  # symmetric: every zero is 8 (not stored)
                 zero = gl.full([_ROWS, 4], 8.0, gl.bfloat16, RUNS)
@@ -285,33 +295,34 @@ if GLUON_IMPORT_ERROR is None:
         return gl.reshape(gl.permute(x, [2, 3, 1, 4, 0]), [32, BLOCK_M])
 
     @gluon.jit
-    def _copy_x(x_ptr, x_rows, base, chunk, M, K, BLOCK_M: gl.constexpr):
-        """cp.async of x[:, chunk] into shared memory x_rows[base + j] ([BLOCK_M, 32] each):
-        the 8-column piece 32t + 8j of the chunk goes to [base + j][:, 8t] (tokens >= M,
-        columns >= K zero-filled)."""
+    def _copy_x(x_ptr, x_slot, chunk, M, K, BLOCK_M: gl.constexpr):
+        """cp.async of x[:, chunk] into x_slot [4 j, BLOCK_M, 32], in one copy (separate
+        copies into one buffer would each get a barrier from Triton's hazard analysis): the
+        8-column piece 32t + 8j of the chunk goes to [j][:, 8t] (tokens >= M, columns >= K
+        zero-filled)."""
         XC: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])
-        n = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gl.SliceLayout(2, XC)))
-        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, XC)))
-        e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, XC)))
-        for j in gl.static_range(4):
-            col = chunk * _CHUNK + 8 * j + 32 * t  # the piece's first column
-            ok = (n < M)[:, None, None] & (col < K)[None, :, None]
-            src = x_ptr + (n[:, None] * K + col[None, :])[:, :, None] + e[None, None, :]
-            _async_load(x_rows.index(base + j).reshape([BLOCK_M, 4, 8]), src, mask=ok)
+        r = gl.arange(0, 4 * BLOCK_M, layout=gl.SliceLayout(1, gl.SliceLayout(2, XC)))[:, None]
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, XC)))[None, :]
+        e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, XC)))[None, None, :]
+        j, n = r // BLOCK_M, r % BLOCK_M  # [4 j x BLOCK_M n] rows of the slot
+        col = chunk * _CHUNK + 8 * j + 32 * t  # the piece's first column
+        ok = (n < M) & (col < K)
+        src = x_ptr + (n * K + col)[:, :, None] + e
+        _async_load(x_slot.reshape([4 * BLOCK_M, 4, 8]), src, mask=ok[:, :, None])
 
     @gluon.jit
-    def _job_mma(acc, codes, x_rows, slot, scale, zero, FORMAT: gl.constexpr,
-                 BLOCK_M: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
-        """acc + one chunk of the weight (decoded from ring slot `slot`) @ x's chunk."""
+    def _chunk_mma(acc, codes, x_slot, scale, zero, FORMAT: gl.constexpr,
+                   BLOCK_M: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+        """acc + one chunk of the weight (decoded from its ring slot) @ x's chunk."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        words = codes.index(slot).load(_codes_layout())  # the 16 bytes this thread copied
+        words = codes.load(_codes_layout())  # the 16 bytes this thread copied
         for j in gl.static_range(4):
             a = gl.convert_layout(_chunk_weights(words, scale, zero, j, FORMAT, dtype), A,
                                   assert_trivial=True)  # fmt: skip
-            x = x_rows.index(slot * 4 + j).load(_x_layout(BLOCK_M))
+            x = x_slot.slice(j * BLOCK_M, BLOCK_M).load(_x_layout(BLOCK_M))
             b = gl.convert_layout(_b_operand(x, BLOCK_M), B, assert_trivial=True)
             acc = mma_v2(a, b, acc)
         return acc
@@ -362,42 +373,54 @@ if GLUON_IMPORT_ERROR is None:
     ):  # fmt: skip
         """A persistent loop over this program's work items, their chunks streamed through a
         ring of STAGES shared-memory slots by cp.async, STAGES - 1 chunks in flight (module
-        docstring)."""
+        docstring). STEPS is a multiple of STAGES, so every chunk's slot is known at compile
+        time: each slot is its own buffer, and Triton's hazard analysis, which cannot tell
+        slots of one buffer apart, adds no barrier between a copy into one slot and the reads
+        of another (the one explicit barrier per chunk orders them)."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
-        # x: [slot, j] x [BLOCK_M, 32]: 64-byte rows, so lanes 0-7 of a B read (tokens g and
-        # g + 1, 16 bytes at 8t) cover 128 bytes: no bank conflict, no swizzle needed; the
-        # codes: each thread reads back the 16-byte runs it copied (512 contiguous per warp)
+        # x: [j] x [BLOCK_M, 32]: 64-byte rows, so lanes 0-7 of a B read (tokens g and g + 1,
+        # 16 bytes at 8t) cover 128 bytes: no bank conflict, no swizzle needed; the codes:
+        # each thread reads back the 16-byte runs it copied (512 contiguous per warp)
         XS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         CS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         dtype: gl.constexpr = x_ptr.dtype.element_ty
+        gl.static_assert(STEPS % STAGES == 0, "a work item's chunks fill the ring exactly")
         tiles = gl.cdiv(N, _ROWS)
         items = tiles * splits
         pid = gl.program_id(0)
-        my_items = gl.cdiv(items - pid, gl.num_programs(0))
-        jobs = my_items * STEPS
-        codes = gl.allocate_shared_memory(gl.int32, [STAGES, _ROWS, 4, 4], CS)
-        x_rows = gl.allocate_shared_memory(dtype, [STAGES * 4, BLOCK_M, 32], XS)
-        for ahead in gl.static_range(STAGES - 1):
-            _issue_job(q_ptr, x_ptr, codes, x_rows, ahead, jobs, tiles, M, N, K, KW4, STEPS,
-                       STAGES, BLOCK_M)  # fmt: skip
-        scales = _item_scales(s_ptr, z_ptr, pid, items, tiles, N, K, stride_sn, FORMAT, GROUP,
-                              STEPS)  # fmt: skip
+        programs = gl.num_programs(0)
+        my_items = gl.cdiv(items - pid, programs)
+        codes = ()
+        xs = ()
+        for _slot in gl.static_range(STAGES):
+            codes = codes + (gl.allocate_shared_memory(gl.int32, [_ROWS, 4, 4], CS),)  # noqa: RUF005
+            xs = xs + (gl.allocate_shared_memory(dtype, [4 * BLOCK_M, 32], XS),)  # noqa: RUF005
+        here = _item_at(pid, items, tiles, N, M, STEPS)
+        for first in gl.static_range(STAGES - 1):
+            _issue_chunk(q_ptr, x_ptr, codes[first], xs[first], here, first, K, KW4, BLOCK_M)
+        scales = _item_scales(s_ptr, z_ptr, here, K, stride_sn, FORMAT, GROUP, STEPS)
         for it in range(my_items):
-            item = pid + it * gl.num_programs(0)
-            next_scales = _item_scales(s_ptr, z_ptr, item + gl.num_programs(0), items, tiles,
-                                       N, K, stride_sn, FORMAT, GROUP, STEPS)  # fmt: skip
+            item = pid + it * programs
+            after = _item_at(item + programs, items, tiles, N, M, STEPS)
+            next_scales = _item_scales(s_ptr, z_ptr, after, K, stride_sn, FORMAT, GROUP, STEPS)
             acc = gl.zeros([_ROWS, BLOCK_M], gl.float32, MMA)
             for st in gl.static_range(STEPS):
-                job = it * STEPS + st
-                async_copy.wait_group(STAGES - 2)  # job's copies have landed (this thread's)
+                async_copy.wait_group(STAGES - 2)  # chunk st's copies have landed (this thread's)
                 _barrier()  # everyone's have; and everyone is done with the slot refilled next
-                _issue_job(q_ptr, x_ptr, codes, x_rows, job + STAGES - 1, jobs, tiles, M, N,
-                           K, KW4, STEPS, STAGES, BLOCK_M)  # fmt: skip
+                # the chunk to issue: st + STAGES - 1 of this item, or of the next one
+                if st + STAGES - 1 < STEPS:
+                    _issue_chunk(q_ptr, x_ptr, codes[(st + STAGES - 1) % STAGES],
+                                 xs[(st + STAGES - 1) % STAGES], here, st + STAGES - 1, K, KW4,
+                                 BLOCK_M)  # fmt: skip
+                else:
+                    _issue_chunk(q_ptr, x_ptr, codes[(st + STAGES - 1) % STAGES],
+                                 xs[(st + STAGES - 1) % STAGES], after, st + STAGES - 1 - STEPS,
+                                 K, KW4, BLOCK_M)  # fmt: skip
                 scale, zero = scales[st]
-                acc = _job_mma(acc, codes, x_rows, job % STAGES, scale, zero, FORMAT, BLOCK_M,
-                               dtype)  # fmt: skip
+                acc = _chunk_mma(acc, codes[st % STAGES], xs[st % STAGES], scale, zero, FORMAT,
+                                 BLOCK_M, dtype)  # fmt: skip
             _finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, item % tiles,
                          item // tiles, splits, M, N, HAS_BIAS, SPLIT, BLOCK_M)  # fmt: skip
             scales = next_scales
-
+            here = after

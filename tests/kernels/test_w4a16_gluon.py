@@ -28,14 +28,15 @@ COMPILE_FOR_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from qshard.kernels.w4a16_gluon import _register_kernel
+from qshard.kernels.w4a16_gluon import _CONFIGS, _register_kernel
 names = list(_register_kernel.arg_names)
-for fmt, dtype, block_m in ((0, "bf16", 16), (1, "bf16", 128), (2, "fp16", 32)):
+for fmt, dtype, block_m in ((0, "bf16", 8), (0, "bf16", 16), (1, "bf16", 128), (2, "fp16", 32)):
+    steps, stages, _ = _CONFIGS[block_m]
     types = [f"*{dtype}", "*i32", "*bf16", "*bf16", f"*{dtype}", f"*{dtype}", "*fp32", "*i32"]
     source = GluonASTSource(
         fn=_register_kernel, signature=dict(zip(names, types + ["i32"] * 6 + ["constexpr"] * 7)),
         constexprs={"FORMAT": fmt, "GROUP": 128, "HAS_BIAS": True, "SPLIT": True,
-                    "STEPS": 8, "STAGES": 3 if block_m > 64 else 6, "BLOCK_M": block_m},
+                    "STEPS": steps, "STAGES": stages, "BLOCK_M": block_m},
         attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)})
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 """
@@ -156,16 +157,16 @@ def test_matches_the_reference(name, dtype, shape):
 
 @hopper
 def test_every_config_matches_the_reference():
-    """Each (STEPS, STAGES, PER_SM, BLOCK_M) a tuned config could name: one item per program,
-    a persistent grid, partial last splits, a ring deeper than a program's chunks."""
+    """Each (STEPS, STAGES, PER_SM, BLOCK_M) a config could name: one item per program, a
+    persistent grid, partial last splits, a ring as deep as an item, every token tile."""
     from qshard.kernels.w4a16_gluon import register_launch
 
     n, k, group = 1000, 3200, 128
     w = torch.randn(n, k, device="cuda") * 0.02
     qdata, scale, zero = int4.quantize_int4(w, group, False)
-    for steps, stages in ((1, 3), (3, 4), (8, 2), (16, 6)):
+    for steps, stages in ((2, 2), (3, 3), (8, 4), (16, 8)):
         for per_sm in (2, 0):
-            for m, block_m in ((5, 16), (20, 32), (64, 64), (65, 128)):
+            for m, block_m in ((5, 8), (9, 16), (20, 32), (64, 64), (65, 128)):
                 if (block_m * 256 + 4096) * stages > 200 * 1024:
                     continue  # the ring would not fit in shared memory
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
