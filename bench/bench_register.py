@@ -4,7 +4,8 @@ wgmma kernel, on the Llama-3.1-8B layer; a sweep of its configs. Notes:
 docs/kernels/w4a16_register.md.
 
     PYTHONPATH=$PWD python bench/bench_register.py [--ms 2,4,8,16,32,64,128]
-        [--shapes qkv,o,gate_up,down] [--configs STEPS:STAGES:PER_SM,...] [--no-probe]
+        [--shapes qkv,o,gate_up,down] [--no-probe]
+        [--configs STEPS:STAGES:PER_SM[:WARPS[:MAXNREG]],...]
 
 Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated past the L2).
 Prints per shape and M the time of each method and of each register config, then per M the
@@ -56,7 +57,8 @@ def main() -> None:
     args = parser.parse_args()
     print(versions_line([]))
     ms = [int(m) for m in args.ms.split(",")]
-    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+    configs = [tuple(int(v) for v in c.split(":")) + (4, 0)[len(c.split(":")) - 3:]
+               for c in args.configs.split(",")]  # STEPS:STAGES:PER_SM[:WARPS[:MAXNREG]]
     sums: dict[tuple[int, str], float] = {}
     for name in args.shapes.split(","):
         n, k = LLAMA[name]
@@ -74,19 +76,23 @@ def main() -> None:
                 Format.INT4_ASYM, a, q, s, z, s, None, GROUP, c)), weights, x)  # fmt: skip
             default = register_config(m, n, k, x.device)
             best = None
-            mine = (default["STEPS"], default["STAGES"], default["PER_SM"])
-            for steps, stages, per_sm in [*configs, mine]:
-                config = {**default, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm}
-                if (config["BLOCK_M"] * 256 + 4096) * stages > 200 * 1024 or steps % stages:
+            mine = (default["STEPS"], default["STAGES"], default["PER_SM"], default["WARPS"],
+                    default.get("MAXNREG", 0))  # fmt: skip
+            for steps, stages, per_sm, warps, maxnreg in dict.fromkeys([*configs, mine]):
+                config = {**default, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm,
+                          "WARPS": warps, "MAXNREG": maxnreg}  # fmt: skip
+                ring = (config["BLOCK_M"] * 256 + 1024 * warps) * stages
+                if ring > 200 * 1024 or steps % stages:
                     continue  # the ring must fit in shared memory, an item fill it exactly
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 t = timed(lambda q, s, z, c=config, o=out: (lambda a: register_launch(
                     0, a, q, s, z, None, o, GROUP, c)), weights, x)  # fmt: skip
-                row[f"reg {steps}:{stages}:{per_sm}"] = t
-                if (steps, stages, per_sm) == mine:
+                name = ":".join(str(v) for v in (steps, stages, per_sm, warps, maxnreg))
+                row[f"reg {name}"] = t
+                if (steps, stages, per_sm, warps, maxnreg) == mine:
                     row["reg default"] = t
                 if best is None or t < best[0]:
-                    best = (t, f"{steps}:{stages}:{per_sm}")
+                    best = (t, name)
             row["reg best"] = best[0]
             if m == 16 and not args.no_probe:
                 row.update(probe(weights, n, k, x))

@@ -64,7 +64,7 @@ except Exception as error:  # an old or a future Triton: the Triton kernels run 
 
 __all__ = ["REGISTER_MAX_M", "register_config", "register_launch", "register_problem"]
 
-ROWS = 64  # weight rows per program: 4 warps x 16 (mma.sync's M)
+ROWS_PER_WARP = 16  # mma.sync's M: a program's tile is 16 x WARPS weight rows
 CHUNK = 128  # columns of K per chunk (the MMAs over a chunk share one x slice in shared memory)
 REGISTER_MIN_M, REGISTER_MAX_M = 2, 128
 REGISTER_GROUPS = (32, 64, 128, 256)  # a 32-column word run never crosses a group
@@ -93,17 +93,20 @@ def register_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int)
 
 def register_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """BLOCK_M tokens per tile, STEPS chunks of 128 columns per work item, a ring of STAGES
-    chunks, PER_SM programs per SM (persistent grid). At 2-8 tokens 8 / 4 / 3 was the best of
-    the configs timed on three of the four Llama-3.1-8B shapes and within 0.5 % on the fourth
-    (H100; docs/kernels/w4a16_register.md, v2). Larger tiles: the best of the v2 sweep, which
-    the op does not choose (the Triton kernel is faster there)."""
+    chunks, PER_SM programs per SM (persistent grid) of WARPS warps (16 weight rows each),
+    registers capped at MAXNREG (0: no cap) so that PER_SM programs fit. Up to 16 tokens:
+    8 / 4 / 2 programs of 8 warps under 128 registers, the best single config of the v4 sweep
+    on the Llama-3.1-8B layer (H100; docs/kernels/w4a16_register.md). Larger tiles: the best
+    of that sweep, which the op does not choose (the Triton kernel is faster there)."""
     block_m = 8 if m <= 8 else max(16, triton.next_power_of_2(m))
-    steps, stages, per_sm = _CONFIGS[block_m]
-    return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm}
+    steps, stages, per_sm, warps, maxnreg = _CONFIGS[block_m]
+    return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm,
+            "WARPS": warps, "MAXNREG": maxnreg}  # fmt: skip
 
 
-# BLOCK_M -> (STEPS, STAGES, PER_SM); see `register_config`
-_CONFIGS = {8: (8, 4, 3), 16: (8, 4, 3), 32: (16, 4, 2), 64: (16, 4, 2), 128: (8, 2, 1)}
+# BLOCK_M -> (STEPS, STAGES, PER_SM, WARPS, MAXNREG); see `register_config`
+_CONFIGS = {8: (8, 4, 2, 8, 128), 16: (8, 4, 2, 8, 128), 32: (16, 4, 1, 8, 0),
+            64: (16, 4, 1, 8, 0), 128: (8, 2, 1, 4, 0)}  # fmt: skip
 
 
 def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
@@ -114,11 +117,12 @@ def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     n = qdata.shape[0]
     config = dict(config or register_config(m, n, k, x.device))
     block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
-    if steps % config["STAGES"] or block_m not in _CONFIGS:
+    warps = config.get("WARPS", 4)
+    if steps % config["STAGES"] or block_m not in _CONFIGS or warps not in (4, 8):
         raise ValueError(f"register kernel config {config}: STEPS must be a multiple of STAGES "
-                         f"(each chunk's ring slot is fixed at compile time) and BLOCK_M one "
-                         f"of {sorted(_CONFIGS)}")  # fmt: skip
-    tiles = triton.cdiv(n, ROWS)
+                         f"(each chunk's ring slot is fixed at compile time), BLOCK_M one of "
+                         f"{sorted(_CONFIGS)} and WARPS 4 or 8")  # fmt: skip
+    tiles = triton.cdiv(n, ROWS_PER_WARP * warps)
     splits = triton.cdiv(triton.cdiv(k, CHUNK), steps)
     items = tiles * splits
     grid = min(items, per_sm * _sm_count(x.device.index or 0))
@@ -127,7 +131,8 @@ def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
         x, qdata.view(torch.int32), scale, zero, bias if bias is not None else out, out,
         partials, arrived, m, n, k, k // 32, scale.stride(0), splits,
         FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STEPS=steps,
-        STAGES=config["STAGES"], BLOCK_M=block_m, num_warps=4,
+        STAGES=config["STAGES"], BLOCK_M=block_m, num_warps=warps,
+        **({"maxnreg": config["MAXNREG"]} if config.get("MAXNREG") else {}),
     )  # fmt: skip
     return out
 
@@ -135,7 +140,6 @@ def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
 # ---- the kernel --------------------------------------------------------------------------------
 
 if GLUON_IMPORT_ERROR is None:
-    _ROWS = gl.constexpr(ROWS)
     _CHUNK = gl.constexpr(CHUNK)
     _DECODE_PAIRS = """
     shr.u32 r, $8, 4;
@@ -177,32 +181,34 @@ if GLUON_IMPORT_ERROR is None:
     _DECODE_FP32_F16 = gl.constexpr(_DECODE_FP32.replace("$CVT", "f16x2"))
 
     @gluon.constexpr_function
-    def _codes_layout():
-        """One chunk's code words [64 rows m, 4 t, 4 j]: thread (warp w, lane 4g + t) holds
-        words 4t .. 4t + 3 (one 16-byte load) of rows 16w + g and 16w + g + 8."""
+    def _codes_layout(warps):
+        """One chunk's code words [16 warps rows m, 4 t, 4 j]: thread (warp w, lane 4g + t)
+        holds words 4t .. 4t + 3 (one 16-byte load) of rows 16w + g and 16w + g + 8."""
         return gl.DistributedLinearLayout(
             reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
             lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[_ROWS, 4, 4],
+            warp_bases=[[16 << i, 0, 0] for i in range(warps.bit_length() - 1)],
+            block_bases=[], shape=[16 * warps, 4, 4],
         )  # fmt: skip
 
     @gluon.constexpr_function
-    def _x_layout(block_m):
+    def _x_layout(block_m, warps):
         """x's 32 columns [block_m tokens n, 32 (8t + e)] of one word j, as thread (g, t) reads
         them: tokens g, g + 8, ..., 8 contiguous columns; every warp holds all of them."""
         tiles = [[8 << i, 0] for i in range(block_m.bit_length() - 4)]
         return gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [0, 4], *tiles],
             lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[block_m, 32],
+            warp_bases=[[0, 0]] * (warps.bit_length() - 1), block_bases=[], shape=[block_m, 32],
         )  # fmt: skip
 
     @gluon.jit
     def _item_at(item, items, tiles, N, M, STEPS: gl.constexpr):
         """Work item `item`'s first row, first chunk, and the rows and tokens that exist (none
         past the last item, so that its copies are empty): one division per item."""
+        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
         live = item < items
-        return (item % tiles) * _ROWS, (item // tiles) * STEPS, N * live, M * live
+        return (item % tiles) * TILE_ROWS, (item // tiles) * STEPS, N * live, M * live
 
     @gluon.jit
     def _issue_chunk(q_ptr, x_ptr, codes, x_slot, at, step: gl.constexpr, K, KW4,
@@ -210,11 +216,12 @@ if GLUON_IMPORT_ERROR is None:
         """cp.async of chunk `step` of the item at `at` (`_item_at`) into one ring slot
         (`codes` [64, 4, 4], `x_slot` [4, BLOCK_M, 32]): the 64 rows' code words (each thread
         copies the 16 bytes it will decode) and x's chunk; one commit group."""
-        CODES: gl.constexpr = _codes_layout()
+        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        CODES: gl.constexpr = _codes_layout(gl.num_warps())
         RUNS: gl.constexpr = gl.SliceLayout(2, CODES)
         row0, chunk0, n_live, m_live = at
         chunk = chunk0 + step
-        m = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, RUNS))
+        m = gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(1, RUNS))
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, RUNS))
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, CODES)))
         rows = row0 + m
@@ -230,9 +237,10 @@ if GLUON_IMPORT_ERROR is None:
                      GROUP: gl.constexpr, STEPS: gl.constexpr):  # fmt: skip
         """The scales and zeros of the item at `at` (`_item_at`), a tuple of STEPS ([64, 4],
         [64, 4]): one per row and 32-column run of each chunk (loaded an item ahead)."""
-        RUNS: gl.constexpr = gl.SliceLayout(2, _codes_layout())
+        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        RUNS: gl.constexpr = gl.SliceLayout(2, _codes_layout(gl.num_warps()))
         row0, chunk0, n_live, _ = at
-        m = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, RUNS))
+        m = gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(1, RUNS))
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, RUNS))
         rows = row0 + m
         row_ok = (rows < n_live)[:, None]
@@ -244,7 +252,7 @@ if GLUON_IMPORT_ERROR is None:
             at = row_at + (col // GROUP)[None, :]
             scale = gl.load(s_ptr + at, mask=ok, other=0.0)
             if FORMAT == 1:  # symmetric: every zero is 8 (not stored)
-                zero = gl.full([_ROWS, 4], 8.0, gl.bfloat16, RUNS)
+                zero = gl.full([TILE_ROWS, 4], 8.0, gl.bfloat16, RUNS)
             else:
                 zero = gl.load(z_ptr + at, mask=ok, other=0.0)
             out = out + ((scale, zero),)  # noqa: RUF005 (Triton builds tuples so)
@@ -255,12 +263,13 @@ if GLUON_IMPORT_ERROR is None:
                        dtype: gl.constexpr):  # fmt: skip
         """Word j of each thread's runs decoded: the A operand [64, 32] (logical columns
         32j + 8b + 2t + h of the chunk, see the module docstring), in `dtype`."""
-        w = gl.reshape(words, [_ROWS, 4, 2, 2])  # word j = 2 j1 + j0, in registers
+        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        w = gl.reshape(words, [TILE_ROWS, 4, 2, 2])  # word j = 2 j1 + j0, in registers
         w = gl.split(gl.split(w)[j % 2])[j // 2]  # [64, 4]: rows x runs
         scale = gl.convert_layout(scale, w.type.layout, assert_trivial=True)  # the same
         zero = gl.convert_layout(zero, w.type.layout, assert_trivial=True)  # registers
         if FORMAT == 2:  # float zero point: (u - 8) * s + zero
-            neg_c = gl.full([_ROWS, 4], -136.0, gl.bfloat16, w.type.layout)
+            neg_c = gl.full([TILE_ROWS, 4], -136.0, gl.bfloat16, w.type.layout)
         else:
             neg_c = (-(zero.to(gl.float32) + 128.0)).to(gl.bfloat16)  # exact: 8-bit integers
         if dtype == gl.bfloat16 and FORMAT != 2:
@@ -272,7 +281,7 @@ if GLUON_IMPORT_ERROR is None:
             if FORMAT == 2:
                 add = zero.to(gl.float32)
             else:
-                add = gl.full([_ROWS, 4], -0.0, gl.float32, w.type.layout)
+                add = gl.full([TILE_ROWS, 4], -0.0, gl.float32, w.type.layout)
             args = [w, scale.to(gl.float32), neg_c, add]
             if dtype == gl.bfloat16:
                 p = gl.inline_asm_elementwise(
@@ -285,7 +294,7 @@ if GLUON_IMPORT_ERROR is None:
         # p[2b + h]: [64 m, 4 t] -> [m, 4 t, 2 h, 2 b0, 2 b1] -> [m, b1, b0, t, h] = [64, 32]
         a = gl.join(gl.join(gl.join(p[0], p[1]), gl.join(p[2], p[3])),
                     gl.join(gl.join(p[4], p[5]), gl.join(p[6], p[7])))  # fmt: skip
-        return gl.reshape(gl.permute(a, [0, 4, 3, 1, 2]), [_ROWS, 32])
+        return gl.reshape(gl.permute(a, [0, 4, 3, 1, 2]), [TILE_ROWS, 32])
 
     @gluon.jit
     def _b_operand(x, BLOCK_M: gl.constexpr):
@@ -300,7 +309,7 @@ if GLUON_IMPORT_ERROR is None:
         copies into one buffer would each get a barrier from Triton's hazard analysis): the
         8-column piece 32t + 8j of the chunk goes to [j][:, 8t] (tokens >= M, columns >= K
         zero-filled)."""
-        XC: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+        XC: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [gl.num_warps(), 1, 1], [2, 1, 0])
         r = gl.arange(0, 4 * BLOCK_M, layout=gl.SliceLayout(1, gl.SliceLayout(2, XC)))[:, None]
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, XC)))[None, :]
         e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, XC)))[None, None, :]
@@ -315,14 +324,14 @@ if GLUON_IMPORT_ERROR is None:
                    BLOCK_M: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
         """acc + one chunk of the weight (decoded from its ring slot) @ x's chunk."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+            version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8])
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        words = codes.load(_codes_layout())  # the 16 bytes this thread copied
+        words = codes.load(_codes_layout(gl.num_warps()))  # the 16 bytes this thread copied
         for j in gl.static_range(4):
             a = gl.convert_layout(_chunk_weights(words, scale, zero, j, FORMAT, dtype), A,
                                   assert_trivial=True)  # fmt: skip
-            x = x_slot.slice(j * BLOCK_M, BLOCK_M).load(_x_layout(BLOCK_M))
+            x = x_slot.slice(j * BLOCK_M, BLOCK_M).load(_x_layout(BLOCK_M, gl.num_warps()))
             b = gl.convert_layout(_b_operand(x, BLOCK_M), B, assert_trivial=True)
             acc = mma_v2(a, b, acc)
         return acc
@@ -331,9 +340,11 @@ if GLUON_IMPORT_ERROR is None:
     def _store_tile(acc, bias_ptr, out_ptr, tile, M, N, HAS_BIAS: gl.constexpr,
                     BLOCK_M: gl.constexpr):  # fmt: skip
         """out[n, rows] = acc^T + bias (fp32), cast to out's dtype."""
-        OUT: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])  # rows fastest
+        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        # rows fastest
+        OUT: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, gl.num_warps()], [0, 1])
         acc = gl.convert_layout(acc, OUT)
-        rows = tile * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, OUT))
+        rows = tile * TILE_ROWS + gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(1, OUT))
         toks = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT))
         if HAS_BIAS:
             acc += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
@@ -346,9 +357,10 @@ if GLUON_IMPORT_ERROR is None:
                      HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr):
         """Write the tile, or store this split's partial sums and, if this program is the
         tile's last to arrive, write their sum in split order (split_k.py's scheme)."""
+        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
         if SPLIT:
             MMA: gl.constexpr = acc.type.layout
-            rows = tile * _ROWS + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, MMA))
+            rows = tile * TILE_ROWS + gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(1, MMA))
             toks = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
             mask = (rows < N)[:, None] & (toks < M)[None, :]
             at = toks[None, :] * N + rows[:, None]
@@ -356,7 +368,7 @@ if GLUON_IMPORT_ERROR is None:
             _barrier()  # every thread's partial sums are stored before the program counts
             arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if arrived == splits - 1:
-                total = gl.zeros([_ROWS, BLOCK_M], gl.float32, MMA)
+                total = gl.zeros([TILE_ROWS, BLOCK_M], gl.float32, MMA)
                 for sp in range(splits):
                     total += gl.load(part_ptr + sp * M * N + at, mask=mask, other=0.0,
                                      cache_modifier=".cg")  # fmt: skip
@@ -377,8 +389,9 @@ if GLUON_IMPORT_ERROR is None:
         time: each slot is its own buffer, and Triton's hazard analysis, which cannot tell
         slots of one buffer apart, adds no barrier between a copy into one slot and the reads
         of another (the one explicit barrier per chunk orders them)."""
+        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+            version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8])
         # x: [j] x [BLOCK_M, 32]: 64-byte rows, so lanes 0-7 of a B read (tokens g and g + 1,
         # 16 bytes at 8t) cover 128 bytes: no bank conflict, no swizzle needed; the codes:
         # each thread reads back the 16-byte runs it copied (512 contiguous per warp)
@@ -386,7 +399,7 @@ if GLUON_IMPORT_ERROR is None:
         CS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         gl.static_assert(STEPS % STAGES == 0, "a work item's chunks fill the ring exactly")
-        tiles = gl.cdiv(N, _ROWS)
+        tiles = gl.cdiv(N, TILE_ROWS)
         items = tiles * splits
         pid = gl.program_id(0)
         programs = gl.num_programs(0)
@@ -394,7 +407,7 @@ if GLUON_IMPORT_ERROR is None:
         codes = ()
         xs = ()
         for _slot in gl.static_range(STAGES):
-            codes = codes + (gl.allocate_shared_memory(gl.int32, [_ROWS, 4, 4], CS),)  # noqa: RUF005
+            codes = codes + (gl.allocate_shared_memory(gl.int32, [TILE_ROWS, 4, 4], CS),)  # noqa: RUF005
             xs = xs + (gl.allocate_shared_memory(dtype, [4 * BLOCK_M, 32], XS),)  # noqa: RUF005
         here = _item_at(pid, items, tiles, N, M, STEPS)
         for first in gl.static_range(STAGES - 1):
@@ -404,7 +417,7 @@ if GLUON_IMPORT_ERROR is None:
             item = pid + it * programs
             after = _item_at(item + programs, items, tiles, N, M, STEPS)
             next_scales = _item_scales(s_ptr, z_ptr, after, K, stride_sn, FORMAT, GROUP, STEPS)
-            acc = gl.zeros([_ROWS, BLOCK_M], gl.float32, MMA)
+            acc = gl.zeros([TILE_ROWS, BLOCK_M], gl.float32, MMA)
             for st in gl.static_range(STEPS):
                 async_copy.wait_group(STAGES - 2)  # chunk st's copies have landed (this thread's)
                 _barrier()  # everyone's have; and everyone is done with the slot refilled next

@@ -30,15 +30,16 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from qshard.kernels.w4a16_gluon import _CONFIGS, _register_kernel
 names = list(_register_kernel.arg_names)
-for fmt, dtype, block_m in ((0, "bf16", 8), (0, "bf16", 16), (1, "bf16", 128), (2, "fp16", 32)):
-    steps, stages, _ = _CONFIGS[block_m]
+for fmt, dtype, block_m, warps in ((0, "bf16", 8, 4), (0, "bf16", 16, 8), (1, "bf16", 128, 4),
+                                   (2, "fp16", 32, 4)):
+    steps, stages = _CONFIGS[block_m][:2]
     types = [f"*{dtype}", "*i32", "*bf16", "*bf16", f"*{dtype}", f"*{dtype}", "*fp32", "*i32"]
     source = GluonASTSource(
         fn=_register_kernel, signature=dict(zip(names, types + ["i32"] * 6 + ["constexpr"] * 7)),
         constexprs={"FORMAT": fmt, "GROUP": 128, "HAS_BIAS": True, "SPLIT": True,
                     "STEPS": steps, "STAGES": stages, "BLOCK_M": block_m},
         attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 """
 
 
@@ -74,6 +75,21 @@ def test_weight_and_activation_permutations_agree():
         assert torch.equal(weight_col, x_col)
     every = torch.cat([2 * (4 * (4 * t + j) + b) + h for j in range(4)])
     assert torch.equal(every.sort().values, torch.arange(128))
+
+
+def test_a_config_the_kernel_cannot_build_is_refused():
+    """Each chunk's ring slot is fixed at compile time, so an item's chunks must fill the ring
+    exactly: a config that breaks it (or names an unknown tile or warp count) is a ValueError
+    that says the rule, raised before anything is launched."""
+    from qshard.kernels.w4a16_gluon import register_config, register_launch
+
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    q = torch.zeros(64, 128, dtype=torch.uint8)
+    good = register_config(4, 64, 256, x.device)
+    assert good["STEPS"] % good["STAGES"] == 0
+    for bad in ({"STEPS": 3, "STAGES": 2}, {"BLOCK_M": 12}, {"WARPS": 2}):
+        with pytest.raises(ValueError, match="STEPS must be a multiple of STAGES"):
+            register_launch(0, x, q, x, x, None, x, 128, {**good, **bad})
 
 
 def _bf16(bits: torch.Tensor) -> torch.Tensor:
@@ -157,22 +173,24 @@ def test_matches_the_reference(name, dtype, shape):
 
 @hopper
 def test_every_config_matches_the_reference():
-    """Each (STEPS, STAGES, PER_SM, BLOCK_M) a config could name: one item per program, a
-    persistent grid, partial last splits, a ring as deep as an item, every token tile."""
+    """Each (STEPS, STAGES, PER_SM, WARPS, MAXNREG, BLOCK_M) a config could name: one item per
+    program, a persistent grid, partial last splits, a ring as deep as an item, 4 and 8 warps,
+    a register cap, every token tile."""
     from qshard.kernels.w4a16_gluon import register_launch
 
     n, k, group = 1000, 3200, 128
     w = torch.randn(n, k, device="cuda") * 0.02
     qdata, scale, zero = int4.quantize_int4(w, group, False)
-    for steps, stages in ((2, 2), (3, 3), (8, 4), (16, 8)):
+    configs = ((2, 2, 4, 0), (3, 3, 4, 0), (8, 4, 8, 128), (16, 8, 8, 0))
+    for steps, stages, warps, maxnreg in configs:
         for per_sm in (2, 0):
             for m, block_m in ((5, 8), (9, 16), (20, 32), (64, 64), (65, 128)):
-                if (block_m * 256 + 4096) * stages > 200 * 1024:
+                if (block_m * 256 + 1024 * warps) * stages > 200 * 1024:
                     continue  # the ring would not fit in shared memory
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                config = {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages,
-                          "PER_SM": per_sm or 10**6}  # fmt: skip
+                config = {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages, "WARPS": warps,
+                          "MAXNREG": maxnreg, "PER_SM": per_sm or 10**6}  # fmt: skip
                 got = register_launch(0, x, qdata, scale, zero, None, out, group, config)
                 want = int4.int4_linear_reference(x, qdata, scale, zero, group)
                 assert relative_error(got, want) <= MAX_RELATIVE_ERROR[torch.bfloat16], config
