@@ -98,8 +98,8 @@ _NVFP4: tl.constexpr = tl.constexpr(int(Format.NVFP4))
 GEMV_MAX_M = 1
 FUSED_MAX_M = 128
 # The register kernel (w4a16_gluon.py) runs up to 128 tokens, but measured on an H100 it beats
-# the small-M kernel below only up to 16 (docs/kernels/w4a16_register.md, v4).
-REGISTER_CHOICE_MAX_M = 16
+# the small-M kernel below up to 12 (at 16 a tie; docs/kernels/w4a16_register.md, v4).
+REGISTER_CHOICE_MAX_M = 12
 MIN_STEPS_PER_SPLIT = 4
 
 
