@@ -4,7 +4,7 @@ straight from qshard's canonical packing, no device form (issue 24; notes and me
 docs/kernels/w4a16_register.md).
 
 out^T = W x^T with the weight rows on the MMA's M side ("swap AB", as Marlin): a program's tile
-is 64 weight rows (4 warps x 16) by BLOCK_M tokens, over STEPS chunks of 128 columns of K.
+is 16 x WARPS weight rows (4 or 8 warps) by BLOCK_M tokens, over STEPS chunks of 128 columns.
 
 **The K permutation that makes the canonical packing an MMA operand.** An MMA sums over K in any
 order, as long as both operands use the same one. Thread (g, t) = (lane / 4, lane % 4) of a warp
@@ -27,16 +27,20 @@ exact, times the scale, rounded once: the reference's weight bit for bit. For fp
 and float zero points the product is formed in fp32 ((u - z) * s exact, + zero rounded once)
 and converted to the activation dtype: the reference's two roundings, also bit for bit.
 
-**The pipeline.** A work item is (64-row tile, K split of STEPS chunks). Programs loop over
-items (a persistent grid), streaming their chunks through a ring of STAGES shared-memory slots
-by cp.async (each slot: the 64 rows' codes, each thread copying the 16-byte runs it will decode,
-and x's chunk), STAGES - 1 chunks in flight, across item boundaries and the epilogue; the scales
-of the next item are loaded into registers an item ahead. Split K: fp32 partial sums, the last
-program of a tile to arrive sums them in split order and writes the tile (`split_k.py`).
+**The pipeline.** A work item is (row tile, K split of STEPS chunks). Programs loop over items
+(a persistent grid), streaming their chunks through a ring of STAGES shared-memory slots by
+cp.async (each slot: the tile's codes, each thread copying the 16-byte runs it will decode, and
+x's chunk in one copy), STAGES - 1 chunks in flight, across item boundaries and the epilogue;
+the scales of the next item are loaded into registers an item ahead. STEPS is a multiple of
+STAGES, so each chunk's slot is known at compile time and each slot is its own buffer: Triton's
+shared-memory hazard analysis, which cannot tell slots of one buffer apart, then adds no
+barrier of its own (it added four per chunk before: docs/kernels/w4a16_register.md, v3).
+Split K: fp32 partial sums, the last program of a tile to arrive sums them in split order and
+writes the tile (`split_k.py`).
 
 Scope: Hopper (sm_90; mma.sync would run on sm_80 too, but the configs and the choice against
 the Triton kernels were measured on an H100 only), bf16 or fp16 activations, 2..128 tokens (the
-op chooses it for 2..8, where it is faster than the Triton small-M kernel: w4a16_triton.py),
+op chooses it for 2..12, where it is faster than the Triton small-M kernel: w4a16_triton.py),
 int4 asymmetric / symmetric / float zero point, groups of 32..256, K a multiple of 32. Elsewhere
 `w4a16_triton`'s kernels run, chosen inside the same `torch.library` op (`w4a16_triton.py`).
 Gluon kernels do not run in the Triton interpreter: CI compiles them for sm_90 (no GPU needed)
@@ -214,7 +218,7 @@ if GLUON_IMPORT_ERROR is None:
     def _issue_chunk(q_ptr, x_ptr, codes, x_slot, at, step: gl.constexpr, K, KW4,
                      BLOCK_M: gl.constexpr):  # fmt: skip
         """cp.async of chunk `step` of the item at `at` (`_item_at`) into one ring slot
-        (`codes` [64, 4, 4], `x_slot` [4, BLOCK_M, 32]): the 64 rows' code words (each thread
+        (`codes` [rows, 4, 4], `x_slot` [4 BLOCK_M, 32]): the tile's code words (each thread
         copies the 16 bytes it will decode) and x's chunk; one commit group."""
         TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
         CODES: gl.constexpr = _codes_layout(gl.num_warps())
@@ -235,8 +239,8 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _item_scales(s_ptr, z_ptr, at, K, stride_sn, FORMAT: gl.constexpr,
                      GROUP: gl.constexpr, STEPS: gl.constexpr):  # fmt: skip
-        """The scales and zeros of the item at `at` (`_item_at`), a tuple of STEPS ([64, 4],
-        [64, 4]): one per row and 32-column run of each chunk (loaded an item ahead)."""
+        """The scales and zeros of the item at `at` (`_item_at`), a tuple of STEPS ([rows, 4],
+        [rows, 4]): one per row and 32-column run of each chunk (loaded an item ahead)."""
         TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
         RUNS: gl.constexpr = gl.SliceLayout(2, _codes_layout(gl.num_warps()))
         row0, chunk0, n_live, _ = at
@@ -261,11 +265,11 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _chunk_weights(words, scale, zero, j: gl.constexpr, FORMAT: gl.constexpr,
                        dtype: gl.constexpr):  # fmt: skip
-        """Word j of each thread's runs decoded: the A operand [64, 32] (logical columns
+        """Word j of each thread's runs decoded: the A operand [rows, 32] (logical columns
         32j + 8b + 2t + h of the chunk, see the module docstring), in `dtype`."""
         TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
         w = gl.reshape(words, [TILE_ROWS, 4, 2, 2])  # word j = 2 j1 + j0, in registers
-        w = gl.split(gl.split(w)[j % 2])[j // 2]  # [64, 4]: rows x runs
+        w = gl.split(gl.split(w)[j % 2])[j // 2]  # [rows, 4 runs]
         scale = gl.convert_layout(scale, w.type.layout, assert_trivial=True)  # the same
         zero = gl.convert_layout(zero, w.type.layout, assert_trivial=True)  # registers
         if FORMAT == 2:  # float zero point: (u - 8) * s + zero
@@ -291,7 +295,7 @@ if GLUON_IMPORT_ERROR is None:
                 p = gl.inline_asm_elementwise(
                     _DECODE_FP32_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r", args,
                     dtype=(gl.float16,) * 8, is_pure=True, pack=1)  # fmt: skip
-        # p[2b + h]: [64 m, 4 t] -> [m, 4 t, 2 h, 2 b0, 2 b1] -> [m, b1, b0, t, h] = [64, 32]
+        # p[2b + h]: [m, 4 t] -> [m, 4 t, 2 h, 2 b0, 2 b1] -> [m, b1, b0, t, h] = [rows, 32]
         a = gl.join(gl.join(gl.join(p[0], p[1]), gl.join(p[2], p[3])),
                     gl.join(gl.join(p[4], p[5]), gl.join(p[6], p[7])))  # fmt: skip
         return gl.reshape(gl.permute(a, [0, 4, 3, 1, 2]), [TILE_ROWS, 32])
