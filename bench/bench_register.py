@@ -27,20 +27,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_fp8 import LLAMA, copies_for, time_us, versions_line
 
-from qshard.kernels import int4
+from qshard.kernels import int4, mxfp4
 from qshard.kernels.tuning import tuned_config
 from qshard.kernels.w4a16_gluon import register_config, register_launch
 from qshard.kernels.w4a16_triton import Format, default_config, linear_launch, tuned_format
 
-GROUP = 128
+# --format: (Format, group, quantize: weight -> (codes, scale, zero))
+FORMATS = {
+    "int4": (Format.INT4_ASYM, 128, lambda w: int4.quantize_int4(w, 128, symmetric=False)),
+    "mxfp4": (Format.MXFP4, 32, lambda w: (*mxfp4.quantize_mxfp4(w), w[:0])),
+}
 
 
-def triton_config(n: int, k: int, m: int) -> dict:
+def triton_config(fmt: Format, group: int, n: int, k: int, m: int) -> dict:
     """What `linear_launch` chose before the register kernel: tuned, else the default."""
-    fmt = tuned_format(Format.INT4_ASYM, GROUP)
     device = torch.device("cuda")
-    return tuned_config("w4a16", fmt, n, k, m, device) or default_config(
-        Format.INT4_ASYM, m, n, k, device)  # fmt: skip
+    return tuned_config("w4a16", tuned_format(fmt, group), n, k, m, device) or default_config(
+        fmt, m, n, k, device)  # fmt: skip
 
 
 def timed(make, weights, x) -> float:
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="qkv,o,gate_up,down")
     parser.add_argument("--configs", default="4:4:3,4:4:4,8:4:2,8:4:4,8:8:2,12:6:2,16:4:2,16:8:2")
     parser.add_argument("--no-probe", action="store_true")
+    parser.add_argument("--format", default="int4", choices=sorted(FORMATS))
     args = parser.parse_args()
     print(versions_line([]))
     ms = [int(m) for m in args.ms.split(",")]
@@ -63,7 +67,9 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = LLAMA[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        q, s, z = int4.quantize_int4(w, GROUP, symmetric=False)
+        fmt, group, quantize = FORMATS[args.format]
+        q, s, z = quantize(w)
+        z = z if z.numel() else q  # (MXFP4 has no zero: any tensor)
         count = copies_for(n * k // 2, 1)
         weights = [(q.clone(), s.clone(), z.clone()) for _ in range(count)]
         dense = [w.clone() for _ in range(copies_for(n * k * 2, 1))]
@@ -71,9 +77,9 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
                                  [(d,) for d in dense], x)}  # fmt: skip
-            cfg = triton_config(n, k, m)
-            row["triton"] = timed(lambda q, s, z, c=cfg: (lambda a: linear_launch(
-                Format.INT4_ASYM, a, q, s, z, s, None, GROUP, c)), weights, x)  # fmt: skip
+            cfg = triton_config(fmt, group, n, k, m)
+            row["triton"] = timed(lambda q, s, z, c=cfg, f=fmt, g=group: (lambda a: linear_launch(
+                f, a, q, s, z, s, None, g, c)), weights, x)  # fmt: skip
             default = register_config(m, n, k, x.device)
             best = None
             mine = (default["STEPS"], default["STAGES"], default["PER_SM"], default["WARPS"],
@@ -85,8 +91,8 @@ def main() -> None:
                 if ring > 200 * 1024 or steps % stages:
                     continue  # the ring must fit in shared memory, an item fill it exactly
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                t = timed(lambda q, s, z, c=config, o=out: (lambda a: register_launch(
-                    0, a, q, s, z, None, o, GROUP, c)), weights, x)  # fmt: skip
+                t = timed(lambda q, s, z, c=config, o=out, f=int(fmt), g=group: (
+                    lambda a: register_launch(f, a, q, s, z, None, o, g, c)), weights, x)
                 name = ":".join(str(v) for v in (steps, stages, per_sm, warps, maxnreg))
                 row[f"reg {name}"] = t
                 if (steps, stages, per_sm, warps, maxnreg) == mine:
@@ -94,7 +100,7 @@ def main() -> None:
                 if best is None or t < best[0]:
                     best = (t, name)
             row["reg best"] = best[0]
-            if m == 16 and not args.no_probe:
+            if m == 16 and not args.no_probe and args.format == "int4":
                 row.update(probe(weights, n, k, x))
             cells = "  ".join(f"{key} {v:.2f}" for key, v in row.items())
             print(f"{name} {n}x{k} M={m}: {cells}  (best reg {best[1]})", flush=True)

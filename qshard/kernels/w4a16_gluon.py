@@ -73,6 +73,7 @@ CHUNK = 128  # columns of K per chunk (the MMAs over a chunk share one x slice i
 REGISTER_MIN_M, REGISTER_MAX_M = 2, 128
 REGISTER_GROUPS = (32, 64, 128, 256)  # a 32-column word run never crosses a group
 INT4_FORMATS = (0, 1, 2)  # Format.INT4_ASYM, INT4_SYM, INT4_FZERO (w4a16_triton.Format)
+MXFP4 = 3  # Format.MXFP4: e2m1 codes, an e8m0 scale per 32 columns
 
 
 def register_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
@@ -82,8 +83,10 @@ def register_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int)
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
         return "the register kernel is built and measured for Hopper (sm_90) only"
     m, k = x.shape
-    if fmt not in INT4_FORMATS:
-        return "the register kernel covers the int4 formats (MXFP4 / NVFP4: not yet)"
+    if fmt not in (*INT4_FORMATS, MXFP4):
+        return "the register kernel covers the int4 formats and MXFP4 (NVFP4: not yet)"
+    if fmt == MXFP4 and group != 32:
+        return f"MXFP4 has groups of 32 columns, not {group}"
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"it multiplies bf16 or fp16 activations, not {x.dtype}"
     if not REGISTER_MIN_M <= m <= REGISTER_MAX_M:
@@ -131,6 +134,8 @@ def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     items = tiles * splits
     grid = min(items, per_sm * _sm_count(x.device.index or 0))
     partials, arrived = workspace(m, n, splits, tiles, x.device) if splits > 1 else (out, out)
+    if fmt == MXFP4:
+        scale = scale.view(torch.uint8)  # e8m0: the exponent byte, made a power of two in-kernel
     _register_kernel[(grid,)](
         x, qdata.view(torch.int32), scale, zero, bias if bias is not None else out, out,
         partials, arrived, m, n, k, k // 32, scale.stride(0), splits,
@@ -183,6 +188,41 @@ if GLUON_IMPORT_ERROR is None:
     )
     _DECODE_FP32_BF16 = gl.constexpr(_DECODE_FP32.replace("$CVT", "bf16x2"))
     _DECODE_FP32_F16 = gl.constexpr(_DECODE_FP32.replace("$CVT", "f16x2"))
+    # MXFP4 (e2m1 codes): byte b's two nibbles as above, each placed as bf16 bits
+    # s << 15 | (e1 e0 m) << 6 (sign by a shift of 12, the rest by a shift of 6): the value
+    # times 2**-126 exactly (0.5 is bf16's subnormal 2**-127); then times 2**126 and times the
+    # group's 2**(E - 127), both exact, so the weight is the reference's e2m1 * 2**(E - 127).
+    _E2M1_PAIRS = "".join(
+        f"prmt.b32 v{b}, $8, r, {sel}; shl.b32 a, v{b}, 6; shl.b32 c, v{b}, 12;\n"
+        f"and.b32 a, a, 0x01C001C0; lop3.b32 v{b}, a, c, 0x80008000, 0xF8;\n"
+        for b, sel in enumerate(("0x4400", "0x5511", "0x6622", "0x7733"))
+    )
+    # $9: the group's 2**(E - 127) as bf16 (E = 0: the subnormal 2**-127)
+    _DECODE_E2M1_BF16 = gl.constexpr(
+        "{\n.reg .b32 r, a, c, v0, v1, v2, v3, s, big, neg0;\n"
+        "mov.b32 s, {$9, $9}; mov.b32 big, 0x7E807E80; mov.b32 neg0, 0x80008000;\n"
+        "shr.u32 r, $8, 4;\n"
+        + _E2M1_PAIRS
+        + "".join(f"fma.rn.bf16x2 v{b}, v{b}, big, neg0; fma.rn.bf16x2 v{b}, v{b}, s, neg0;\n"
+                  for b in range(4))
+        + "mov.b32 {$0, $1}, v0; mov.b32 {$2, $3}, v1;\n"
+        "mov.b32 {$4, $5}, v2; mov.b32 {$6, $7}, v3;\n}"
+    )
+    # fp16 activations: each half widened to fp32 (value * 2**-126), times 2**126 and the
+    # group's 2**(E - 127) ($9, fp32), exact; one rounding by cvt.rn to fp16, as the reference
+    _DECODE_E2M1_F16 = gl.constexpr(
+        "{\n.reg .b32 r, a, c, v0, v1, v2, v3, lo, hi;\n"
+        "shr.u32 r, $8, 4;\n"
+        + _E2M1_PAIRS
+        + "".join(
+            f"shl.b32 lo, v{b}, 16; and.b32 hi, v{b}, 0xffff0000;\n"
+            f"mul.rn.f32 lo, lo, 0f7E800000; mul.rn.f32 hi, hi, 0f7E800000;\n"
+            f"mul.rn.f32 lo, lo, $9; mul.rn.f32 hi, hi, $9;\n"
+            f"cvt.rn.f16x2.f32 v{b}, hi, lo; mov.b32 {{${2 * b}, ${2 * b + 1}}}, v{b};\n"
+            for b in range(4)
+        )
+        + "}"
+    )
 
     @gluon.constexpr_function
     def _codes_layout(warps):
@@ -238,7 +278,7 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _item_scales(s_ptr, z_ptr, at, K, stride_sn, FORMAT: gl.constexpr,
-                     GROUP: gl.constexpr, STEPS: gl.constexpr):  # fmt: skip
+                     GROUP: gl.constexpr, STEPS: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
         """The scales and zeros of the item at `at` (`_item_at`), a tuple of STEPS ([rows, 4],
         [rows, 4]): one per row and 32-column run of each chunk (loaded an item ahead)."""
         TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
@@ -254,13 +294,28 @@ if GLUON_IMPORT_ERROR is None:
             col = (chunk0 + st) * _CHUNK + 32 * t
             ok = row_ok & (col < K)[None, :]
             at = row_at + (col // GROUP)[None, :]
-            scale = gl.load(s_ptr + at, mask=ok, other=0.0)
-            if FORMAT == 1:  # symmetric: every zero is 8 (not stored)
+            scale = gl.load(s_ptr + at, mask=ok, other=0)
+            if FORMAT == 3:  # MXFP4: the e8m0 byte E, as 2**(E - 127); no zero
+                scale = _e8m0_power(scale.to(gl.int32), dtype)
+                zero = scale
+            elif FORMAT == 1:  # symmetric: every zero is 8 (not stored)
                 zero = gl.full([TILE_ROWS, 4], 8.0, gl.bfloat16, RUNS)
             else:
-                zero = gl.load(z_ptr + at, mask=ok, other=0.0)
+                zero = gl.load(z_ptr + at, mask=ok, other=0)
             out = out + ((scale, zero),)  # noqa: RUF005 (Triton builds tuples so)
         return out
+
+    @gluon.jit
+    def _e8m0_power(e, dtype: gl.constexpr):
+        """The e8m0 exponent byte e (int32) as 2**(e - 127) in bf16, or in fp32 for fp16
+        activations (their path multiplies in fp32): e = 0 is the subnormal 2**-127, 255 NaN."""
+        if dtype == gl.bfloat16:
+            bits = gl.where(e == 0, 0x40, gl.where(e == 255, 0x7FC0, e << 7))
+            power = bits.to(gl.int16).to(gl.bfloat16, bitcast=True)
+        else:
+            bits = gl.where(e == 0, 0x400000, gl.where(e == 255, 0x7FC00000, e << 23))
+            power = bits.to(gl.float32, bitcast=True)
+        return power
 
     @gluon.jit
     def _chunk_weights(words, scale, zero, j: gl.constexpr, FORMAT: gl.constexpr,
@@ -272,6 +327,23 @@ if GLUON_IMPORT_ERROR is None:
         w = gl.split(gl.split(w)[j % 2])[j // 2]  # [rows, 4 runs]
         scale = gl.convert_layout(scale, w.type.layout, assert_trivial=True)  # the same
         zero = gl.convert_layout(zero, w.type.layout, assert_trivial=True)  # registers
+        if FORMAT == 3:  # MXFP4: `scale` is the group's power of two (`_e8m0_power`)
+            if dtype == gl.bfloat16:
+                p = gl.inline_asm_elementwise(
+                    _DECODE_E2M1_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, scale],
+                    dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)  # fmt: skip
+            else:
+                p = gl.inline_asm_elementwise(
+                    _DECODE_E2M1_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, scale],
+                    dtype=(gl.float16,) * 8, is_pure=True, pack=1)  # fmt: skip
+        else:
+            p = _int4_planes(w, scale, zero, FORMAT, dtype)
+        return _fragments(p)
+
+    @gluon.jit
+    def _int4_planes(w, scale, zero, FORMAT: gl.constexpr, dtype: gl.constexpr):
+        """The int4 formats' 8 planes of word w (`_DECODE_BF16`, `_DECODE_FP32`)."""
+        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
         if FORMAT == 2:  # float zero point: (u - 8) * s + zero
             neg_c = gl.full([TILE_ROWS, 4], -136.0, gl.bfloat16, w.type.layout)
         else:
@@ -295,7 +367,13 @@ if GLUON_IMPORT_ERROR is None:
                 p = gl.inline_asm_elementwise(
                     _DECODE_FP32_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r", args,
                     dtype=(gl.float16,) * 8, is_pure=True, pack=1)  # fmt: skip
-        # p[2b + h]: [m, 4 t] -> [m, 4 t, 2 h, 2 b0, 2 b1] -> [m, b1, b0, t, h] = [rows, 32]
+        return p
+
+    @gluon.jit
+    def _fragments(p):
+        """The 8 decoded planes p[2b + h] ([rows, 4 t] each) as the A operand [rows, 32]: a
+        relabelling, [m, 4 t, 2 h, 2 b0, 2 b1] -> [m, b1, b0, t, h] (no data moves)."""
+        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
         a = gl.join(gl.join(gl.join(p[0], p[1]), gl.join(p[2], p[3])),
                     gl.join(gl.join(p[4], p[5]), gl.join(p[6], p[7])))  # fmt: skip
         return gl.reshape(gl.permute(a, [0, 4, 3, 1, 2]), [TILE_ROWS, 32])
@@ -416,11 +494,12 @@ if GLUON_IMPORT_ERROR is None:
         here = _item_at(pid, items, tiles, N, M, STEPS)
         for first in gl.static_range(STAGES - 1):
             _issue_chunk(q_ptr, x_ptr, codes[first], xs[first], here, first, K, KW4, BLOCK_M)
-        scales = _item_scales(s_ptr, z_ptr, here, K, stride_sn, FORMAT, GROUP, STEPS)
+        scales = _item_scales(s_ptr, z_ptr, here, K, stride_sn, FORMAT, GROUP, STEPS, dtype)
         for it in range(my_items):
             item = pid + it * programs
             after = _item_at(item + programs, items, tiles, N, M, STEPS)
-            next_scales = _item_scales(s_ptr, z_ptr, after, K, stride_sn, FORMAT, GROUP, STEPS)
+            next_scales = _item_scales(s_ptr, z_ptr, after, K, stride_sn, FORMAT, GROUP, STEPS,
+                                       dtype)  # fmt: skip
             acc = gl.zeros([TILE_ROWS, BLOCK_M], gl.float32, MMA)
             for st in gl.static_range(STEPS):
                 async_copy.wait_group(STAGES - 2)  # chunk st's copies have landed (this thread's)

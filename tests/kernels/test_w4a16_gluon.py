@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import relative_error
 
-from qshard.kernels import int4
+from qshard.kernels import int4, mxfp4
 from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -31,13 +31,14 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from qshard.kernels.w4a16_gluon import _CONFIGS, _register_kernel
 names = list(_register_kernel.arg_names)
 for fmt, dtype, block_m, warps in ((0, "bf16", 8, 4), (0, "bf16", 16, 8), (1, "bf16", 128, 4),
-                                   (2, "fp16", 32, 4)):
+                                   (2, "fp16", 32, 4), (3, "bf16", 8, 8), (3, "fp16", 16, 8)):
     steps, stages = _CONFIGS[block_m][:2]
-    types = [f"*{dtype}", "*i32", "*bf16", "*bf16", f"*{dtype}", f"*{dtype}", "*fp32", "*i32"]
+    s_type = "*u8" if fmt == 3 else "*bf16"  # MXFP4: the e8m0 bytes
+    types = [f"*{dtype}", "*i32", s_type, s_type, f"*{dtype}", f"*{dtype}", "*fp32", "*i32"]
     source = GluonASTSource(
         fn=_register_kernel, signature=dict(zip(names, types + ["i32"] * 6 + ["constexpr"] * 7)),
-        constexprs={"FORMAT": fmt, "GROUP": 128, "HAS_BIAS": True, "SPLIT": True,
-                    "STEPS": steps, "STAGES": stages, "BLOCK_M": block_m},
+        constexprs={"FORMAT": fmt, "GROUP": 32 if fmt == 3 else 128, "HAS_BIAS": True,
+                    "SPLIT": True, "STEPS": steps, "STAGES": stages, "BLOCK_M": block_m},
         attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)})
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 """
@@ -132,6 +133,44 @@ def test_decode_emulated_equals_the_reference(name, dtype):
     per_word = lambda t: t.repeat_interleave(group // 8, dim=1)  # noqa: E731
     zeros = per_word(zero) if zero.numel() else torch.full((n, k // 8), 8.0)
     got = _decode_emulated(words, per_word(scale), zeros, fmt, dtype).reshape(n, k)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+def _decode_e2m1_emulated(words: torch.Tensor, exponent: torch.Tensor, dtype) -> torch.Tensor:
+    """The PTX of `_DECODE_E2M1_BF16` / `_DECODE_E2M1_F16` on int64 words: [..] -> [.., 8]."""
+    q = words.to(torch.int64) & 0xFFFFFFFF
+    r = q >> 4
+    power = torch.ldexp(torch.ones_like(exponent, dtype=torch.float64), exponent.long() - 127)
+    out = []
+    for b in range(4):
+        qb, rb = (q >> 8 * b) & 0xFF, (r >> 8 * b) & 0xFF
+        v = qb | qb << 8 | rb << 16 | rb << 24  # prmt(q, r, 0x(4+b)(4+b)bb)
+        a = ((v << 6) & 0xFFFFFFFF) & 0x01C001C0
+        c = (v << 12) & 0xFFFFFFFF
+        v = a | (c & 0x80008000)  # lop3 0xF8: a | (b & c)
+        for half in (v, v >> 16):
+            value = _bf16(half) * 2.0**126  # exact, 0.5 from the subnormal 2**-127
+            if dtype == torch.bfloat16:
+                out.append((value * power).to(torch.bfloat16))  # exact product
+            else:
+                out.append((value * power).float().to(dtype))  # fp32 products, cvt.rn
+    return torch.stack(out, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_e2m1_decode_emulated_equals_the_reference(dtype):
+    """MXFP4: every code (both zeros, the subnormal 0.5) under e8m0 exponents from 0 (the
+    subnormal 2**-127) to 254, bit for bit dequantize_mxfp4 in the activation dtype."""
+    n, k = 16, 256
+    codes = torch.arange(n * k) % 16  # every code in every position of a word
+    qdata = (codes[0::2] | codes[1::2] << 4).to(torch.uint8).reshape(n, k // 2)
+    exponents = torch.tensor([0, 1, 2, 60, 100, 120, 126, 127, 128, 130, 140, 160, 200, 230,
+                              250, 254], dtype=torch.uint8)  # fmt: skip
+    e = exponents[:, None].expand(n, k // 32)
+    scale = e.contiguous().view(torch.float8_e8m0fnu)
+    expected = mxfp4.dequantize_mxfp4(qdata, scale, 32, k, dtype)
+    words = qdata.view(torch.int32)
+    got = _decode_e2m1_emulated(words, e.repeat_interleave(4, dim=1), dtype).reshape(n, k)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
 
 
@@ -241,3 +280,61 @@ def test_compiled_and_cuda_graphs():
         got = lin(x)
     graph.replay()
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@hopper
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (96, 2880)),
+                                         (torch.bfloat16, (4160, 14336)),
+                                         (torch.float16, (1000, 4096))], ids=str)  # fmt: skip
+def test_mxfp4_matches_the_reference(dtype, shape):
+    from qshard.kernels.w4a16_gluon import register_launch, register_problem
+
+    n, k = shape
+    qdata, scale = mxfp4.quantize_mxfp4(torch.randn(n, k, device="cuda") * 0.02)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    for m in (2, 5, 100):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        assert register_problem(3, x, qdata, 32) is None
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        got = register_launch(3, x, qdata, scale, qdata, bias if m % 2 else None, out, 32)
+        want = mxfp4.mxfp4_linear_reference(x, qdata, scale, 32, bias if m % 2 else None)
+        err = relative_error(got, want)
+        assert err <= MAX_RELATIVE_ERROR[dtype], f"M={m}: {err:.2e} > {MAX_RELATIVE_ERROR[dtype]}"
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mxfp4_weights_are_exact(dtype):
+    """x = rows of the identity picks columns of W: the kernel's decoded weights, bit for bit,
+    for every code (the subnormal 0.5 and both zeros) under exponents from 0 to 250 (to 140 for
+    fp16, whose weights would be infinite past it, and 0 * inf is NaN)."""
+    from qshard.kernels.w4a16_gluon import register_launch
+
+    n, k = 256, 512
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qdata = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8, generator=gen)
+    top = 251 if dtype == torch.bfloat16 else 141
+    e = torch.randint(0, top, (n, k // 32), device="cuda", dtype=torch.uint8, generator=gen)
+    scale = e.view(torch.float8_e8m0fnu)
+    weight = mxfp4.dequantize_mxfp4(qdata, scale, 32, k, dtype)
+    for first in range(0, k, 12):
+        cols = torch.arange(first, min(first + 12, k), device="cuda")
+        x = torch.zeros(len(cols), k, device="cuda", dtype=dtype)
+        x[torch.arange(len(cols)), cols] = 1
+        out = torch.empty(len(cols), n, device="cuda", dtype=dtype)
+        got = register_launch(3, x, qdata, scale, qdata, None, out, 32)
+        assert torch.equal(got.view(torch.int16), weight[:, cols].T.view(torch.int16)), first
+
+
+@hopper
+def test_the_op_chooses_it_for_mxfp4():
+    import qshard
+    from qshard.kernels.w4a16_triton import Format, register_choice
+
+    lin = torch.nn.Linear(2048, 1536, bias=True, device="cuda", dtype=torch.bfloat16)
+    qshard.quantize_(lin, qshard.MXFP4WeightOnlyConfig())
+    w = lin.weight
+    x = torch.randn(7, 2048, device="cuda", dtype=torch.bfloat16)
+    assert register_choice(Format.MXFP4, x, w.qdata, 32) is not None
+    want = mxfp4.mxfp4_linear_reference(x, w.qdata, w.scale, 32, lin.bias)
+    assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
