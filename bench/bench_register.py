@@ -79,7 +79,7 @@ def main() -> None:
                                  [(d,) for d in dense], x)}  # fmt: skip
             cfg = triton_config(fmt, group, n, k, m)
             row["triton"] = timed(lambda q, s, z, c=cfg, f=fmt, g=group: (lambda a: linear_launch(
-                f, a, q, s, z, s, None, g, c)), weights, x)  # fmt: skip
+                f, a, q, s, z, q, None, g, c)), weights, x)  # fmt: skip
             default = register_config(m, n, k, x.device)
             best = None
             mine = (default["STEPS"], default["STAGES"], default["PER_SM"], default["WARPS"],

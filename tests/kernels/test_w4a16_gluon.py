@@ -306,7 +306,7 @@ def test_mxfp4_matches_the_reference(dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mxfp4_weights_are_exact(dtype):
     """x = rows of the identity picks columns of W: the kernel's decoded weights, bit for bit,
-    for every code (the subnormal 0.5 and both zeros) under exponents from 0 to 250 (to 140 for
+    for every code (the subnormal 0.5; both zeros read back as +0) under exponents from 0 to 250 (to 140 for
     fp16, whose weights would be infinite past it, and 0 * inf is NaN)."""
     from qshard.kernels.w4a16_gluon import register_launch
 
@@ -323,7 +323,11 @@ def test_mxfp4_weights_are_exact(dtype):
         x[torch.arange(len(cols)), cols] = 1
         out = torch.empty(len(cols), n, device="cuda", dtype=dtype)
         got = register_launch(3, x, qdata, scale, qdata, None, out, 32)
-        assert torch.equal(got.view(torch.int16), weight[:, cols].T.view(torch.int16)), first
+        want = weight[:, cols].T + 0.0  # a token's sum starts at +0: a -0 weight reads as +0
+        bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero().tolist()
+        examples = [(got[i, j].item(), want[i, j].item(), e[j, cols[i] // 32].item())
+                    for i, j in bad[:6]]  # fmt: skip
+        assert not bad, f"{len(bad)} weights differ, e.g. (got, want, E): {examples}"
 
 
 @hopper
