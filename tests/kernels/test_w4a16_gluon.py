@@ -306,8 +306,8 @@ def test_mxfp4_matches_the_reference(dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mxfp4_weights_are_exact(dtype):
     """x = rows of the identity picks columns of W: the kernel's decoded weights, bit for bit,
-    for every code (the subnormal 0.5; both zeros read back as +0) under exponents from 0 to 250 (to 140 for
-    fp16, whose weights would be infinite past it, and 0 * inf is NaN)."""
+    for every code (the subnormal 0.5; both zeros read back as +0) under exponents from 0 to
+    250 (to 140 for fp16, whose weights would be infinite past it, and 0 * inf is NaN)."""
     from qshard.kernels.w4a16_gluon import register_launch
 
     n, k = 256, 512
