@@ -27,16 +27,24 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_fp8 import LLAMA, copies_for, time_us, versions_line
 
-from qshard.kernels import int4, mxfp4
+from qshard.kernels import int4, mxfp4, nvfp4
 from qshard.kernels.tuning import tuned_config
 from qshard.kernels.w4a16_gluon import register_config, register_launch
 from qshard.kernels.w4a16_triton import Format, default_config, linear_launch, tuned_format
 
-# --format: (Format, group, quantize: weight -> (codes, scale, zero))
+
+def _nvfp4(w: torch.Tensor) -> tuple:
+    g = nvfp4.global_scale_of(w)
+    return (*nvfp4.quantize_nvfp4(w, g), None, g)
+
+
+# --format: (Format, group, quantize: weight -> (codes, scale, zero or None, global or None))
 FORMATS = {
-    "int4": (Format.INT4_ASYM, 128, lambda w: int4.quantize_int4(w, 128, symmetric=False)),
-    "mxfp4": (Format.MXFP4, 32, lambda w: (*mxfp4.quantize_mxfp4(w), w[:0])),
-}
+    "int4": (Format.INT4_ASYM, 128,
+             lambda w: (*int4.quantize_int4(w, 128, symmetric=False), None)),
+    "mxfp4": (Format.MXFP4, 32, lambda w: (*mxfp4.quantize_mxfp4(w), None, None)),
+    "nvfp4": (Format.NVFP4, 16, _nvfp4),
+}  # fmt: skip
 
 
 def triton_config(fmt: Format, group: int, n: int, k: int, m: int) -> dict:
@@ -68,18 +76,18 @@ def main() -> None:
         n, k = LLAMA[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         fmt, group, quantize = FORMATS[args.format]
-        q, s, z = quantize(w)
-        z = z if z.numel() else q  # (MXFP4 has no zero: any tensor)
+        q, s, z, g = quantize(w)
+        z, g = (q if t is None else t for t in (z, g))  # (what a format has not: any tensor)
         count = copies_for(n * k // 2, 1)
-        weights = [(q.clone(), s.clone(), z.clone()) for _ in range(count)]
+        weights = [(q.clone(), s.clone(), z.clone(), g.clone()) for _ in range(count)]
         dense = [w.clone() for _ in range(copies_for(n * k * 2, 1))]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
                                  [(d,) for d in dense], x)}  # fmt: skip
             cfg = triton_config(fmt, group, n, k, m)
-            row["triton"] = timed(lambda q, s, z, c=cfg, f=fmt, g=group: (lambda a: linear_launch(
-                f, a, q, s, z, q, None, g, c)), weights, x)  # fmt: skip
+            row["triton"] = timed(lambda q, s, z, gs, c=cfg, f=fmt, g=group: (
+                lambda a: linear_launch(f, a, q, s, z, gs, None, g, c)), weights, x)
             default = register_config(m, n, k, x.device)
             best = None
             mine = (default["STEPS"], default["STAGES"], default["PER_SM"], default["WARPS"],
@@ -91,8 +99,8 @@ def main() -> None:
                 if ring > 200 * 1024 or steps % stages:
                     continue  # the ring must fit in shared memory, an item fill it exactly
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                t = timed(lambda q, s, z, c=config, o=out, f=int(fmt), g=group: (
-                    lambda a: register_launch(f, a, q, s, z, None, o, g, c)), weights, x)
+                t = timed(lambda q, s, z, gs, c=config, o=out, f=int(fmt), g=group: (
+                    lambda a: register_launch(f, a, q, s, z, None, o, g, c, gs)), weights, x)
                 name = ":".join(str(v) for v in (steps, stages, per_sm, warps, maxnreg))
                 row[f"reg {name}"] = t
                 if (steps, stages, per_sm, warps, maxnreg) == mine:
@@ -120,7 +128,7 @@ def probe(weights, n, k, x) -> dict:
     try:
         import register_operand_probe as rp
 
-        forms = [rp.device_form(q, s, z, k) for q, s, z in weights]
+        forms = [rp.device_form(q, s, z, k) for q, s, z, _ in weights]
         run = rp.gluon_launcher(4, n, k, x.shape[0], per_sm=2, wgmma=True)
         return {"probe": timed(lambda *f: (lambda a: run(a, *f)), forms, x)}
     except Exception as e:  # reported, not hidden

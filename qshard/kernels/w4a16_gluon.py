@@ -74,6 +74,7 @@ REGISTER_MIN_M, REGISTER_MAX_M = 2, 128
 REGISTER_GROUPS = (32, 64, 128, 256)  # a 32-column word run never crosses a group
 INT4_FORMATS = (0, 1, 2)  # Format.INT4_ASYM, INT4_SYM, INT4_FZERO (w4a16_triton.Format)
 MXFP4 = 3  # Format.MXFP4: e2m1 codes, an e8m0 scale per 32 columns
+NVFP4 = 4  # Format.NVFP4: e2m1 codes, an e4m3 scale per 16 columns, one fp32 global scale
 
 
 def register_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
@@ -83,15 +84,17 @@ def register_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int)
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
         return "the register kernel is built and measured for Hopper (sm_90) only"
     m, k = x.shape
-    if fmt not in (*INT4_FORMATS, MXFP4):
-        return "the register kernel covers the int4 formats and MXFP4 (NVFP4: not yet)"
-    if fmt == MXFP4 and group != 32:
-        return f"MXFP4 has groups of 32 columns, not {group}"
+    if fmt not in (*INT4_FORMATS, MXFP4, NVFP4):
+        return f"the register kernel covers the int4, MXFP4 and NVFP4 formats, not {fmt}"
+    if (fmt, group) in ((MXFP4, 32), (NVFP4, 16)):
+        pass
+    elif fmt in (MXFP4, NVFP4):
+        return f"MXFP4 has groups of 32 columns and NVFP4 of 16, not {group}"
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"it multiplies bf16 or fp16 activations, not {x.dtype}"
     if not REGISTER_MIN_M <= m <= REGISTER_MAX_M:
         return f"it runs {REGISTER_MIN_M}..{REGISTER_MAX_M} tokens, not {m}"
-    if group not in REGISTER_GROUPS:
+    if fmt in INT4_FORMATS and group not in REGISTER_GROUPS:
         return f"it takes groups of {list(REGISTER_GROUPS)} columns, not {group}"
     if k % 32 or qdata.data_ptr() % 16 or x.data_ptr() % 16:
         return "it reads 16-byte runs of codes and activations: K % 32 == 0, 16-byte aligned"
@@ -117,9 +120,10 @@ _CONFIGS = {8: (8, 4, 2, 8, 128), 16: (8, 4, 2, 8, 128), 32: (16, 4, 1, 8, 0),
 
 
 def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
-                    config: dict | None = None) -> torch.Tensor:  # fmt: skip
+                    config: dict | None = None, global_scale=None) -> torch.Tensor:  # fmt: skip
     """out [M, N] = x [M, K] @ W.T + bias by the register kernel (`register_problem` is None);
-    x, qdata, scale, zero, bias contiguous; `zero` any tensor for the symmetric format."""
+    x, qdata, scale, zero, bias contiguous; `zero` any tensor for the symmetric and FP4
+    formats; `global_scale` NVFP4's fp32 scalar (read in the zero's place)."""
     m, k = x.shape
     n = qdata.shape[0]
     config = dict(config or register_config(m, n, k, x.device))
@@ -134,8 +138,10 @@ def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     items = tiles * splits
     grid = min(items, per_sm * _sm_count(x.device.index or 0))
     partials, arrived = workspace(m, n, splits, tiles, x.device) if splits > 1 else (out, out)
-    if fmt == MXFP4:
-        scale = scale.view(torch.uint8)  # e8m0: the exponent byte, made a power of two in-kernel
+    if fmt in (MXFP4, NVFP4):  # e8m0 / e4m3 bytes, read as such in-kernel (a masked load of
+        scale = scale.view(torch.uint8)  # fp8 cannot take a default value)
+    if fmt == NVFP4:
+        zero = global_scale
     _register_kernel[(grid,)](
         x, qdata.view(torch.int32), scale, zero, bias if bias is not None else out, out,
         partials, arrived, m, n, k, k // 32, scale.stride(0), splits,
@@ -298,6 +304,13 @@ if GLUON_IMPORT_ERROR is None:
             if FORMAT == 3:  # MXFP4: the e8m0 byte E, as 2**(E - 127); no zero
                 scale = _e8m0_power(scale.to(gl.int32), dtype)
                 zero = scale
+            elif FORMAT == 4:  # NVFP4: the run's two e4m3 scales (words 0-1, words 2-3)
+                second = gl.load(s_ptr + at + 1, mask=ok, other=0)  # e4m3 bytes
+                scale = scale.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+                zero = second.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+                if dtype == gl.bfloat16:  # exact: e4m3 has 4 significant bits
+                    scale = scale.to(gl.bfloat16)
+                    zero = zero.to(gl.bfloat16)
             elif FORMAT == 1:  # symmetric: every zero is 8 (not stored)
                 zero = gl.full([TILE_ROWS, 4], 8.0, gl.bfloat16, RUNS)
             else:
@@ -327,7 +340,9 @@ if GLUON_IMPORT_ERROR is None:
         w = gl.split(gl.split(w)[j % 2])[j // 2]  # [rows, 4 runs]
         scale = gl.convert_layout(scale, w.type.layout, assert_trivial=True)  # the same
         zero = gl.convert_layout(zero, w.type.layout, assert_trivial=True)  # registers
-        if FORMAT == 3:  # MXFP4: `scale` is the group's power of two (`_e8m0_power`)
+        if FORMAT >= 3:  # MXFP4: the group's power of two; NVFP4: its e4m3 scale (exact)
+            if FORMAT == 4 and j >= 2:  # NVFP4: words 2-3 are the run's second group
+                scale = zero
             if dtype == gl.bfloat16:
                 p = gl.inline_asm_elementwise(
                     _DECODE_E2M1_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, scale],
@@ -419,13 +434,14 @@ if GLUON_IMPORT_ERROR is None:
         return acc
 
     @gluon.jit
-    def _store_tile(acc, bias_ptr, out_ptr, tile, M, N, HAS_BIAS: gl.constexpr,
+    def _store_tile(acc, bias_ptr, out_ptr, tile, M, N, times, HAS_BIAS: gl.constexpr,
                     BLOCK_M: gl.constexpr):  # fmt: skip
-        """out[n, rows] = acc^T + bias (fp32), cast to out's dtype."""
+        """out[n, rows] = acc^T * times + bias (fp32), cast to out's dtype (`times`: NVFP4's
+        global scale, which its decoded weights leave out, as the Triton kernels do; else 1)."""
         TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
         # rows fastest
         OUT: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, gl.num_warps()], [0, 1])
-        acc = gl.convert_layout(acc, OUT)
+        acc = gl.convert_layout(acc, OUT) * times
         rows = tile * TILE_ROWS + gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(1, OUT))
         toks = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT))
         if HAS_BIAS:
@@ -436,7 +452,8 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, tile, split, splits, M, N,
-                     HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr):
+                     times, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
+                     BLOCK_M: gl.constexpr):  # fmt: skip
         """Write the tile, or store this split's partial sums and, if this program is the
         tile's last to arrive, write their sum in split order (split_k.py's scheme)."""
         TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
@@ -454,9 +471,9 @@ if GLUON_IMPORT_ERROR is None:
                 for sp in range(splits):
                     total += gl.load(part_ptr + sp * M * N + at, mask=mask, other=0.0,
                                      cache_modifier=".cg")  # fmt: skip
-                _store_tile(total, bias_ptr, out_ptr, tile, M, N, HAS_BIAS, BLOCK_M)
+                _store_tile(total, bias_ptr, out_ptr, tile, M, N, times, HAS_BIAS, BLOCK_M)
         else:
-            _store_tile(acc, bias_ptr, out_ptr, tile, M, N, HAS_BIAS, BLOCK_M)
+            _store_tile(acc, bias_ptr, out_ptr, tile, M, N, times, HAS_BIAS, BLOCK_M)
 
     @gluon.jit
     def _register_kernel(
@@ -491,6 +508,11 @@ if GLUON_IMPORT_ERROR is None:
         for _slot in gl.static_range(STAGES):
             codes = codes + (gl.allocate_shared_memory(gl.int32, [TILE_ROWS, 4, 4], CS),)  # noqa: RUF005
             xs = xs + (gl.allocate_shared_memory(dtype, [4 * BLOCK_M, 32], XS),)  # noqa: RUF005
+        if FORMAT == 4:  # noqa: SIM108 (a constexpr branch: no load for the other formats)
+            # NVFP4's global scale (in the zero's place), applied to the sums
+            times = gl.load(z_ptr).to(gl.float32)
+        else:
+            times = 1.0
         here = _item_at(pid, items, tiles, N, M, STEPS)
         for first in gl.static_range(STAGES - 1):
             _issue_chunk(q_ptr, x_ptr, codes[first], xs[first], here, first, K, KW4, BLOCK_M)
@@ -517,6 +539,7 @@ if GLUON_IMPORT_ERROR is None:
                 acc = _chunk_mma(acc, codes[st % STAGES], xs[st % STAGES], scale, zero, FORMAT,
                                  BLOCK_M, dtype)  # fmt: skip
             _finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, item % tiles,
-                         item // tiles, splits, M, N, HAS_BIAS, SPLIT, BLOCK_M)  # fmt: skip
+                         item // tiles, splits, M, N, times, HAS_BIAS, SPLIT,
+                         BLOCK_M)  # fmt: skip
             scales = next_scales
             here = after

@@ -817,7 +817,8 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     zero = zero if zero.numel() else qdata  # an empty tensor may have no address to pass
     args = (x, qdata, _scale_arg(scale), zero, global_scale, bias if bias is not None else out, out)
     if kernel == "register":
-        return register_launch(int(fmt), x, qdata, scale, zero, bias, out, group, config)
+        return register_launch(int(fmt), x, qdata, scale, zero, bias, out, group, config,
+                               global_scale)  # fmt: skip
     if kernel == "gemv_words":
         return _gemv_words_launch(config, x, qdata, args, out, common)
     if kernel == "gemv":

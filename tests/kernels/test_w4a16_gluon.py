@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import relative_error
 
-from qshard.kernels import int4, mxfp4
+from qshard.kernels import int4, mxfp4, nvfp4
 from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -31,13 +31,15 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from qshard.kernels.w4a16_gluon import _CONFIGS, _register_kernel
 names = list(_register_kernel.arg_names)
 for fmt, dtype, block_m, warps in ((0, "bf16", 8, 4), (0, "bf16", 16, 8), (1, "bf16", 128, 4),
-                                   (2, "fp16", 32, 4), (3, "bf16", 8, 8), (3, "fp16", 16, 8)):
+                                   (2, "fp16", 32, 4), (3, "bf16", 8, 8), (3, "fp16", 16, 8),
+                                   (4, "bf16", 16, 8), (4, "fp16", 8, 8)):
     steps, stages = _CONFIGS[block_m][:2]
-    s_type = "*u8" if fmt == 3 else "*bf16"  # MXFP4: the e8m0 bytes
-    types = [f"*{dtype}", "*i32", s_type, s_type, f"*{dtype}", f"*{dtype}", "*fp32", "*i32"]
+    s_type = "*u8" if fmt >= 3 else "*bf16"  # MXFP4 / NVFP4: the e8m0 / e4m3 bytes
+    z_type = "*fp32" if fmt == 4 else s_type  # NVFP4: the global scale in the zero's place
+    types = [f"*{dtype}", "*i32", s_type, z_type, f"*{dtype}", f"*{dtype}", "*fp32", "*i32"]
     source = GluonASTSource(
         fn=_register_kernel, signature=dict(zip(names, types + ["i32"] * 6 + ["constexpr"] * 7)),
-        constexprs={"FORMAT": fmt, "GROUP": 32 if fmt == 3 else 128, "HAS_BIAS": True,
+        constexprs={"FORMAT": fmt, "GROUP": {3: 32, 4: 16}.get(fmt, 128), "HAS_BIAS": True,
                     "SPLIT": True, "STEPS": steps, "STAGES": stages, "BLOCK_M": block_m},
         attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)})
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -136,11 +138,11 @@ def test_decode_emulated_equals_the_reference(name, dtype):
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
 
 
-def _decode_e2m1_emulated(words: torch.Tensor, exponent: torch.Tensor, dtype) -> torch.Tensor:
-    """The PTX of `_DECODE_E2M1_BF16` / `_DECODE_E2M1_F16` on int64 words: [..] -> [.., 8]."""
+def _decode_e2m1_emulated(words: torch.Tensor, power: torch.Tensor, dtype) -> torch.Tensor:
+    """The PTX of `_DECODE_E2M1_BF16` / `_DECODE_E2M1_F16` on int64 words: [..] -> [.., 8];
+    `power`: the group's multiplier (MXFP4's 2**(E - 127), NVFP4's e4m3 scale), float64."""
     q = words.to(torch.int64) & 0xFFFFFFFF
     r = q >> 4
-    power = torch.ldexp(torch.ones_like(exponent, dtype=torch.float64), exponent.long() - 127)
     out = []
     for b in range(4):
         qb, rb = (q >> 8 * b) & 0xFF, (r >> 8 * b) & 0xFF
@@ -170,8 +172,25 @@ def test_e2m1_decode_emulated_equals_the_reference(dtype):
     scale = e.contiguous().view(torch.float8_e8m0fnu)
     expected = mxfp4.dequantize_mxfp4(qdata, scale, 32, k, dtype)
     words = qdata.view(torch.int32)
-    got = _decode_e2m1_emulated(words, e.repeat_interleave(4, dim=1), dtype).reshape(n, k)
+    power = torch.ldexp(torch.ones(n, k // 32, dtype=torch.float64), e.long() - 127)
+    got = _decode_e2m1_emulated(words, power.repeat_interleave(4, dim=1), dtype).reshape(n, k)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nvfp4_decode_emulated_is_exact(dtype):
+    """NVFP4: every code times every finite e4m3 scale is exact in bf16 and fp16 (2 and 4
+    significant bits), so the decoded weight is e2m1 * scale exactly and the kernel applies
+    the global scale to the sums (as the Triton kernels do); the reference rounds
+    e2m1 * scale * global once per weight instead, within the tests' tolerance."""
+    scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    scales = scales[scales.isfinite()]
+    codes = torch.arange(len(scales) * 16) % 16
+    qdata = (codes[0::2] | codes[1::2] << 4).to(torch.uint8).reshape(len(scales), 8)
+    words = qdata.view(torch.int32)  # [scales, 2]: one scale per row
+    got = _decode_e2m1_emulated(words, scales[:, None].expand(-1, 2), dtype).reshape(-1, 16)
+    values = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float64)[codes.reshape(-1, 16)]
+    assert torch.equal(got.double(), values * scales[:, None])
 
 
 # ---- on a Hopper GPU ---------------------------------------------------------------------------
@@ -341,4 +360,41 @@ def test_the_op_chooses_it_for_mxfp4():
     x = torch.randn(7, 2048, device="cuda", dtype=torch.bfloat16)
     assert register_choice(Format.MXFP4, x, w.qdata, 32) is not None
     want = mxfp4.mxfp4_linear_reference(x, w.qdata, w.scale, 32, lin.bias)
+    assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
+
+
+@hopper
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (96, 2880)),
+                                         (torch.bfloat16, (4160, 14336)),
+                                         (torch.float16, (1000, 4096))], ids=str)  # fmt: skip
+def test_nvfp4_matches_the_reference(dtype, shape):
+    from qshard.kernels.w4a16_gluon import register_launch, register_problem
+
+    n, k = shape
+    w = torch.randn(n, k, device="cuda") * 0.02
+    g = nvfp4.global_scale_of(w)
+    qdata, scale = nvfp4.quantize_nvfp4(w, g)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    for m in (2, 5, 100):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        assert register_problem(4, x, qdata, 16) is None
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        b = bias if m % 2 else None
+        got = register_launch(4, x, qdata, scale, qdata, b, out, 16, global_scale=g)
+        want = nvfp4.nvfp4_linear_reference(x, qdata, scale, g, 16, b)
+        err = relative_error(got, want)
+        assert err <= MAX_RELATIVE_ERROR[dtype], f"M={m}: {err:.2e} > {MAX_RELATIVE_ERROR[dtype]}"
+
+
+@hopper
+def test_the_op_chooses_it_for_nvfp4():
+    import qshard
+    from qshard.kernels.w4a16_triton import Format, register_choice
+
+    lin = torch.nn.Linear(2048, 1536, bias=True, device="cuda", dtype=torch.bfloat16)
+    qshard.quantize_(lin, qshard.NVFP4WeightOnlyConfig())
+    w = lin.weight
+    x = torch.randn(7, 2048, device="cuda", dtype=torch.bfloat16)
+    assert register_choice(Format.NVFP4, x, w.qdata, 16) is not None
+    want = nvfp4.nvfp4_linear_reference(x, w.qdata, w.scale, w.global_scale, 16, lin.bias)
     assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
