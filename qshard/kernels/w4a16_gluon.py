@@ -1,7 +1,7 @@
 """Register-operand W4A16 kernel for Hopper, in Gluon (`triton.experimental.gluon`): the
-dequantized int4 weight feeds the tensor cores from registers (mma.sync's A operand), read
-straight from qshard's canonical packing, no device form (issue 24; notes and measurements:
-docs/kernels/w4a16_register.md).
+dequantized 4-bit weight (int4, MXFP4, NVFP4) feeds the tensor cores from registers (mma.sync's
+A operand), read straight from qshard's canonical packing, no device form (issue 24; notes and
+measurements: docs/kernels/w4a16_register.md).
 
 out^T = W x^T with the weight rows on the MMA's M side ("swap AB", as Marlin): a program's tile
 is 16 x WARPS weight rows (4 or 8 warps) by BLOCK_M tokens, over STEPS chunks of 128 columns.
@@ -41,7 +41,11 @@ writes the tile (`split_k.py`).
 Scope: Hopper (sm_90; mma.sync would run on sm_80 too, but the configs and the choice against
 the Triton kernels were measured on an H100 only), bf16 or fp16 activations, 2..128 tokens (the
 op chooses it for 2..12, where it is faster than the Triton small-M kernel: w4a16_triton.py),
-int4 asymmetric / symmetric / float zero point, groups of 32..256, K a multiple of 32. Elsewhere
+int4 asymmetric / symmetric / float zero point with groups of 32..256, MXFP4 (groups of 32),
+NVFP4 (groups of 16), K a multiple of 32. MXFP4's e2m1 * 2**E is exact in either activation
+dtype, so its weights are the reference's bit for bit; NVFP4's e2m1 * e4m3 is exact too, and
+its global scale multiplies the sums (as the Triton kernels do) where the reference rounds
+each weight times it: equal within the tests' tolerance, not bit for bit. Elsewhere
 `w4a16_triton`'s kernels run, chosen inside the same `torch.library` op (`w4a16_triton.py`).
 Gluon kernels do not run in the Triton interpreter: CI compiles them for sm_90 (no GPU needed)
 and checks the permutation and the decode in PyTorch; their numerics are tested on the GPU.

@@ -23,9 +23,10 @@ kernel with 1): Triton pipelines only loads that feed a dot.
   (16 + z) * sum x, cancels and costs a few fp32 ulps of the group sums (up to ~1e-5 relative
   on activations with a large mean). On the H100 (v9) the Llama layer at M = 1 takes int4 58 us,
   MXFP4 61 us, NVFP4 68 us (63-66 % / 60 % of the copy bandwidth).
-- 2 <= M <= REGISTER_CHOICE_MAX_M on Hopper (int4, bf16/fp16, K % 32 == 0, groups >= 32):
-  the register-operand Gluon kernel (`w4a16_gluon.py`; H100, Llama-3.1-8B layer at M = 2..12:
-  1.57-1.95x of bf16 where the kernel below gives 1.39x).
+- 2 <= M <= REGISTER_CHOICE_MAX_M on Hopper (int4 with groups >= 32, MXFP4, NVFP4; bf16/fp16;
+  K % 32 == 0): the register-operand Gluon kernel (`w4a16_gluon.py`; H100, Llama-3.1-8B layer
+  at M = 2..12: int4 1.57-1.95x of bf16 where the kernel below gives 1.39x; MXFP4 1.48-1.72x
+  against 1.17-1.28x; NVFP4 1.43-1.64x against 0.99-1.03x).
 - 2 <= M <= FUSED_MAX_M otherwise: a tensor-core kernel, "swap AB" (weight rows on the MMA's M
   side, the tokens on its N side), K split over programs so a 4096-wide layer fills the GPU
   (`split_k.py`). The weight tile is dequantized in fp32 and rounded to the activation dtype,
