@@ -290,7 +290,8 @@ if GLUON_IMPORT_ERROR is None:
     def _item_scales(s_ptr, z_ptr, at, K, stride_sn, FORMAT: gl.constexpr,
                      GROUP: gl.constexpr, STEPS: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
         """The scales and zeros of the item at `at` (`_item_at`), a tuple of STEPS ([rows, 4],
-        [rows, 4]): one per row and 32-column run of each chunk (loaded an item ahead)."""
+        [rows, 4]), per row and 32-column run of each chunk (loaded an item ahead): int4's
+        scale and zero; MXFP4's power of two (twice); NVFP4's two 16-column scales."""
         TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
         RUNS: gl.constexpr = gl.SliceLayout(2, _codes_layout(gl.num_warps()))
         row0, chunk0, n_live, _ = at
