@@ -9,7 +9,8 @@ launches for Nsight Compute, and a correctness sweep small enough for compute-sa
 SHAPE is one of the Llama-3.1-8B layer's (bench_fp8.LLAMA); CONFIG is STEPS:STAGES:PER_SM
 (default: `register_config`). The sanitize sweep runs every int4 format, bf16 and fp16, each
 token tile, split K and not, odd N and K, one item per program and a persistent grid, each
-against the reference; it exits 1 on a mismatch. Notes: docs/kernels/w4a16_register.md.
+against the reference, and MXFP4 and NVFP4; it exits 1 on a mismatch. Notes:
+docs/kernels/w4a16_register.md.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_fp8 import LLAMA, versions_line
 
-from qshard.kernels import int4
+from qshard.kernels import int4, mxfp4, nvfp4
 from qshard.kernels.w4a16_gluon import register_config, register_launch
 
 # (format, symmetric, float zero, N, K, group, M, dtype, STEPS:STAGES:PER_SM or None)
@@ -34,7 +35,28 @@ SWEEP = [
     (1, True, False, 200, 1024, 256, 5, torch.bfloat16, (2, 2, 10**6)),
     (2, False, True, 130, 4096, 64, 65, torch.float16, (8, 4, 2)),
     (0, False, False, 64, 128, 64, 100, torch.bfloat16, None),
+    (3, False, False, 96, 2880, 32, 7, torch.bfloat16, None),  # MXFP4
+    (3, False, False, 200, 1024, 32, 65, torch.float16, (2, 2, 10**6)),
+    (4, False, False, 1000, 3200, 16, 3, torch.bfloat16, None),  # NVFP4
+    (4, False, False, 130, 4096, 16, 20, torch.float16, (8, 4, 2)),
 ]
+
+
+def weight_and_reference(fmt: int, symmetric: bool, float_zero: bool, n: int, k: int,
+                         group: int):  # fmt: skip
+    """A random weight in format `fmt`: (codes, scale, zero or codes, global scale or None,
+    reference: (x, bias) -> x @ W.T + bias)."""
+    w = torch.randn(n, k, device="cuda") * 0.02
+    if fmt == 3:
+        q, s = mxfp4.quantize_mxfp4(w)
+        return q, s, q, None, lambda x, b: mxfp4.mxfp4_linear_reference(x, q, s, 32, b)
+    if fmt == 4:
+        g = nvfp4.global_scale_of(w)
+        q, s = nvfp4.quantize_nvfp4(w, g)
+        return q, s, q, g, lambda x, b: nvfp4.nvfp4_linear_reference(x, q, s, g, 16, b)
+    q, s, z = int4.quantize_int4(w, group, symmetric, float_zero)
+    return q, s, z if z.numel() else q, None, lambda x, b: int4.int4_linear_reference(
+        x, q, s, z, group, b, float_zero)  # fmt: skip
 
 
 def launch() -> None:
@@ -56,16 +78,15 @@ def launch() -> None:
 def sanitize() -> int:
     failed = 0
     for fmt, symmetric, float_zero, n, k, group, m, dtype, cfg in SWEEP:
-        q, s, z = int4.quantize_int4(torch.randn(n, k, device="cuda") * 0.02, group, symmetric,
-                                     float_zero)  # fmt: skip
+        q, s, z, g, reference = weight_and_reference(fmt, symmetric, float_zero, n, k, group)
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         bias = torch.randn(n, device="cuda", dtype=dtype) if m % 2 else None
         config = register_config(m, n, k, x.device)
         if cfg:
             config.update(STEPS=cfg[0], STAGES=cfg[1], PER_SM=cfg[2])
         out = torch.empty(m, n, device="cuda", dtype=dtype)
-        got = register_launch(fmt, x, q, s, z if z.numel() else q, bias, out, group, config)
-        want = int4.int4_linear_reference(x, q, s, z, group, bias, float_zero)
+        got = register_launch(fmt, x, q, s, z, bias, out, group, config, g)
+        want = reference(x, bias)
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         ok = err < (8e-3 if dtype == torch.bfloat16 else 1e-3)  # the GPU tests
         failed += not ok
