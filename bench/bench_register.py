@@ -1,10 +1,10 @@
-"""The register-operand int4 kernel (qshard/kernels/w4a16_gluon.py) against the Triton small-M
-kernel it replaces, bf16 F.linear and (at 16 tokens) the toolchain probe's device-form Gluon
-wgmma kernel, on the Llama-3.1-8B layer; a sweep of its configs. Notes:
-docs/kernels/w4a16_register.md.
+"""The register-operand 4-bit kernel (qshard/kernels/w4a16_gluon.py; --format int4, mxfp4 or
+nvfp4) against the Triton small-M kernel it replaces, bf16 F.linear and (int4 at 16 tokens)
+the toolchain probe's device-form Gluon wgmma kernel, on the Llama-3.1-8B layer; a sweep of
+its configs. Notes: docs/kernels/w4a16_register.md.
 
     PYTHONPATH=$PWD python bench/bench_register.py [--ms 2,4,8,16,32,64,128]
-        [--shapes qkv,o,gate_up,down] [--no-probe]
+        [--shapes qkv,o,gate_up,down] [--no-probe] [--format int4|mxfp4|nvfp4]
         [--configs STEPS:STAGES:PER_SM[:WARPS[:MAXNREG]],...]
 
 Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated past the L2).
@@ -101,12 +101,12 @@ def main() -> None:
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 t = timed(lambda q, s, z, gs, c=config, o=out, f=int(fmt), g=group: (
                     lambda a: register_launch(f, a, q, s, z, None, o, g, c, gs)), weights, x)
-                name = ":".join(str(v) for v in (steps, stages, per_sm, warps, maxnreg))
-                row[f"reg {name}"] = t
+                label = ":".join(str(v) for v in (steps, stages, per_sm, warps, maxnreg))
+                row[f"reg {label}"] = t
                 if (steps, stages, per_sm, warps, maxnreg) == mine:
                     row["reg default"] = t
                 if best is None or t < best[0]:
-                    best = (t, name)
+                    best = (t, label)
             row["reg best"] = best[0]
             if m == 16 and not args.no_probe and args.format == "int4":
                 row.update(probe(weights, n, k, x))

@@ -7,9 +7,9 @@ launches for Nsight Compute, and a correctness sweep small enough for compute-sa
     compute-sanitizer --tool memcheck python bench/profile_register.py --sanitize
 
 SHAPE is one of the Llama-3.1-8B layer's (bench_fp8.LLAMA); CONFIG is STEPS:STAGES:PER_SM
-(default: `register_config`). The sanitize sweep runs every int4 format, bf16 and fp16, each
-token tile, split K and not, odd N and K, one item per program and a persistent grid, each
-against the reference, and MXFP4 and NVFP4; it exits 1 on a mismatch. Notes:
+(default: `register_config`). The sanitize sweep runs every int4 format, MXFP4 and NVFP4,
+bf16 and fp16, each token tile (8 to 128 tokens), split K and not, odd N and K, one item per
+program and a persistent grid, each against the reference; it exits 1 on a mismatch. Notes:
 docs/kernels/w4a16_register.md.
 """
 
@@ -39,6 +39,9 @@ SWEEP = [
     (3, False, False, 200, 1024, 32, 65, torch.float16, (2, 2, 10**6)),
     (4, False, False, 1000, 3200, 16, 3, torch.bfloat16, None),  # NVFP4
     (4, False, False, 130, 4096, 16, 20, torch.float16, (8, 4, 2)),
+    (4, False, False, 200, 1024, 16, 12, torch.bfloat16, None),  # 16-token tile, one split
+    (1, True, False, 1000, 2048, 64, 12, torch.float16, None),  # 16-token tile
+    (0, False, False, 300, 4096, 128, 40, torch.bfloat16, None),  # 64-token tile
 ]
 
 

@@ -42,8 +42,9 @@ Scope: Hopper (sm_90; mma.sync would run on sm_80 too, but the configs and the c
 the Triton kernels were measured on an H100 only), bf16 or fp16 activations, 2..128 tokens (the
 op chooses it for 2..12, where it is faster than the Triton small-M kernel: w4a16_triton.py),
 int4 asymmetric / symmetric / float zero point with groups of 32..256, MXFP4 (groups of 32),
-NVFP4 (groups of 16), K a multiple of 32. MXFP4's e2m1 * 2**E is exact in either activation
-dtype, so its weights are the reference's bit for bit; NVFP4's e2m1 * e4m3 is exact too, and
+NVFP4 (groups of 16), K a multiple of 32. MXFP4's e2m1 * 2**E is formed exactly and rounded
+once to the activation dtype (exact in bf16; in fp16 it can underflow or overflow), so its
+weights are the reference's bit for bit; NVFP4's e2m1 * e4m3 is exact in both, and
 its global scale multiplies the sums (as the Triton kernels do) where the reference rounds
 each weight times it: equal within the tests' tolerance, not bit for bit. Elsewhere
 `w4a16_triton`'s kernels run, chosen inside the same `torch.library` op (`w4a16_triton.py`).
@@ -110,8 +111,9 @@ def register_config(m: int, n: int, k: int, device: torch.device) -> dict:
     chunks, PER_SM programs per SM (persistent grid) of WARPS warps (16 weight rows each),
     registers capped at MAXNREG (0: no cap) so that PER_SM programs fit. Up to 16 tokens:
     8 / 4 / 2 programs of 8 warps under 128 registers, the best single config of the v4 sweep
-    on the Llama-3.1-8B layer (H100; docs/kernels/w4a16_register.md). Larger tiles: the best
-    of that sweep, which the op does not choose (the Triton kernel is faster there)."""
+    on the Llama-3.1-8B layer (H100; docs/kernels/w4a16_register.md). 32 and 64 tokens: the
+    best of that sweep; 128: v2's best with STAGES 2 (the v4 sweep stopped at 64). The op does
+    not choose them (the Triton kernel is faster there)."""
     block_m = 8 if m <= 8 else max(16, triton.next_power_of_2(m))
     steps, stages, per_sm, warps, maxnreg = _CONFIGS[block_m]
     return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm,
@@ -132,11 +134,13 @@ def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     n = qdata.shape[0]
     config = dict(config or register_config(m, n, k, x.device))
     block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
-    warps = config.get("WARPS", 4)
-    if steps % config["STAGES"] or block_m not in _CONFIGS or warps not in (4, 8):
-        raise ValueError(f"register kernel config {config}: STEPS must be a multiple of STAGES "
-                         f"(each chunk's ring slot is fixed at compile time), BLOCK_M one of "
-                         f"{sorted(_CONFIGS)} and WARPS 4 or 8")  # fmt: skip
+    warps, stages = config.get("WARPS", 4), config["STAGES"]
+    if (steps % stages or stages < 2 or block_m not in _CONFIGS or block_m < m or per_sm < 1
+            or warps not in (4, 8)):  # fmt: skip
+        raise ValueError(f"register kernel config {config} for {m} tokens: STEPS must be a "
+                         f"multiple of STAGES >= 2 (each chunk's ring slot is fixed at compile "
+                         f"time), BLOCK_M one of {sorted(_CONFIGS)} and >= the tokens, PER_SM "
+                         f">= 1, WARPS 4 or 8")  # fmt: skip
     tiles = triton.cdiv(n, ROWS_PER_WARP * warps)
     splits = triton.cdiv(triton.cdiv(k, CHUNK), steps)
     items = tiles * splits

@@ -42,7 +42,9 @@ for fmt, dtype, block_m, warps in ((0, "bf16", 8, 4), (0, "bf16", 16, 8), (1, "b
         constexprs={"FORMAT": fmt, "GROUP": {3: 32, 4: 16}.get(fmt, 128), "HAS_BIAS": True,
                     "SPLIT": True, "STEPS": steps, "STAGES": stages, "BLOCK_M": block_m},
         attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    maxnreg = {"maxnreg": _CONFIGS[block_m][4]} if _CONFIGS[block_m][4] and warps == 8 else {}
+    triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps, **maxnreg})  # the op's register cap
 """
 
 
@@ -82,15 +84,19 @@ def test_weight_and_activation_permutations_agree():
 
 def test_a_config_the_kernel_cannot_build_is_refused():
     """Each chunk's ring slot is fixed at compile time, so an item's chunks must fill the ring
-    exactly: a config that breaks it (or names an unknown tile or warp count) is a ValueError
-    that says the rule, raised before anything is launched."""
+    exactly: a config that breaks it (or has a one-slot ring, an unknown tile or warp count, no
+    programs, or fewer tile tokens than tokens, which would leave rows of the output unwritten)
+    is a ValueError that says the rule, raised before anything is launched."""
     from qshard.kernels.w4a16_gluon import register_config, register_launch
 
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     q = torch.zeros(64, 128, dtype=torch.uint8)
     good = register_config(4, 64, 256, x.device)
     assert good["STEPS"] % good["STAGES"] == 0
-    for bad in ({"STEPS": 3, "STAGES": 2}, {"BLOCK_M": 12}, {"WARPS": 2}):
+    bad_configs = ({"STEPS": 3, "STAGES": 2}, {"STEPS": 1, "STAGES": 1}, {"BLOCK_M": 12},
+                   {"WARPS": 2}, {"PER_SM": 0}, {"BLOCK_M": 8, "_tokens": 12})  # fmt: skip
+    for bad in bad_configs:
+        x = torch.zeros(bad.pop("_tokens", 4), 256, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="STEPS must be a multiple of STAGES"):
             register_launch(0, x, q, x, x, None, x, 128, {**good, **bad})
 
@@ -197,7 +203,7 @@ def test_nvfp4_decode_emulated_is_exact(dtype):
 
 hopper = pytest.mark.skipif(not HOPPER, reason="the register kernel runs on Hopper (sm_90)")
 
-# (N, K, group): N not a multiple of the 64-row tile, K not of the 128-column chunk (2880:
+# (N, K, group): N not a multiple of the 64- or 128-row tile, K not of the 128-column chunk (2880:
 # gpt-oss's hidden size), a single chunk, long K (split K), groups 32..256.
 SHAPES = [(96, 2880, 32), (1000, 4096, 128), (64, 128, 64), (4160, 14336, 128), (200, 1024, 256)]
 
@@ -217,7 +223,7 @@ def test_matches_the_reference(name, dtype, shape):
     w = torch.randn(n, k, device="cuda") * 0.02
     qdata, scale, zero = int4.quantize_int4(w, group, symmetric, float_zero)
     bias = torch.randn(n, device="cuda", dtype=dtype)
-    for m in (2, 5, 100):  # BLOCK_M 16 and 128 (the configs test covers 32 and 64)
+    for m in (2, 12, 100):  # BLOCK_M 8, 16 and 128 (the configs test covers 32 and 64)
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         assert register_problem(fmt, x, qdata, group) is None
         out = torch.empty(m, n, device="cuda", dtype=dtype)
@@ -267,7 +273,11 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
     w = lin.weight
     assert register_choice(Format.INT4_ASYM, x, w.qdata, 128) is not None
-    assert register_choice(Format.INT4_ASYM, torch.cat([x] * 6), w.qdata, 128) is None
+    assert register_choice(Format.INT4_ASYM, torch.cat([x] * 4), w.qdata, 128) is not None  # 12
+    assert register_choice(Format.INT4_ASYM, torch.cat([x] * 4 + [x[:1]]), w.qdata, 128) is None
+    assert register_choice(Format.MXFP4, x, w.qdata, 16) is None  # MXFP4 groups are 32
+    assert register_choice(Format.NVFP4, x, w.qdata, 32) is None  # NVFP4 groups are 16
+    assert register_choice(Format.NVFP4, x[:, :4080], w.qdata[:, :2040], 16) is None  # K % 32
     want = int4.int4_linear_reference(x, w.qdata, w.scale, w.zero, 128)
     assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
     shard = w[:, 64:2112]  # cuts a 128-group: re-grouped to 64
@@ -311,9 +321,9 @@ def test_mxfp4_matches_the_reference(dtype, shape):
     n, k = shape
     qdata, scale = mxfp4.quantize_mxfp4(torch.randn(n, k, device="cuda") * 0.02)
     bias = torch.randn(n, device="cuda", dtype=dtype)
-    for m in (2, 5, 100):
+    for m in (2, 5, 12, 100):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
-        assert register_problem(3, x, qdata, 32) is None
+        assert register_problem(3, x, qdata, 32) is None  # (M = 12: the 16-token tile)
         out = torch.empty(m, n, device="cuda", dtype=dtype)
         got = register_launch(3, x, qdata, scale, qdata, bias if m % 2 else None, out, 32)
         want = mxfp4.mxfp4_linear_reference(x, qdata, scale, 32, bias if m % 2 else None)
@@ -365,7 +375,7 @@ def test_the_op_chooses_it_for_mxfp4():
 
 @hopper
 @pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (96, 2880)),
-                                         (torch.bfloat16, (4160, 14336)),
+                                         (torch.bfloat16, (200, 1024)),  # one split: no split K
                                          (torch.float16, (1000, 4096))], ids=str)  # fmt: skip
 def test_nvfp4_matches_the_reference(dtype, shape):
     from qshard.kernels.w4a16_gluon import register_launch, register_problem
@@ -375,7 +385,7 @@ def test_nvfp4_matches_the_reference(dtype, shape):
     g = nvfp4.global_scale_of(w)
     qdata, scale = nvfp4.quantize_nvfp4(w, g)
     bias = torch.randn(n, device="cuda", dtype=dtype)
-    for m in (2, 5, 100):
+    for m in (2, 5, 12, 100):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         assert register_problem(4, x, qdata, 16) is None
         out = torch.empty(m, n, device="cuda", dtype=dtype)
