@@ -80,6 +80,7 @@ REGISTER_GROUPS = (32, 64, 128, 256)  # a 32-column word run never crosses a gro
 INT4_FORMATS = (0, 1, 2)  # Format.INT4_ASYM, INT4_SYM, INT4_FZERO (w4a16_triton.Format)
 MXFP4 = 3  # Format.MXFP4: e2m1 codes, an e8m0 scale per 32 columns
 NVFP4 = 4  # Format.NVFP4: e2m1 codes, an e4m3 scale per 16 columns, one fp32 global scale
+FP4_GROUPS = {MXFP4: 32, NVFP4: 16}  # each format's own group (a TP cut keeps it)
 
 
 def register_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
@@ -91,9 +92,7 @@ def register_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int)
     m, k = x.shape
     if fmt not in (*INT4_FORMATS, MXFP4, NVFP4):
         return f"the register kernel covers the int4, MXFP4 and NVFP4 formats, not {fmt}"
-    if (fmt, group) in ((MXFP4, 32), (NVFP4, 16)):
-        pass
-    elif fmt in (MXFP4, NVFP4):
+    if fmt in FP4_GROUPS and group != FP4_GROUPS[fmt]:
         return f"MXFP4 has groups of 32 columns and NVFP4 of 16, not {group}"
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"it multiplies bf16 or fp16 activations, not {x.dtype}"
@@ -149,6 +148,8 @@ def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     if fmt in (MXFP4, NVFP4):  # e8m0 / e4m3 bytes, read as such in-kernel (a masked load of
         scale = scale.view(torch.uint8)  # fp8 cannot take a default value)
     if fmt == NVFP4:
+        if global_scale is None:
+            raise ValueError("NVFP4 needs its fp32 global scale: pass global_scale")
         zero = global_scale
     _register_kernel[(grid,)](
         x, qdata.view(torch.int32), scale, zero, bias if bias is not None else out, out,
