@@ -312,26 +312,6 @@ def test_compiled_and_cuda_graphs():
 
 
 @hopper
-@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (96, 2880)),
-                                         (torch.bfloat16, (4160, 14336)),
-                                         (torch.float16, (1000, 4096))], ids=str)  # fmt: skip
-def test_mxfp4_matches_the_reference(dtype, shape):
-    from qshard.kernels.w4a16_gluon import register_launch, register_problem
-
-    n, k = shape
-    qdata, scale = mxfp4.quantize_mxfp4(torch.randn(n, k, device="cuda") * 0.02)
-    bias = torch.randn(n, device="cuda", dtype=dtype)
-    for m in (2, 5, 12, 100):
-        x = torch.randn(m, k, device="cuda", dtype=dtype)
-        assert register_problem(3, x, qdata, 32) is None  # (M = 12: the 16-token tile)
-        out = torch.empty(m, n, device="cuda", dtype=dtype)
-        got = register_launch(3, x, qdata, scale, qdata, bias if m % 2 else None, out, 32)
-        want = mxfp4.mxfp4_linear_reference(x, qdata, scale, 32, bias if m % 2 else None)
-        err = relative_error(got, want)
-        assert err <= MAX_RELATIVE_ERROR[dtype], f"M={m}: {err:.2e} > {MAX_RELATIVE_ERROR[dtype]}"
-
-
-@hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mxfp4_weights_are_exact(dtype):
     """x = rows of the identity picks columns of W: the kernel's decoded weights, bit for bit,
@@ -359,52 +339,58 @@ def test_mxfp4_weights_are_exact(dtype):
         assert not bad, f"{len(bad)} weights differ, e.g. (got, want, E): {examples}"
 
 
+def _fp4_weight(name: str, n: int, k: int) -> tuple:
+    """A random [n, k] weight in MXFP4 or NVFP4: (the kernel's format number, group, codes,
+    scale, global scale or None, the reference: (x, bias) -> x @ W.T + bias)."""
+    w = torch.randn(n, k, device="cuda") * 0.02
+    if name == "mxfp4":
+        q, s = mxfp4.quantize_mxfp4(w)
+        return 3, 32, q, s, None, lambda x, b: mxfp4.mxfp4_linear_reference(x, q, s, 32, b)
+    g = nvfp4.global_scale_of(w)
+    q, s = nvfp4.quantize_nvfp4(w, g)
+    return 4, 16, q, s, g, lambda x, b: nvfp4.nvfp4_linear_reference(x, q, s, g, 16, b)
+
+
+# (format, dtype, (N, K)): odd N and K, long K, and for NVFP4 one split (no split K)
+FP4_CASES = [("mxfp4", torch.bfloat16, (96, 2880)), ("mxfp4", torch.bfloat16, (4160, 14336)),
+             ("mxfp4", torch.float16, (1000, 4096)), ("nvfp4", torch.bfloat16, (96, 2880)),
+             ("nvfp4", torch.bfloat16, (200, 1024)), ("nvfp4", torch.float16, (1000, 4096))]
+
+
 @hopper
-def test_the_op_chooses_it_for_mxfp4():
-    import qshard
-    from qshard.kernels.w4a16_triton import Format, register_choice
-
-    lin = torch.nn.Linear(2048, 1536, bias=True, device="cuda", dtype=torch.bfloat16)
-    qshard.quantize_(lin, qshard.MXFP4WeightOnlyConfig())
-    w = lin.weight
-    x = torch.randn(7, 2048, device="cuda", dtype=torch.bfloat16)
-    assert register_choice(Format.MXFP4, x, w.qdata, 32) is not None
-    want = mxfp4.mxfp4_linear_reference(x, w.qdata, w.scale, 32, lin.bias)
-    assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
-
-
-@hopper
-@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (96, 2880)),
-                                         (torch.bfloat16, (200, 1024)),  # one split: no split K
-                                         (torch.float16, (1000, 4096))], ids=str)  # fmt: skip
-def test_nvfp4_matches_the_reference(dtype, shape):
+@pytest.mark.parametrize("name,dtype,shape", FP4_CASES, ids=str)
+def test_fp4_matches_the_reference(name, dtype, shape):
     from qshard.kernels.w4a16_gluon import register_launch, register_problem
 
     n, k = shape
-    w = torch.randn(n, k, device="cuda") * 0.02
-    g = nvfp4.global_scale_of(w)
-    qdata, scale = nvfp4.quantize_nvfp4(w, g)
+    fmt, group, qdata, scale, global_scale, reference = _fp4_weight(name, n, k)
     bias = torch.randn(n, device="cuda", dtype=dtype)
-    for m in (2, 5, 12, 100):
+    for m in (2, 5, 12, 100):  # (M = 12: the 16-token tile)
         x = torch.randn(m, k, device="cuda", dtype=dtype)
-        assert register_problem(4, x, qdata, 16) is None
+        assert register_problem(fmt, x, qdata, group) is None
         out = torch.empty(m, n, device="cuda", dtype=dtype)
         b = bias if m % 2 else None
-        got = register_launch(4, x, qdata, scale, qdata, b, out, 16, global_scale=g)
-        want = nvfp4.nvfp4_linear_reference(x, qdata, scale, g, 16, b)
-        err = relative_error(got, want)
+        got = register_launch(fmt, x, qdata, scale, qdata, b, out, group,
+                              global_scale=global_scale)  # fmt: skip
+        err = relative_error(got, reference(x, b))
         assert err <= MAX_RELATIVE_ERROR[dtype], f"M={m}: {err:.2e} > {MAX_RELATIVE_ERROR[dtype]}"
 
 
 @hopper
-def test_the_op_chooses_it_for_nvfp4():
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_the_op_chooses_it_for_fp4(name):
     import qshard
     from qshard.kernels.w4a16_triton import Format, register_choice
 
+    config, fmt, group = {"mxfp4": (qshard.MXFP4WeightOnlyConfig(), Format.MXFP4, 32),
+                          "nvfp4": (qshard.NVFP4WeightOnlyConfig(), Format.NVFP4, 16)}[name]
     lin = torch.nn.Linear(2048, 1536, bias=True, device="cuda", dtype=torch.bfloat16)
-    qshard.quantize_(lin, qshard.NVFP4WeightOnlyConfig())
+    qshard.quantize_(lin, config)
     w = lin.weight
     x = torch.randn(7, 2048, device="cuda", dtype=torch.bfloat16)
-    assert register_choice(Format.NVFP4, x, w.qdata, 16) is not None
-    want = nvfp4.nvfp4_linear_reference(x, w.qdata, w.scale, w.global_scale, 16, lin.bias)
+    assert register_choice(fmt, x, w.qdata, group) is not None
+    if name == "mxfp4":
+        want = mxfp4.mxfp4_linear_reference(x, w.qdata, w.scale, 32, lin.bias)
+    else:
+        want = nvfp4.nvfp4_linear_reference(x, w.qdata, w.scale, w.global_scale, 16, lin.bias)
     assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
