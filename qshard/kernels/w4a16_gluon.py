@@ -155,7 +155,7 @@ def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
         x, qdata.view(torch.int32), scale, zero, bias if bias is not None else out, out,
         partials, arrived, m, n, k, k // 32, scale.stride(0), splits,
         FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STEPS=steps,
-        STAGES=config["STAGES"], BLOCK_M=block_m, num_warps=warps,
+        STAGES=stages, BLOCK_M=block_m, num_warps=warps,
         **({"maxnreg": config["MAXNREG"]} if config.get("MAXNREG") else {}),
     )  # fmt: skip
     return out
@@ -165,6 +165,7 @@ def register_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
 
 if GLUON_IMPORT_ERROR is None:
     _CHUNK = gl.constexpr(CHUNK)
+    _ROWS_PER_WARP = gl.constexpr(ROWS_PER_WARP)
     _DECODE_PAIRS = """
     shr.u32 r, $8, 4;
     prmt.b32 v0, $8, r, 0x4400; lop3.b32 v0, v0, mask, bias, 0xEA;
@@ -265,7 +266,7 @@ if GLUON_IMPORT_ERROR is None:
     def _item_at(item, items, tiles, N, M, STEPS: gl.constexpr):
         """Work item `item`'s first row, first chunk, and the rows and tokens that exist (none
         past the last item, so that its copies are empty): one division per item."""
-        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         live = item < items
         return (item % tiles) * TILE_ROWS, (item // tiles) * STEPS, N * live, M * live
 
@@ -275,7 +276,7 @@ if GLUON_IMPORT_ERROR is None:
         """cp.async of chunk `step` of the item at `at` (`_item_at`) into one ring slot
         (`codes` [rows, 4, 4], `x_slot` [4 BLOCK_M, 32]): the tile's code words (each thread
         copies the 16 bytes it will decode) and x's chunk; one commit group."""
-        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         CODES: gl.constexpr = _codes_layout(gl.num_warps())
         RUNS: gl.constexpr = gl.SliceLayout(2, CODES)
         row0, chunk0, n_live, m_live = at
@@ -297,7 +298,7 @@ if GLUON_IMPORT_ERROR is None:
         """The scales and zeros of the item at `at` (`_item_at`), a tuple of STEPS ([rows, 4],
         [rows, 4]), per row and 32-column run of each chunk (loaded an item ahead): int4's
         scale and zero; MXFP4's power of two (twice); NVFP4's two 16-column scales."""
-        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         RUNS: gl.constexpr = gl.SliceLayout(2, _codes_layout(gl.num_warps()))
         row0, chunk0, n_live, _ = at
         m = gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(1, RUNS))
@@ -345,7 +346,7 @@ if GLUON_IMPORT_ERROR is None:
                        dtype: gl.constexpr):  # fmt: skip
         """Word j of each thread's runs decoded: the A operand [rows, 32] (logical columns
         32j + 8b + 2t + h of the chunk, see the module docstring), in `dtype`."""
-        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         w = gl.reshape(words, [TILE_ROWS, 4, 2, 2])  # word j = 2 j1 + j0, in registers
         w = gl.split(gl.split(w)[j % 2])[j // 2]  # [rows, 4 runs]
         scale = gl.convert_layout(scale, w.type.layout, assert_trivial=True)  # the same
@@ -368,7 +369,7 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _int4_planes(w, scale, zero, FORMAT: gl.constexpr, dtype: gl.constexpr):
         """The int4 formats' 8 planes of word w (`_DECODE_BF16`, `_DECODE_FP32`)."""
-        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         if FORMAT == 2:  # float zero point: (u - 8) * s + zero
             neg_c = gl.full([TILE_ROWS, 4], -136.0, gl.bfloat16, w.type.layout)
         else:
@@ -398,7 +399,7 @@ if GLUON_IMPORT_ERROR is None:
     def _fragments(p):
         """The 8 decoded planes p[2b + h] ([rows, 4 t] each) as the A operand [rows, 32]: a
         relabelling, [m, 4 t, 2 h, 2 b0, 2 b1] -> [m, b1, b0, t, h] (no data moves)."""
-        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         a = gl.join(gl.join(gl.join(p[0], p[1]), gl.join(p[2], p[3])),
                     gl.join(gl.join(p[4], p[5]), gl.join(p[6], p[7])))  # fmt: skip
         return gl.reshape(gl.permute(a, [0, 4, 3, 1, 2]), [TILE_ROWS, 32])
@@ -448,7 +449,7 @@ if GLUON_IMPORT_ERROR is None:
                     BLOCK_M: gl.constexpr):  # fmt: skip
         """out[n, rows] = acc^T * times + bias (fp32), cast to out's dtype (`times`: NVFP4's
         global scale, which its decoded weights leave out, as the Triton kernels do; else 1)."""
-        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         # rows fastest
         OUT: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, gl.num_warps()], [0, 1])
         acc = gl.convert_layout(acc, OUT) * times
@@ -466,7 +467,7 @@ if GLUON_IMPORT_ERROR is None:
                      BLOCK_M: gl.constexpr):  # fmt: skip
         """Write the tile, or store this split's partial sums and, if this program is the
         tile's last to arrive, write their sum in split order (split_k.py's scheme)."""
-        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         if SPLIT:
             MMA: gl.constexpr = acc.type.layout
             rows = tile * TILE_ROWS + gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(1, MMA))
@@ -498,7 +499,7 @@ if GLUON_IMPORT_ERROR is None:
         time: each slot is its own buffer, and Triton's hazard analysis, which cannot tell
         slots of one buffer apart, adds no barrier between a copy into one slot and the reads
         of another (the one explicit barrier per chunk orders them)."""
-        TILE_ROWS: gl.constexpr = 16 * gl.num_warps()  # 16 weight rows per warp
+        TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8])
         # x: [j] x [BLOCK_M, 32]: 64-byte rows, so lanes 0-7 of a B read (tokens g and g + 1,
@@ -537,14 +538,10 @@ if GLUON_IMPORT_ERROR is None:
                 async_copy.wait_group(STAGES - 2)  # chunk st's copies have landed (this thread's)
                 _barrier()  # everyone's have; and everyone is done with the slot refilled next
                 # the chunk to issue: st + STAGES - 1 of this item, or of the next one
-                if st + STAGES - 1 < STEPS:
-                    _issue_chunk(q_ptr, x_ptr, codes[(st + STAGES - 1) % STAGES],
-                                 xs[(st + STAGES - 1) % STAGES], here, st + STAGES - 1, K, KW4,
-                                 BLOCK_M)  # fmt: skip
-                else:
-                    _issue_chunk(q_ptr, x_ptr, codes[(st + STAGES - 1) % STAGES],
-                                 xs[(st + STAGES - 1) % STAGES], after, st + STAGES - 1 - STEPS,
-                                 K, KW4, BLOCK_M)  # fmt: skip
+                _issue_chunk(q_ptr, x_ptr, codes[(st + STAGES - 1) % STAGES],
+                             xs[(st + STAGES - 1) % STAGES],
+                             here if st + STAGES - 1 < STEPS else after,
+                             (st + STAGES - 1) % STEPS, K, KW4, BLOCK_M)  # fmt: skip
                 scale, zero = scales[st]
                 acc = _chunk_mma(acc, codes[st % STAGES], xs[st % STAGES], scale, zero, FORMAT,
                                  BLOCK_M, dtype)  # fmt: skip
