@@ -41,10 +41,16 @@ def test_w8a8_reference_quantizes_each_token_and_matches_the_float_formula():
 
 
 def test_weight_only_multiplies_the_dequantized_weight():
+    """The reference: the float64 product rounded once; `auto` on the CPU: the BLAS on the
+    dequantized weight, which sums in fp32 (equal to the reference up to summation order)."""
     w, x = gaussian(24, 64, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16)
-    q = Fp8RowwiseTensor.from_float(w, Fp8RowwiseConfig(weight_only=True))
-    expected = (x.double() @ q.dequantize().double().t()).to(torch.bfloat16)
-    assert torch.equal(F.linear(x, q), expected)
+    config = Fp8RowwiseConfig(weight_only=True, backend="reference")
+    reference = Fp8RowwiseTensor.from_float(w, config)
+    expected = (x.double() @ reference.dequantize().double().t()).to(torch.bfloat16)
+    assert torch.equal(F.linear(x, reference), expected)
+    auto = Fp8RowwiseTensor.from_float(w, Fp8RowwiseConfig(weight_only=True))
+    assert torch.equal(auto.dequantize(), reference.dequantize())
+    assert torch.equal(F.linear(x, auto), F.linear(x, auto.dequantize()))
 
 
 def test_a_column_part_keeps_its_rows_scales_and_refuses_other_ones():
