@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_fp8 import LLAMA, copies_for, time_us, versions_line
+from bench_fp8 import LLAMA, copies_for, versions_line
+from bench_register import timed
 
 from qshard.kernels import int4
 
@@ -102,10 +103,8 @@ def main() -> None:
             cells = []
             for cut in cuts:
                 run = modules[cut].register_launch
-                fns = [lambda a, q=q, s=s, z=z, run=run, out=out: run(0, a, q, s, z, None, out,
-                                                                       128)
-                       for q, s, z in weights]  # fmt: skip
-                t = time_us(lambda fns=fns, x=x: [f(x) for f in fns], len(fns))
+                t = timed(lambda q, s, z, run=run, out=out: (
+                    lambda a: run(0, a, q, s, z, None, out, 128)), weights, x)  # fmt: skip
                 sums[m, cut] = sums.get((m, cut), 0.0) + t
                 cells.append(f"cut {cut}: {t:.2f}")
             print(f"{name} M={m}: " + "  ".join(cells), flush=True)
