@@ -25,11 +25,23 @@ import torch
 import torch.nn.functional as F
 
 from .availability import cublas_unavailable_reason
+from .fp8_blockwise_gluon import gluon_launch, gluon_problem
 from .fp8_blockwise_triton import SMALL_M_MAX, act_quant_launch, linear_launch
 
-__all__ = ["cublas_linear", "fp8_blockwise_linear"]
+__all__ = ["cublas_linear", "fp8_blockwise_linear", "gluon_chosen"]
 
 CUBLAS_M_MULTIPLE = 16
+# "auto" runs the Gluon kernel (fp8_blockwise_gluon.py) for this many tokens where it can run:
+# where it beat both the Triton kernels and cuBLAS on the H100 (docs/kernels/fp8_blockwise.md)
+GLUON_CHOICE_M = (2, 128)
+
+
+def gluon_chosen(x2d: torch.Tensor, n: int, k: int, block_n: int, block_k: int,
+                 group: int) -> bool:  # fmt: skip
+    """Whether "auto" runs the Gluon kernel for this matmul (its token range, and it can run)."""
+    low, high = GLUON_CHOICE_M
+    return low <= x2d.shape[0] <= high and gluon_problem(x2d, n, k, block_n, block_k,
+                                                         group) is None  # fmt: skip
 
 
 def cublas_linear(
@@ -60,10 +72,14 @@ def fp8_blockwise_linear(
     # The kernels read rows with unit stride along K (a TP shard is a compact copy already).
     qdata, scale = qdata.contiguous(), scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
+    if backend == "auto" and gluon_chosen(x2d, n, k, block_n, block_k, group):
+        backend = "gluon"
     if backend == "auto":
         cublas_ok = cublas_unavailable_reason(x.device, n, k, block_n, block_k, group) is None
         backend = "cublas" if cublas_ok and x2d.shape[0] > SMALL_M_MAX else "triton"
-    if backend == "cublas":
+    if backend == "gluon":  # chosen by "auto" only (not a config value)
+        out = gluon_launch(x2d, qdata, scale, bias, ue8m0)
+    elif backend == "cublas":
         out = cublas_linear(x2d, qdata, scale, bias, ue8m0)
     else:
         out = linear_launch(x2d, qdata, scale, bias, block_n, block_k, group, ue8m0)

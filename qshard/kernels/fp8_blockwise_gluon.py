@@ -1,0 +1,285 @@
+"""FP8 blockwise W8A8 matmul for Hopper at 2..128 tokens, in Gluon (`triton.experimental.gluon`):
+a warp-specialized, persistent kernel in which one warp streams the weight and activation tiles
+by TMA into a ring of shared-memory slots while two warpgroups multiply them with wgmma and
+promote each group's sums with its scales (issue 24, Deliver 4; notes and measurements:
+docs/kernels/fp8_blockwise.md, "Gluon kernel").
+
+Why (docs/kernels/fp8_blockwise.md, session 7): at 16 tokens the Triton small-M kernel streams
+gate_up at 74 % of DRAM peak but the smaller linears at 39-61 %, and at 128 tokens it reaches
+55 % against cuBLAS's persistent, warp-specialized kernel's 75 %: its loads, MMAs and the fp32
+promotion share the same warps, and plain Triton 3.6 cannot specialize warps on pointer loops.
+
+out^T = W xq^T with the weight rows on the MMA's M side ("swap AB"): a tile is 128 weight rows
+(one weight block: one scale per tile and group) by BLOCK_T tokens (16..128, all of them), and
+each consumer warpgroup owns 64 of its rows. A work item is (tile, K split): its groups of 128
+columns are chunks of the ring. Per chunk a consumer waits for the slot, runs its
+[64, 128] x [128, BLOCK_T] fp8 wgmma into a fresh fp32 accumulator, releases the slot and adds
+the sums times x_scale[token] * w_scale[tile] to its tile (DeepSeek-V3 3.3.2's promotion, the
+reference's order: `partial * (x_scale * w_scale)`). The producer warp runs ahead by the ring's
+depth across items. Split K as in `split_k.py`: fp32 partial sums per split, the tile's last
+program to arrive (per warpgroup half) sums them in split order and writes the tile.
+
+The activations are quantized first by the act-quant kernel (`fp8_blockwise_triton`, bit for
+bit the reference's), so the GEMM reads e4m3 x by TMA like the weight.
+
+Scope: sm_90, 128x128 weight blocks with 1x128 activation groups (DeepSeek-V3's layout), bf16,
+fp16 or fp32 activations, 1..128 tokens, K a multiple of 16 (TMA's 16-byte row stride); partial
+row tiles and a partial last group read zeros from TMA. Elsewhere the Triton kernels run, chosen
+inside the same op (`fp8_blockwise_gpu.py`). Gluon kernels do not run in the Triton interpreter:
+CI compiles this one for sm_90 and tests its config; its numerics are tested on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .fp8_blockwise_triton import act_quant_launch
+from .split_k import _sm_count, workspace
+
+try:  # Gluon's Hopper API as of triton 3.6 (the names kept as aliases in 3.9)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # renamed after triton 3.6 (3.9 has the new names); looked up here only
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    GLUON_IMPORT_ERROR = None
+except Exception as error:  # an old or a future Triton: the Triton kernels run instead
+    GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
+
+__all__ = ["GLUON_MAX_M", "gluon_config", "gluon_launch", "gluon_problem"]
+
+TILE_ROWS = 128  # one weight block of rows: a tile has one weight scale per group
+HALF_ROWS = 64  # each consumer warpgroup's rows (wgmma's M per warpgroup)
+CHUNK = 128  # the activation group and the weight block's columns: one chunk per group
+GLUON_MIN_M, GLUON_MAX_M = 1, 128
+SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the barriers
+
+
+def gluon_problem(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int,
+                  group: int) -> str | None:  # fmt: skip
+    """Why the Gluon kernel cannot run this matmul, or None if it can."""
+    if GLUON_IMPORT_ERROR is not None:
+        return f"Gluon is not available in triton {triton.__version__} ({GLUON_IMPORT_ERROR})"
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "the Gluon FP8 kernel is built and measured for Hopper (sm_90) only"
+    if (block_n, block_k, group) != (TILE_ROWS, CHUNK, CHUNK):
+        return (f"it takes 128x128 weight blocks and 1x128 activation groups, not "
+                f"{block_n}x{block_k} blocks with 1x{group} groups")  # fmt: skip
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"it multiplies bf16, fp16 or fp32 activations, not {x.dtype}"
+    m = x.shape[0]
+    if not GLUON_MIN_M <= m <= GLUON_MAX_M:
+        return f"it runs {GLUON_MIN_M}..{GLUON_MAX_M} tokens, not {m}"
+    if k % 16:
+        return f"TMA reads rows of 16-byte multiples: K % 16 == 0, not K = {k}"
+    return None
+
+
+def gluon_config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """BLOCK_T tokens per tile (all of them), a ring of STAGES chunks, PER_SM programs per SM
+    (persistent grid), SPLITS K splits per tile chosen by `split_for`."""
+    block_t = max(16, triton.next_power_of_2(m))
+    per_sm = 2 if block_t <= 32 else 1
+    stage_bytes = TILE_ROWS * CHUNK + block_t * CHUNK
+    stages = min(8, SMEM_BUDGET // per_sm // stage_bytes)
+    programs = per_sm * _sm_count(device.index or 0)
+    tiles = triton.cdiv(n, TILE_ROWS)
+    splits = split_for(tiles, triton.cdiv(k, CHUNK), programs, block_t)
+    return {"BLOCK_T": block_t, "STAGES": stages, "PER_SM": per_sm, "SPLITS": splits}
+
+
+def split_for(tiles: int, groups: int, programs: int, block_t: int) -> int:
+    """The K split count with the fewest chunks on the busiest program, counting a split
+    tile's epilogue (its partial sums written and read back: 2 x 4 bytes per output against
+    the tile's 128 bytes of weight per token row... in chunks, 8 / 128 of a chunk per token)
+    as extra chunks. Splits keep >= 2 groups each."""
+    best, best_cost = 1, None
+    for splits in range(1, max(1, groups // 2) + 1):
+        per_split = triton.cdiv(groups, splits)
+        rounds = triton.cdiv(tiles * triton.cdiv(groups, per_split), programs)
+        epilogue = 0.0 if splits == 1 else 1.0 + 8.0 * block_t / CHUNK
+        cost = rounds * (per_split + epilogue)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return best
+
+
+def gluon_launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None, ue8m0: bool, config: dict | None = None,
+                 ) -> torch.Tensor:  # fmt: skip
+    """x [M, K] float -> x @ W.T + bias [M, N] in x's dtype (`gluon_problem` is None); qdata
+    [N, K] e4m3 and scale [N/128, K/128] contiguous."""
+    m, k = x.shape
+    n = qdata.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    config = dict(config or gluon_config(m, n, k, x.device))
+    block_t, stages, per_sm = config["BLOCK_T"], config["STAGES"], config["PER_SM"]
+    if block_t < m or block_t not in (16, 32, 64, 128) or stages < 2 or per_sm < 1:
+        raise ValueError(f"Gluon FP8 config {config} for {m} tokens: BLOCK_T must be 16, 32, "
+                         f"64 or 128 and >= the tokens, STAGES >= 2, PER_SM >= 1")  # fmt: skip
+    groups = triton.cdiv(k, CHUNK)
+    per_split = triton.cdiv(groups, min(config["SPLITS"], groups))
+    splits = triton.cdiv(groups, per_split)  # no split without a group
+    tiles = triton.cdiv(n, TILE_ROWS)
+    xq, x_scale = act_quant_launch(x, CHUNK, ue8m0)
+    w_layout = gl.NVMMASharedLayout.get_default_for([HALF_ROWS, CHUNK], gl.float8e4nv)
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_t, CHUNK], gl.float8e4nv)
+    w_desc = TensorDescriptor.from_tensor(qdata, [HALF_ROWS, CHUNK], w_layout)
+    x_desc = TensorDescriptor.from_tensor(xq, [block_t, CHUNK], x_layout)
+    # per warpgroup half of a tile: its own counter (the halves finish independently)
+    partials, arrived = workspace(m, n, splits, 2 * tiles, x.device) if splits > 1 else (out, out)
+    grid = min(tiles * splits, per_sm * _sm_count(x.device.index or 0))
+    _fp8_kernel[(grid,)](
+        w_desc, x_desc, scale, x_scale, bias if bias is not None else out, out, partials,
+        arrived, m, n, tiles, groups, per_split, splits, scale.stride(0),
+        BLOCK_T=block_t, STAGES=stages, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# ---- the kernel --------------------------------------------------------------------------------
+
+if GLUON_IMPORT_ERROR is None:
+    _HALF_ROWS = gl.constexpr(HALF_ROWS)
+    _TILE_ROWS = gl.constexpr(TILE_ROWS)
+    _CHUNK = gl.constexpr(CHUNK)
+
+    @gluon.jit
+    def _item_groups(item, tiles, groups, per_split):
+        """Work item `item`'s tile and its groups [g0, g1)."""
+        tile = item % tiles
+        g0 = (item // tiles) * per_split
+        return tile, item // tiles, g0, gl.minimum(g0 + per_split, groups)
+
+    @gluon.jit
+    def _producer(w_desc, x_desc, w_ring, x_ring, ready, empty, tiles, groups, per_split,
+                  splits, STAGES: gl.constexpr):  # fmt: skip
+        """One warp: for each chunk of this program's items, wait for its slot to be free
+        (both warpgroups released it), then TMA the tile's two 64-row halves of the weight
+        group and x's group into it; `ready` completes when all their bytes have landed."""
+        nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + x_desc.block_type.nbytes
+        chunk = 0
+        for item in range(gl.program_id(0), tiles * splits, gl.num_programs(0)):
+            tile, _, g0, g1 = _item_groups(item, tiles, groups, per_split)
+            for g in range(g0, g1):
+                slot = chunk % STAGES
+                mbarrier.wait(empty.index(slot), ((chunk // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, nbytes)
+                row, col = tile * _TILE_ROWS, g * _CHUNK
+                _tma_load(w_desc, [row, col], bar, w_ring.index(2 * slot))
+                _tma_load(w_desc, [row + _HALF_ROWS, col], bar,
+                                                w_ring.index(2 * slot + 1))  # fmt: skip
+                _tma_load(x_desc, [0, col], bar, x_ring.index(slot))
+                chunk += 1
+
+    @gluon.jit
+    def _consumer(w_ring, x_ring, ready, empty, ws_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr,
+                  cnt_ptr, M, N, tiles, groups, per_split, splits, stride_wsn, half,
+                  BLOCK_T: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  SPLIT: gl.constexpr):  # fmt: skip
+        """One warpgroup, rows [64 half, 64 half + 64) of each tile: per chunk, the fp8 wgmma
+        of its weight half and x's group into a fresh accumulator, the slot released, and the
+        sums promoted into the tile with x_scale[token] * w_scale[tile, group]."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 32])
+        toks = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
+        tok_ok = toks < M
+        zero = gl.zeros([_HALF_ROWS, BLOCK_T], gl.float32, MMA)
+        chunk = 0
+        for item in range(gl.program_id(0), tiles * splits, gl.num_programs(0)):
+            tile, split, g0, g1 = _item_groups(item, tiles, groups, per_split)
+            acc = zero
+            for g in range(g0, g1):
+                # the scales first: their loads are in flight while the slot fills
+                w_scale = gl.load(ws_ptr + tile * stride_wsn + g)
+                x_scale = gl.load(xs_ptr + g * M + toks, mask=tok_ok, other=0.0)
+                slot = chunk % STAGES
+                mbarrier.wait(ready.index(slot), (chunk // STAGES) & 1)
+                part = warpgroup_mma(w_ring.index(2 * slot + half),
+                                     x_ring.index(slot).permute((1, 0)), zero,
+                                     use_acc=False, is_async=True)  # fmt: skip
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(slot), count=1)
+                acc += part * (x_scale * w_scale)[None, :]
+                chunk += 1
+            _finish_half(acc, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, split, splits, half,
+                         M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
+
+    @gluon.jit
+    def _store_half(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS: gl.constexpr):
+        """out[tok, row] = acc[row, tok] + bias[row] (fp32), cast to out's dtype."""
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
+        mask = (rows < N)[:, None] & (toks < M)[None, :]
+        gl.store(out_ptr + toks[None, :] * N + rows[:, None],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+    @gluon.jit
+    def _finish_half(acc, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, split, splits, half,
+                     M, N, toks, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+        """Write this warpgroup's half tile, or store it as its split's partial sums and, if it
+        is the half's last to arrive, write their sum in split order (split_k.py's scheme)."""
+        MMA: gl.constexpr = acc.type.layout
+        rows = tile * _TILE_ROWS + half * _HALF_ROWS + gl.arange(
+            0, _HALF_ROWS, layout=gl.SliceLayout(1, MMA))
+        if SPLIT:
+            mask = (rows < N)[:, None] & (toks < M)[None, :]
+            at = toks[None, :] * N + rows[:, None]
+            gl.store(part_ptr + split * M * N + at, acc, mask=mask)
+            _barrier()  # the warpgroup's partial sums are stored before it counts itself
+            arrived = gl.atomic_add(cnt_ptr + 2 * tile + half, 1, sem="acq_rel")
+            if arrived == splits - 1:
+                total = gl.zeros_like(acc)
+                for sp in range(splits):
+                    total += gl.load(part_ptr + sp * M * N + at, mask=mask, other=0.0,
+                                     cache_modifier=".cg")  # fmt: skip
+                _store_half(total, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
+        else:
+            _store_half(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
+
+    @gluon.jit
+    def _fp8_kernel(w_desc, x_desc, ws_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+                    M, N, tiles, groups, per_split, splits, stride_wsn,
+                    BLOCK_T: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    SPLIT: gl.constexpr):  # fmt: skip
+        """The ring (STAGES slots of two 64-row weight halves and x's group) and its barriers,
+        then three partitions: the two consumer warpgroups (the default one and a worker) and
+        the producer warp."""
+        w_ring = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, _HALF_ROWS, _CHUNK],
+                                           w_desc.layout)  # fmt: skip
+        x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_T, _CHUNK],
+                                           x_desc.layout)  # fmt: skip
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)  # the producer's expect; TMA's bytes
+            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+        fence_async_shared()
+        gl.warp_specialize(
+            [
+                (_consumer, (w_ring, x_ring, ready, empty, ws_ptr, xs_ptr, bias_ptr, out_ptr,
+                             part_ptr, cnt_ptr, M, N, tiles, groups, per_split, splits,
+                             stride_wsn, 0, BLOCK_T, STAGES, HAS_BIAS, SPLIT)),
+                (_consumer, (w_ring, x_ring, ready, empty, ws_ptr, xs_ptr, bias_ptr, out_ptr,
+                             part_ptr, cnt_ptr, M, N, tiles, groups, per_split, splits,
+                             stride_wsn, 1, BLOCK_T, STAGES, HAS_BIAS, SPLIT)),
+                (_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, tiles, groups,
+                             per_split, splits, STAGES)),
+            ],
+            [4, 1],
+            [232, 40],
+        )  # fmt: skip
