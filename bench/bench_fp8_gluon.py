@@ -32,6 +32,7 @@ import qshard
 from qshard.kernels import fp8_blockwise as ref
 from qshard.kernels.availability import load_gpu_ops
 from qshard.kernels.fp8_blockwise_gluon import gluon_config, gluon_launch
+from qshard.kernels.fp8_blockwise_triton import act_quant_launch
 
 
 def bf16_linear(w):
@@ -97,6 +98,7 @@ def main() -> None:
                 "bf16": timed(bf16_linear, dense, x),
                 "auto (before)": timed(op_with(backend), weights, x),
                 "gluon": timed(gluon_with(None), weights, x),
+                "act quant": time_us(lambda x=x: act_quant_launch(x, 128, False), 1),
             }
             config = gluon_config(m, n, k, x.device)
             if m in sweep_ms:

@@ -35,7 +35,7 @@ import torch
 import triton
 
 from .fp8_blockwise_triton import act_quant_launch
-from .split_k import _sm_count, workspace
+from .split_k import _sm_count
 
 try:  # Gluon's Hopper API as of triton 3.6 (the names kept as aliases in 3.9)
     from triton.experimental import gluon
@@ -87,15 +87,14 @@ def gluon_problem(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int,
 
 def gluon_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """BLOCK_T tokens per tile (all of them), a ring of STAGES chunks, PER_SM programs per SM
-    (persistent grid), SPLITS K splits per tile chosen by `split_for`."""
+    (persistent grid; one fits: 12 warps at 168 registers), SPLITS K splits per tile chosen by
+    `split_for`."""
     block_t = max(16, triton.next_power_of_2(m))
-    per_sm = 2 if block_t <= 32 else 1
-    stage_bytes = TILE_ROWS * CHUNK + block_t * CHUNK
-    stages = min(8, SMEM_BUDGET // per_sm // stage_bytes)
-    programs = per_sm * _sm_count(device.index or 0)
+    stages = min(10, SMEM_BUDGET // (TILE_ROWS * CHUNK + block_t * CHUNK))
+    programs = _sm_count(device.index or 0)
     tiles = triton.cdiv(n, TILE_ROWS)
     splits = split_for(tiles, triton.cdiv(k, CHUNK), programs, block_t)
-    return {"BLOCK_T": block_t, "STAGES": stages, "PER_SM": per_sm, "SPLITS": splits}
+    return {"BLOCK_T": block_t, "STAGES": stages, "PER_SM": 1, "SPLITS": splits}
 
 
 def split_for(tiles: int, groups: int, programs: int, block_t: int) -> int:
@@ -112,6 +111,22 @@ def split_for(tiles: int, groups: int, programs: int, block_t: int) -> int:
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return best
+
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _counters(count: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 arrival counters, kept per device and stream: the kernel's last arrival at
+    each half tile sets its counter back to zero, so no launch needs a memset (one fewer
+    kernel per call). Per stream, because two launches running at once must not share them."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(device).cuda_stream)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
 
 
 def gluon_launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
@@ -138,8 +153,12 @@ def gluon_launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     x_layout = gl.NVMMASharedLayout.get_default_for([block_t, CHUNK], gl.float8e4nv)
     w_desc = TensorDescriptor.from_tensor(qdata, [HALF_ROWS, CHUNK], w_layout)
     x_desc = TensorDescriptor.from_tensor(xq, [block_t, CHUNK], x_layout)
-    # per warpgroup half of a tile: its own counter (the halves finish independently)
-    partials, arrived = workspace(m, n, splits, 2 * tiles, x.device) if splits > 1 else (out, out)
+    if splits > 1:  # partial sums per split in fragment order; a counter per half tile
+        partials = torch.empty(splits * tiles * TILE_ROWS * block_t, dtype=torch.float32,
+                               device=x.device)  # fmt: skip
+        arrived = _counters(2 * tiles, x.device)
+    else:
+        partials = arrived = out
     grid = min(tiles * splits, per_sm * _sm_count(x.device.index or 0))
     _fp8_kernel[(grid,)](
         w_desc, x_desc, scale, x_scale, bias if bias is not None else out, out, partials,
@@ -202,11 +221,16 @@ if GLUON_IMPORT_ERROR is None:
         chunk = 0
         for item in range(gl.program_id(0), tiles * splits, gl.num_programs(0)):
             tile, split, g0, g1 = _item_groups(item, tiles, groups, per_split)
+            # each group's scales are loaded a chunk ahead: their latency (an L2 round trip)
+            # was on every chunk's path when they were loaded in the same iteration (v1)
+            w_next = gl.load(ws_ptr + tile * stride_wsn + g0)
+            x_next = gl.load(xs_ptr + g0 * M + toks, mask=tok_ok, other=0.0)
             acc = zero
             for g in range(g0, g1):
-                # the scales first: their loads are in flight while the slot fills
-                w_scale = gl.load(ws_ptr + tile * stride_wsn + g)
-                x_scale = gl.load(xs_ptr + g * M + toks, mask=tok_ok, other=0.0)
+                scale = x_next * w_next  # the reference's order: x_scale * w_scale
+                ahead = gl.minimum(g + 1, g1 - 1)
+                w_next = gl.load(ws_ptr + tile * stride_wsn + ahead)
+                x_next = gl.load(xs_ptr + ahead * M + toks, mask=tok_ok, other=0.0)
                 slot = chunk % STAGES
                 mbarrier.wait(ready.index(slot), (chunk // STAGES) & 1)
                 part = warpgroup_mma(w_ring.index(2 * slot + half),
@@ -214,10 +238,10 @@ if GLUON_IMPORT_ERROR is None:
                                      use_acc=False, is_async=True)  # fmt: skip
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 mbarrier.arrive(empty.index(slot), count=1)
-                acc += part * (x_scale * w_scale)[None, :]
+                acc += part * scale[None, :]
                 chunk += 1
             _finish_half(acc, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, split, splits, half,
-                         M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
+                         tiles, M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
 
     @gluon.jit
     def _store_half(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS: gl.constexpr):
@@ -230,24 +254,32 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _finish_half(acc, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, split, splits, half,
-                     M, N, toks, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+                     tiles, M, N, toks, HAS_BIAS: gl.constexpr,
+                     SPLIT: gl.constexpr):  # fmt: skip
         """Write this warpgroup's half tile, or store it as its split's partial sums and, if it
-        is the half's last to arrive, write their sum in split order (split_k.py's scheme)."""
+        is the half's last to arrive, write their sum in split order (split_k.py's scheme) and
+        zero the half's counter for the next launch (the counters are kept, not re-zeroed)."""
         MMA: gl.constexpr = acc.type.layout
-        rows = tile * _TILE_ROWS + half * _HALF_ROWS + gl.arange(
-            0, _HALF_ROWS, layout=gl.SliceLayout(1, MMA))
+        BLOCK_T: gl.constexpr = acc.type.shape[1]
+        r = gl.arange(0, _HALF_ROWS, layout=gl.SliceLayout(1, MMA))
+        rows = tile * _TILE_ROWS + half * _HALF_ROWS + r
         if SPLIT:
-            mask = (rows < N)[:, None] & (toks < M)[None, :]
-            at = toks[None, :] * N + rows[:, None]
-            gl.store(part_ptr + split * M * N + at, acc, mask=mask)
+            # partial sums in fragment order, [8-token column block][row][8 tokens]: a warp's
+            # rows g (lane / 4) and columns 2t, 2t + 1 (lane % 4) are 256 contiguous bytes, so
+            # stores and loads are whole lines (v1 wrote them at out's [token, row] offsets)
+            at = (toks // 8 * (8 * _HALF_ROWS))[None, :] + (r * 8)[:, None] + (toks % 8)[None, :]
+            half_tile = (2 * tile + half) * (_HALF_ROWS * BLOCK_T)
+            stride = 2 * tiles * _HALF_ROWS * BLOCK_T  # one split's partial sums
+            gl.store(part_ptr + split * stride + half_tile + at, acc)
             _barrier()  # the warpgroup's partial sums are stored before it counts itself
             arrived = gl.atomic_add(cnt_ptr + 2 * tile + half, 1, sem="acq_rel")
             if arrived == splits - 1:
                 total = gl.zeros_like(acc)
                 for sp in range(splits):
-                    total += gl.load(part_ptr + sp * M * N + at, mask=mask, other=0.0,
+                    total += gl.load(part_ptr + sp * stride + half_tile + at,
                                      cache_modifier=".cg")  # fmt: skip
                 _store_half(total, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
+                gl.store(cnt_ptr + 2 * tile + half, 0)
         else:
             _store_half(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
 
