@@ -7,11 +7,12 @@ docs/kernels/fp8_blockwise.md ("Gluon kernel").
         [--sweep 16,128] [--splits 1,2,3,4,6,8]
     compute-sanitizer --tool racecheck python bench/bench_fp8_gluon.py --check
 
---check runs a few small launches (each token tile, split and not, partial tiles and groups)
-against the reference instead of timing: short enough for compute-sanitizer.
+    ncu --clock-control none --set full -k regex:_fp8_kernel --launch-skip 1 --launch-count 1 \
+        python bench/bench_fp8_gluon.py --launch gate_up 16 [SPLITS]
 
-Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated past the L2),
-activation quantization included in every FP8 method.
+--launch runs 3 launches of one Llama shape (for Nsight Compute); --check runs a few small
+launches (each token tile, split and not, partial tiles and groups) against the reference
+instead of timing: short enough for compute-sanitizer.
 """
 
 from __future__ import annotations
@@ -71,9 +72,24 @@ def check() -> None:
         assert error < 1e-2, error
 
 
+def launch(shape: str, m: int, splits: int | None) -> None:
+    n, k = LLAMA[shape]
+    qdata, scale = ref.quantize_weight_blockwise(
+        torch.randn(n, k, device="cuda") * 0.02, (128, 128), qshard.ScaleFormat.FP32)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    config = gluon_config(m, n, k, x.device)
+    if splits:
+        config["SPLITS"] = splits
+    for _ in range(3):
+        gluon_launch(x, qdata, scale, None, False, config)
+    torch.cuda.synchronize()
+    print(shape, m, config)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--launch", nargs="+", metavar=("SHAPE", "M"))
     parser.add_argument("--ms", default="1,2,4,8,16,32,64,96,128")
     parser.add_argument("--sweep", default="", help="token counts to sweep the split count at")
     parser.add_argument("--splits", default="1,2,3,4,6,8")
@@ -81,6 +97,9 @@ def main() -> None:
     load_gpu_ops()
     if args.check:
         return check()
+    if args.launch:
+        shape, m, *splits = args.launch
+        return launch(shape, int(m), int(splits[0]) if splits else None)
     print(versions_line([]))
     ms = [int(m) for m in args.ms.split(",")]
     sweep_ms = {int(m) for m in args.sweep.split(",") if m}

@@ -41,6 +41,7 @@ try:  # Gluon's Hopper API as of triton 3.6 (the names kept as aliases in 3.9)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
         fence_async_shared,
         mbarrier,
         tma,
@@ -52,6 +53,7 @@ try:  # Gluon's Hopper API as of triton 3.6 (the names kept as aliases in 3.9)
     # renamed after triton 3.6 (3.9 has the new names); looked up here only
     _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     GLUON_IMPORT_ERROR = None
 except Exception as error:  # an old or a future Triton: the Triton kernels run instead
     GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
@@ -90,7 +92,9 @@ def gluon_config(m: int, n: int, k: int, device: torch.device) -> dict:
     (persistent grid; one fits: 12 warps at 168 registers), SPLITS K splits per tile chosen by
     `split_for`."""
     block_t = max(16, triton.next_power_of_2(m))
-    stages = min(10, SMEM_BUDGET // (TILE_ROWS * CHUNK + block_t * CHUNK))
+    # a slot: the weight tile's group, x's group, and the two scale rows (fp32, >= 32 wide)
+    stage_bytes = TILE_ROWS * CHUNK + block_t * CHUNK + 2 * 4 * max(32, block_t)
+    stages = min(10, SMEM_BUDGET // stage_bytes)
     programs = _sm_count(device.index or 0)
     tiles = triton.cdiv(n, TILE_ROWS)
     splits = split_for(tiles, triton.cdiv(k, CHUNK), programs, block_t)
@@ -184,12 +188,21 @@ if GLUON_IMPORT_ERROR is None:
         return tile, item // tiles, g0, gl.minimum(g0 + per_split, groups)
 
     @gluon.jit
-    def _producer(w_desc, x_desc, w_ring, x_ring, ready, empty, tiles, groups, per_split,
-                  splits, STAGES: gl.constexpr):  # fmt: skip
+    def _producer(w_desc, x_desc, ws_ptr, xs_ptr, w_ring, x_ring, xs_ring, ws_ring, ready,
+                  empty, M,
+                  tiles, groups, per_split, splits, stride_wsn,
+                  STAGES: gl.constexpr):  # fmt: skip
         """One warp: for each chunk of this program's items, wait for its slot to be free
-        (both warpgroups released it), then TMA the tile's two 64-row halves of the weight
-        group and x's group into it; `ready` completes when all their bytes have landed."""
+        (both warpgroups released it), then fill it: the group's scales by cp.async (x_scale
+        of each token, and w_scale[tile, group] repeated beside them), the tile's two 64-row
+        halves of the weight group and x's group by TMA. `ready` completes when all of them
+        have landed: the cp.async arrive (issued first, without .noinc) adds a pending
+        arrival that the copies complete, the expect counts TMA's bytes."""
         nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + x_desc.block_type.nbytes
+        WIDTH: gl.constexpr = xs_ring.type.shape[1]  # >= 32: no lane of the warp repeated
+        SCALES: gl.constexpr = gl.BlockedLayout([WIDTH // 32], [32], [1], [0])
+        toks = gl.arange(0, WIDTH, layout=SCALES)
+        each = gl.zeros([WIDTH], gl.int32, SCALES)
         chunk = 0
         for item in range(gl.program_id(0), tiles * splits, gl.num_programs(0)):
             tile, _, g0, g1 = _item_groups(item, tiles, groups, per_split)
@@ -197,45 +210,45 @@ if GLUON_IMPORT_ERROR is None:
                 slot = chunk % STAGES
                 mbarrier.wait(empty.index(slot), ((chunk // STAGES) & 1) ^ 1)
                 bar = ready.index(slot)
+                # x_scale[g, tokens] (zero past M), and w_scale[tile, g] repeated
+                _cp_async(xs_ring.index(slot), xs_ptr + g * M + toks, mask=toks < M)
+                _cp_async(ws_ring.index(slot), ws_ptr + (tile * stride_wsn + g) + each)
+                async_copy.mbarrier_arrive(bar)
                 mbarrier.expect(bar, nbytes)
                 row, col = tile * _TILE_ROWS, g * _CHUNK
                 _tma_load(w_desc, [row, col], bar, w_ring.index(2 * slot))
-                _tma_load(w_desc, [row + _HALF_ROWS, col], bar,
-                                                w_ring.index(2 * slot + 1))  # fmt: skip
+                _tma_load(w_desc, [row + _HALF_ROWS, col], bar, w_ring.index(2 * slot + 1))
                 _tma_load(x_desc, [0, col], bar, x_ring.index(slot))
                 chunk += 1
 
     @gluon.jit
-    def _consumer(w_ring, x_ring, ready, empty, ws_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr,
-                  cnt_ptr, M, N, tiles, groups, per_split, splits, stride_wsn, half,
-                  BLOCK_T: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+    def _consumer(w_ring, x_ring, xs_ring, ws_ring, ready, empty, bias_ptr, out_ptr, part_ptr,
+                  cnt_ptr, M, N, tiles, groups, per_split, splits, half, BLOCK_T: gl.constexpr,
+                  STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
                   SPLIT: gl.constexpr):  # fmt: skip
         """One warpgroup, rows [64 half, 64 half + 64) of each tile: per chunk, the fp8 wgmma
-        of its weight half and x's group into a fresh accumulator, the slot released, and the
-        sums promoted into the tile with x_scale[token] * w_scale[tile, group]."""
+        of its weight half and x's group into a fresh accumulator, the group's scales read
+        from the slot, the slot released, and the sums promoted into the tile with
+        x_scale[token] * w_scale[tile, group]. (v1 and v2 loaded the scales from global memory
+        here: their latency, a chunk ahead or not, was on every chunk's path.)"""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 32])
-        toks = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
-        tok_ok = toks < M
+        PER_TOKEN: gl.constexpr = gl.SliceLayout(0, MMA)
+        toks = gl.arange(0, BLOCK_T, layout=PER_TOKEN)
         zero = gl.zeros([_HALF_ROWS, BLOCK_T], gl.float32, MMA)
         chunk = 0
         for item in range(gl.program_id(0), tiles * splits, gl.num_programs(0)):
             tile, split, g0, g1 = _item_groups(item, tiles, groups, per_split)
-            # each group's scales are loaded a chunk ahead: their latency (an L2 round trip)
-            # was on every chunk's path when they were loaded in the same iteration (v1)
-            w_next = gl.load(ws_ptr + tile * stride_wsn + g0)
-            x_next = gl.load(xs_ptr + g0 * M + toks, mask=tok_ok, other=0.0)
             acc = zero
-            for g in range(g0, g1):
-                scale = x_next * w_next  # the reference's order: x_scale * w_scale
-                ahead = gl.minimum(g + 1, g1 - 1)
-                w_next = gl.load(ws_ptr + tile * stride_wsn + ahead)
-                x_next = gl.load(xs_ptr + ahead * M + toks, mask=tok_ok, other=0.0)
+            for _g in range(g0, g1):
                 slot = chunk % STAGES
                 mbarrier.wait(ready.index(slot), (chunk // STAGES) & 1)
                 part = warpgroup_mma(w_ring.index(2 * slot + half),
                                      x_ring.index(slot).permute((1, 0)), zero,
                                      use_acc=False, is_async=True)  # fmt: skip
+                # the reference's order: x_scale * w_scale, then the sums times it
+                scale = (xs_ring.index(slot).slice(0, BLOCK_T).load(PER_TOKEN)
+                         * ws_ring.index(slot).slice(0, BLOCK_T).load(PER_TOKEN))
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 mbarrier.arrive(empty.index(slot), count=1)
                 acc += part * scale[None, :]
@@ -295,22 +308,29 @@ if GLUON_IMPORT_ERROR is None:
                                            w_desc.layout)  # fmt: skip
         x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_T, _CHUNK],
                                            x_desc.layout)  # fmt: skip
+        # per slot: x_scale of each token, and w_scale repeated as many times (`_producer`);
+        # at least 32 wide, the producer warp's lanes
+        SCALE_RING: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        WIDTH: gl.constexpr = 32 if BLOCK_T < 32 else BLOCK_T
+        xs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, WIDTH], SCALE_RING)
+        ws_ring = gl.allocate_shared_memory(gl.float32, [STAGES, WIDTH], SCALE_RING)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)  # the producer's expect; TMA's bytes
+            mbarrier.init(ready.index(s), count=1)  # the producer's expect (and its copies)
             mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
         fence_async_shared()
         gl.warp_specialize(
             [
-                (_consumer, (w_ring, x_ring, ready, empty, ws_ptr, xs_ptr, bias_ptr, out_ptr,
-                             part_ptr, cnt_ptr, M, N, tiles, groups, per_split, splits,
-                             stride_wsn, 0, BLOCK_T, STAGES, HAS_BIAS, SPLIT)),
-                (_consumer, (w_ring, x_ring, ready, empty, ws_ptr, xs_ptr, bias_ptr, out_ptr,
-                             part_ptr, cnt_ptr, M, N, tiles, groups, per_split, splits,
-                             stride_wsn, 1, BLOCK_T, STAGES, HAS_BIAS, SPLIT)),
-                (_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, tiles, groups,
-                             per_split, splits, STAGES)),
+                (_consumer, (w_ring, x_ring, xs_ring, ws_ring, ready, empty, bias_ptr, out_ptr,
+                             part_ptr, cnt_ptr, M, N, tiles, groups, per_split, splits, 0, BLOCK_T,
+                             STAGES, HAS_BIAS, SPLIT)),
+                (_consumer, (w_ring, x_ring, xs_ring, ws_ring, ready, empty, bias_ptr, out_ptr,
+                             part_ptr, cnt_ptr, M, N, tiles, groups, per_split, splits, 1, BLOCK_T,
+                             STAGES, HAS_BIAS, SPLIT)),
+                (_producer, (w_desc, x_desc, ws_ptr, xs_ptr, w_ring, x_ring, xs_ring, ws_ring,
+                             ready, empty, M, tiles, groups, per_split, splits, stride_wsn,
+                             STAGES)),
             ],
             [4, 1],
             [232, 40],
