@@ -101,19 +101,29 @@ def gluon_config(m: int, n: int, k: int, device: torch.device) -> dict:
     return {"BLOCK_T": block_t, "STAGES": stages, "PER_SM": 1, "SPLITS": splits}
 
 
+# Fitted to this kernel's split sweep on the H100 (docs/kernels/fp8_blockwise.md, "Gluon
+# kernel"): how many programs' worth of chunks the whole GPU streams in the time one program
+# streams one, by token tile (at 16 tokens 48 programs already read qkv at the DRAM's rate; at
+# 128 a program is held back by its MMAs and promotions), and a split item's epilogue (partial
+# sums out and back, the count) in chunks.
+PROGRAMS_AT_DRAM_RATE = {16: 36, 32: 48, 64: 90, 128: 180}
+
+
 def split_for(tiles: int, groups: int, programs: int, block_t: int) -> int:
-    """The K split count with the fewest chunks on the busiest program, counting a split
-    tile's epilogue (its partial sums written and read back: 2 x 4 bytes per output against
-    the tile's 128 bytes of weight per token row... in chunks, 8 / 128 of a chunk per token)
-    as extra chunks. Splits keep >= 2 groups each."""
-    best, best_cost = 1, None
+    """The K split count with the shortest modelled time: the longer of the DRAM-bound time
+    (all chunks over PROGRAMS_AT_DRAM_RATE programs) and the busiest program's chunks, plus,
+    when split, 2 + BLOCK_T / 16 chunks per item for its epilogue. Ties go to fewer splits;
+    splits keep >= 2 groups each."""
+    dram_rate = PROGRAMS_AT_DRAM_RATE[block_t]
+    best, best_time = 1, None
     for splits in range(1, max(1, groups // 2) + 1):
         per_split = triton.cdiv(groups, splits)
-        rounds = triton.cdiv(tiles * triton.cdiv(groups, per_split), programs)
-        epilogue = 0.0 if splits == 1 else 1.0 + 8.0 * block_t / CHUNK
-        cost = rounds * (per_split + epilogue)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = splits, cost
+        items = tiles * triton.cdiv(groups, per_split)
+        epilogue = 0 if splits == 1 else 2 + block_t // 16
+        busiest = triton.cdiv(items, programs) * (per_split + epilogue)
+        time = max(tiles * groups / dram_rate, busiest)
+        if best_time is None or time < best_time:
+            best, best_time = splits, time
     return best
 
 

@@ -33,7 +33,7 @@ __all__ = ["cublas_linear", "fp8_blockwise_linear", "gluon_chosen"]
 CUBLAS_M_MULTIPLE = 16
 # "auto" runs the Gluon kernel (fp8_blockwise_gluon.py) for this many tokens where it can run:
 # where it beat both the Triton kernels and cuBLAS on the H100 (docs/kernels/fp8_blockwise.md)
-GLUON_CHOICE_M = (2, 128)
+GLUON_CHOICE_M = (2, 64)
 
 
 def gluon_chosen(x2d: torch.Tensor, n: int, k: int, block_n: int, block_k: int,
