@@ -206,8 +206,10 @@ if GLUON_IMPORT_ERROR is None:
         (both warpgroups released it), then fill it: the group's scales by cp.async (x_scale
         of each token, and w_scale[tile, group] repeated beside them), the tile's two 64-row
         halves of the weight group and x's group by TMA. `ready` completes when all of them
-        have landed: the cp.async arrive (issued first, without .noinc) adds a pending
-        arrival that the copies complete, the expect counts TMA's bytes."""
+        have landed: each lane's cp.async arrive (.noinc) is one of the barrier's 33 expected
+        arrivals, made when that lane's copies land; the expect is the 33rd, and counts TMA's
+        bytes. (An arrive without .noinc, which adds its own pending arrival, gave the same
+        results but compute-sanitizer's synccheck reported it as a barrier overflow.)"""
         nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + x_desc.block_type.nbytes
         WIDTH: gl.constexpr = xs_ring.type.shape[1]  # >= 32: no lane of the warp repeated
         SCALES: gl.constexpr = gl.BlockedLayout([WIDTH // 32], [32], [1], [0])
@@ -223,7 +225,7 @@ if GLUON_IMPORT_ERROR is None:
                 # x_scale[g, tokens] (zero past M), and w_scale[tile, g] repeated
                 _cp_async(xs_ring.index(slot), xs_ptr + g * M + toks, mask=toks < M)
                 _cp_async(ws_ring.index(slot), ws_ptr + (tile * stride_wsn + g) + each)
-                async_copy.mbarrier_arrive(bar)
+                async_copy.mbarrier_arrive(bar, increment_count=False)  # each lane's, .noinc
                 mbarrier.expect(bar, nbytes)
                 row, col = tile * _TILE_ROWS, g * _CHUNK
                 _tma_load(w_desc, [row, col], bar, w_ring.index(2 * slot))
@@ -327,7 +329,8 @@ if GLUON_IMPORT_ERROR is None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)  # the producer's expect (and its copies)
+            # the producer's expect, and the cp.async arrive of each of its warp's 32 lanes
+            mbarrier.init(ready.index(s), count=33)
             mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
         fence_async_shared()
         gl.warp_specialize(
