@@ -4,13 +4,17 @@
 backend)` runs `backend` "triton" or "cublas", or for "auto" picks by the number of tokens M at
 run time (inside the op, so that torch.compile with a dynamic batch puts no guard on M):
 
+    2 <= M <= 64 on sm_90 with 128x128 blocks, 1x128 groups  ->  the Gluon kernel
+                                                               (fp8_blockwise_gluon.py)
     M <= SMALL_M_MAX (64), or cuBLAS cannot take the layout  ->  Triton (GEMV at M = 1,
                                                                the split-K small-M kernel)
     otherwise                                                ->  cuBLAS blockwise scaled_mm
 
-On H200 the Triton kernels beat cuBLAS up to M = 64 and cuBLAS (with the Triton activation
-quantization) beat the Triton tensor-core GEMM from M = 128 to 4096 (bench/README.md); Triton
-also serves the layouts cuBLAS cannot take (re-blocked 64-blocks, partial edge blocks, sm_89).
+On the H100 the Gluon kernel (warp-specialized, TMA) beat the Triton kernels at 2-64 tokens
+and lost to cuBLAS at 128 (docs/kernels/fp8_blockwise.md, "Gluon kernel"); on H200 the Triton
+kernels beat cuBLAS up to M = 64 and cuBLAS (with the Triton activation quantization) beat the
+Triton tensor-core GEMM from M = 128 to 4096 (bench/README.md); Triton also serves the layouts
+cuBLAS cannot take (re-blocked 64-blocks, partial edge blocks, sm_89).
 
 cuBLAS: `F.scaled_mm` with BlockWise1x128 activations x BlockWise128x128 weights (torch >= 2.10,
 CUDA >= 12.9, sm_90 only; facts.md §3): `a` fp8 [M, K] row-major with scales [M, K/128] of
