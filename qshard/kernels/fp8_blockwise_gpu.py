@@ -76,7 +76,9 @@ def fp8_blockwise_linear(
     # The kernels read rows with unit stride along K (a TP shard is a compact copy already).
     qdata, scale = qdata.contiguous(), scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    if backend == "auto" and gluon_chosen(x2d, n, k, block_n, block_k, group):
+    # (TMA reads the weight from a 16-byte aligned base: a view at another offset stays on Triton)
+    if (backend == "auto" and qdata.data_ptr() % 16 == 0
+            and gluon_chosen(x2d, n, k, block_n, block_k, group)):  # fmt: skip
         backend = "gluon"
     if backend == "auto":
         cublas_ok = cublas_unavailable_reason(x.device, n, k, block_n, block_k, group) is None
