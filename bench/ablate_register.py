@@ -33,13 +33,14 @@ KERNEL = os.path.join(os.path.dirname(__file__), "..", "qshard", "kernels", "w4a
 # (text in the kernel, the same text with the part guarded by the constexpr mask _CUT)
 EDITS = [
     ("from .split_k import", "from qshard.kernels.split_k import"),
+    ("from .gluon_api import", "from qshard.kernels.gluon_api import"),
     ("    _CHUNK = gl.constexpr(CHUNK)\n",
      "    _CHUNK = gl.constexpr(CHUNK)\n    _CUT = gl.constexpr({cut})\n"),
-    ("        _async_load(codes, q_ptr + run[:, :, None] + j[None, None, :], mask=ok[:, :, None])\n"
+    ("        cp_async(codes, q_ptr + run[:, :, None] + j[None, None, :], mask=ok[:, :, None])\n"
      "        _copy_x(x_ptr, x_slot, chunk, m_live, K, BLOCK_M)\n",
      "        if (_CUT & 16) == 0:\n"
-     "            _async_load(codes, q_ptr + run[:, :, None] + j[None, None, :],\n"
-     "                        mask=ok[:, :, None])\n"
+     "            cp_async(codes, q_ptr + run[:, :, None] + j[None, None, :],\n"
+     "                     mask=ok[:, :, None])\n"
      "        if (_CUT & 4) == 0:\n"
      "            _copy_x(x_ptr, x_slot, chunk, m_live, K, BLOCK_M)\n"),
     ("        else:\n            p = _int4_planes(w, scale, zero, FORMAT, dtype)\n",

@@ -35,28 +35,22 @@ import torch
 import triton
 
 from .fp8_blockwise_triton import act_quant_launch
+from .gluon_api import (
+    GLUON_IMPORT_ERROR,
+    TensorDescriptor,
+    async_copy,
+    barrier,
+    cp_async,
+    fence_async_shared,
+    gl,
+    gluon,
+    gluon_unavailable,
+    mbarrier,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from .split_k import _sm_count
-
-try:  # Gluon's Hopper API as of triton 3.6 (the names kept as aliases in 3.9)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    # renamed after triton 3.6 (3.9 has the new names); looked up here only
-    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    GLUON_IMPORT_ERROR = None
-except Exception as error:  # an old or a future Triton: the Triton kernels run instead
-    GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
 __all__ = ["GLUON_MAX_M", "gluon_config", "gluon_launch", "gluon_problem"]
 
@@ -67,11 +61,11 @@ GLUON_MIN_M, GLUON_MAX_M = 1, 128
 SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the barriers
 
 
-def gluon_problem(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int,
+def gluon_problem(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int,
                   group: int) -> str | None:  # fmt: skip
     """Why the Gluon kernel cannot run this matmul, or None if it can."""
-    if GLUON_IMPORT_ERROR is not None:
-        return f"Gluon is not available in triton {triton.__version__} ({GLUON_IMPORT_ERROR})"
+    if gluon_unavailable() is not None:
+        return gluon_unavailable()
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
         return "the Gluon FP8 kernel is built and measured for Hopper (sm_90) only"
     if (block_n, block_k, group) != (TILE_ROWS, CHUNK, CHUNK):
@@ -82,8 +76,10 @@ def gluon_problem(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int,
     m = x.shape[0]
     if not GLUON_MIN_M <= m <= GLUON_MAX_M:
         return f"it runs {GLUON_MIN_M}..{GLUON_MAX_M} tokens, not {m}"
-    if k % 16:
-        return f"TMA reads rows of 16-byte multiples: K % 16 == 0, not K = {k}"
+    k = qdata.shape[1]
+    if k % 16 or qdata.data_ptr() % 16:
+        return (f"TMA reads rows of 16-byte multiples from a 16-byte aligned weight: K % 16 == 0"
+                f" (K = {k}), base address % 16 == 0 ({qdata.data_ptr() % 16})")  # fmt: skip
     return None
 
 
@@ -223,14 +219,14 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.wait(empty.index(slot), ((chunk // STAGES) & 1) ^ 1)
                 bar = ready.index(slot)
                 # x_scale[g, tokens] (zero past M), and w_scale[tile, g] repeated
-                _cp_async(xs_ring.index(slot), xs_ptr + g * M + toks, mask=toks < M)
-                _cp_async(ws_ring.index(slot), ws_ptr + (tile * stride_wsn + g) + each)
+                cp_async(xs_ring.index(slot), xs_ptr + g * M + toks, mask=toks < M)
+                cp_async(ws_ring.index(slot), ws_ptr + (tile * stride_wsn + g) + each)
                 async_copy.mbarrier_arrive(bar, increment_count=False)  # each lane's, .noinc
                 mbarrier.expect(bar, nbytes)
                 row, col = tile * _TILE_ROWS, g * _CHUNK
-                _tma_load(w_desc, [row, col], bar, w_ring.index(2 * slot))
-                _tma_load(w_desc, [row + _HALF_ROWS, col], bar, w_ring.index(2 * slot + 1))
-                _tma_load(x_desc, [0, col], bar, x_ring.index(slot))
+                tma_load(w_desc, [row, col], bar, w_ring.index(2 * slot))
+                tma_load(w_desc, [row + _HALF_ROWS, col], bar, w_ring.index(2 * slot + 1))
+                tma_load(x_desc, [0, col], bar, x_ring.index(slot))
                 chunk += 1
 
     @gluon.jit
@@ -296,7 +292,7 @@ if GLUON_IMPORT_ERROR is None:
             half_tile = (2 * tile + half) * (_HALF_ROWS * BLOCK_T)
             stride = 2 * tiles * _HALF_ROWS * BLOCK_T  # one split's partial sums
             gl.store(part_ptr + split * stride + half_tile + at, acc)
-            _barrier()  # the warpgroup's partial sums are stored before it counts itself
+            barrier()  # the warpgroup's partial sums are stored before it counts itself
             arrived = gl.atomic_add(cnt_ptr + 2 * tile + half, 1, sem="acq_rel")
             if arrived == splits - 1:
                 total = gl.zeros_like(acc)

@@ -40,11 +40,11 @@ CUBLAS_M_MULTIPLE = 16
 GLUON_CHOICE_M = (2, 64)
 
 
-def gluon_chosen(x2d: torch.Tensor, n: int, k: int, block_n: int, block_k: int,
+def gluon_chosen(x2d: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int,
                  group: int) -> bool:  # fmt: skip
     """Whether "auto" runs the Gluon kernel for this matmul (its token range, and it can run)."""
     low, high = GLUON_CHOICE_M
-    return low <= x2d.shape[0] <= high and gluon_problem(x2d, n, k, block_n, block_k,
+    return low <= x2d.shape[0] <= high and gluon_problem(x2d, qdata, block_n, block_k,
                                                          group) is None  # fmt: skip
 
 
@@ -76,9 +76,7 @@ def fp8_blockwise_linear(
     # The kernels read rows with unit stride along K (a TP shard is a compact copy already).
     qdata, scale = qdata.contiguous(), scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    # (TMA reads the weight from a 16-byte aligned base: a view at another offset stays on Triton)
-    if (backend == "auto" and qdata.data_ptr() % 16 == 0
-            and gluon_chosen(x2d, n, k, block_n, block_k, group)):  # fmt: skip
+    if backend == "auto" and gluon_chosen(x2d, qdata, block_n, block_k, group):
         backend = "gluon"
     if backend == "auto":
         cublas_ok = cublas_unavailable_reason(x.device, n, k, block_n, block_k, group) is None

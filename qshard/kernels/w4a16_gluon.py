@@ -57,19 +57,17 @@ from __future__ import annotations
 import torch
 import triton
 
+from .gluon_api import (
+    GLUON_IMPORT_ERROR,
+    async_copy,
+    barrier,
+    cp_async,
+    gl,
+    gluon,
+    gluon_unavailable,
+    mma_v2,
+)
 from .split_k import _sm_count, workspace
-
-try:  # Gluon: in every Triton that torch ships since 3.4; its Hopper API as of triton 3.6
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-
-    # renamed after triton 3.6 (3.9 has the new names; both are looked up here only)
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-    GLUON_IMPORT_ERROR = None
-except Exception as error:  # an old or a future Triton: the Triton kernels run instead
-    GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
 __all__ = ["REGISTER_MAX_M", "register_config", "register_launch", "register_problem"]
 
@@ -85,8 +83,8 @@ FP4_GROUPS = {MXFP4: 32, NVFP4: 16}  # each format's own group (a TP cut keeps i
 
 def register_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
     """Why the register kernel cannot run this matmul, or None if it can."""
-    if GLUON_IMPORT_ERROR is not None:
-        return f"Gluon is not available in triton {triton.__version__} ({GLUON_IMPORT_ERROR})"
+    if gluon_unavailable() is not None:
+        return gluon_unavailable()
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
         return "the register kernel is built and measured for Hopper (sm_90) only"
     m, k = x.shape
@@ -288,7 +286,7 @@ if GLUON_IMPORT_ERROR is None:
         col = chunk * _CHUNK + 32 * t  # each thread's 32-column run
         ok = (rows < n_live)[:, None] & (col < K)[None, :]
         run = rows[:, None] * (KW4 * 4) + (col // 8)[None, :]  # the run's first word
-        _async_load(codes, q_ptr + run[:, :, None] + j[None, None, :], mask=ok[:, :, None])
+        cp_async(codes, q_ptr + run[:, :, None] + j[None, None, :], mask=ok[:, :, None])
         _copy_x(x_ptr, x_slot, chunk, m_live, K, BLOCK_M)
         async_copy.commit_group()
 
@@ -425,7 +423,7 @@ if GLUON_IMPORT_ERROR is None:
         col = chunk * _CHUNK + 8 * j + 32 * t  # the piece's first column
         ok = (n < M) & (col < K)
         src = x_ptr + (n * K + col)[:, :, None] + e
-        _async_load(x_slot.reshape([4 * BLOCK_M, 4, 8]), src, mask=ok[:, :, None])
+        cp_async(x_slot.reshape([4 * BLOCK_M, 4, 8]), src, mask=ok[:, :, None])
 
     @gluon.jit
     def _chunk_mma(acc, codes, x_slot, scale, zero, FORMAT: gl.constexpr,
@@ -475,7 +473,7 @@ if GLUON_IMPORT_ERROR is None:
             mask = (rows < N)[:, None] & (toks < M)[None, :]
             at = toks[None, :] * N + rows[:, None]
             gl.store(part_ptr + split * M * N + at, acc, mask=mask)
-            _barrier()  # every thread's partial sums are stored before the program counts
+            barrier()  # every thread's partial sums are stored before the program counts
             arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if arrived == splits - 1:
                 total = gl.zeros([TILE_ROWS, BLOCK_M], gl.float32, MMA)
@@ -536,7 +534,7 @@ if GLUON_IMPORT_ERROR is None:
             acc = gl.zeros([TILE_ROWS, BLOCK_M], gl.float32, MMA)
             for st in gl.static_range(STEPS):
                 async_copy.wait_group(STAGES - 2)  # chunk st's copies have landed (this thread's)
-                _barrier()  # everyone's have; and everyone is done with the slot refilled next
+                barrier()  # everyone's have; and everyone is done with the slot refilled next
                 # the chunk to issue: st + STAGES - 1 of this item, or of the next one
                 _issue_chunk(q_ptr, x_ptr, codes[(st + STAGES - 1) % STAGES],
                              xs[(st + STAGES - 1) % STAGES],

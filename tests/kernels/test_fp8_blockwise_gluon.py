@@ -56,7 +56,7 @@ def test_compiles_for_sm90():
     no Gluon at all the op must say why and run the Triton kernels instead."""
     if GLUON_IMPORT_ERROR is not None:
         x = torch.zeros(16, 128, dtype=torch.bfloat16)
-        assert "Gluon is not available" in gluon_problem(x, 128, 128, 128, 128, 128)
+        assert "Gluon is not available" in gluon_problem(x, x, 128, 128, 128)
         return
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env,
@@ -67,7 +67,7 @@ def test_compiles_for_sm90():
 @pytest.mark.skipif(HOPPER, reason="the CPU's reasons")
 def test_where_it_cannot_run_it_says_why():
     x = torch.zeros(16, 256, dtype=torch.bfloat16)
-    reason = gluon_problem(x, 256, 256, 128, 128, 128)
+    reason = gluon_problem(x, x, 128, 128, 128)
     assert reason is not None and ("Hopper" in reason or "Gluon is not available" in reason)
 
 
@@ -169,8 +169,8 @@ def test_auto_runs_it_and_compiles_once():
     qshard.quantize_(lin, qshard.Fp8BlockwiseConfig())
     low, high = GLUON_CHOICE_M
     x = torch.randn(high, 512, device="cuda", dtype=torch.bfloat16)
-    assert gluon_chosen(x, 384, 512, 128, 128, 128)
-    assert not gluon_chosen(x[: low - 1], 384, 512, 128, 128, 128) or low == 1
+    assert gluon_chosen(x, lin.weight.qdata, 128, 128, 128)
+    assert not gluon_chosen(x[: low - 1], lin.weight.qdata, 128, 128, 128) or low == 1
     compiled = torch.compile(lin, fullgraph=True, dynamic=True)
     for m in (low, 16, high):
         expected = _expected(x[:m], lin.weight.qdata, lin.weight.scale, lin.bias, False)

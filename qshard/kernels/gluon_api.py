@@ -1,0 +1,57 @@
+"""Gluon (`triton.experimental.gluon`) as qshard's Hopper kernels use it, imported in one place:
+the names Triton renamed after 3.6 (3.9 has only the new ones) are looked up here, and where
+Gluon does not import, GLUON_IMPORT_ERROR says why (the names are then None and the kernel
+modules define no kernel: their ops run the Triton kernels instead)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "GLUON_IMPORT_ERROR",
+    "TensorDescriptor",
+    "async_copy",
+    "barrier",
+    "cp_async",
+    "fence_async_shared",
+    "gl",
+    "gluon",
+    "gluon_unavailable",
+    "mbarrier",
+    "mma_v2",
+    "tma",
+    "tma_load",
+    "warpgroup_mma",
+    "warpgroup_mma_wait",
+]
+
+try:  # in every Triton that torch ships since 3.4; its Hopper API as of triton 3.6
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        mma_v2,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    GLUON_IMPORT_ERROR = None
+except Exception as error:  # an old or a future Triton
+    GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
+    gluon = gl = async_copy = fence_async_shared = mbarrier = mma_v2 = tma = None
+    warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+    barrier = cp_async = tma_load = None
+
+
+def gluon_unavailable() -> str | None:
+    """Why no Gluon kernel can run with this Triton, or None."""
+    if GLUON_IMPORT_ERROR is None:
+        return None
+    import triton
+
+    return f"Gluon is not available in triton {triton.__version__} ({GLUON_IMPORT_ERROR})"
