@@ -293,39 +293,45 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _item_scales(s_ptr, z_ptr, at, K, stride_sn, FORMAT: gl.constexpr,
                      GROUP: gl.constexpr, STEPS: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
-        """The scales and zeros of the item at `at` (`_item_at`), a tuple of STEPS ([rows, 4],
-        [rows, 4]), per row and 32-column run of each chunk (loaded an item ahead): int4's
-        scale and zero; MXFP4's power of two (twice); NVFP4's two 16-column scales."""
+        """The scales and zeros of the item at `at` (`_item_at`), a tuple of STEPS
+        `_chunk_scales` (loaded an item ahead)."""
+        out = ()
+        for st in gl.static_range(STEPS):
+            scales = _chunk_scales(s_ptr, z_ptr, at, st, K, stride_sn, FORMAT, GROUP, dtype)
+            out = out + (scales,)  # noqa: RUF005 (Triton builds tuples so)
+        return out
+
+    @gluon.jit
+    def _chunk_scales(s_ptr, z_ptr, at, step, K, stride_sn, FORMAT: gl.constexpr,
+                      GROUP: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+        """The scales and zeros ([rows, 4], [rows, 4]: per row and 32-column run) of chunk
+        `step` of the item at `at` (`_item_at`): int4's scale and zero; MXFP4's power of two
+        (twice); NVFP4's two 16-column scales. Zeros past the rows and K."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         RUNS: gl.constexpr = gl.SliceLayout(2, _codes_layout(gl.num_warps()))
         row0, chunk0, n_live, _ = at
         m = gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(1, RUNS))
         t = gl.arange(0, 4, layout=gl.SliceLayout(0, RUNS))
         rows = row0 + m
-        row_ok = (rows < n_live)[:, None]
-        row_at = rows[:, None] * stride_sn
-        out = ()
-        for st in gl.static_range(STEPS):
-            col = (chunk0 + st) * _CHUNK + 32 * t
-            ok = row_ok & (col < K)[None, :]
-            at = row_at + (col // GROUP)[None, :]
-            scale = gl.load(s_ptr + at, mask=ok, other=0)
-            if FORMAT == 3:  # MXFP4: the e8m0 byte E, as 2**(E - 127); no zero
-                scale = _e8m0_power(scale.to(gl.int32), dtype)
-                zero = scale
-            elif FORMAT == 4:  # NVFP4: the run's two e4m3 scales (words 0-1, words 2-3)
-                second = gl.load(s_ptr + at + 1, mask=ok, other=0)  # e4m3 bytes
-                scale = scale.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-                zero = second.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-                if dtype == gl.bfloat16:  # exact: e4m3 has 4 significant bits
-                    scale = scale.to(gl.bfloat16)
-                    zero = zero.to(gl.bfloat16)
-            elif FORMAT == 1:  # symmetric: every zero is 8 (not stored)
-                zero = gl.full([TILE_ROWS, 4], 8.0, gl.bfloat16, RUNS)
-            else:
-                zero = gl.load(z_ptr + at, mask=ok, other=0)
-            out = out + ((scale, zero),)  # noqa: RUF005 (Triton builds tuples so)
-        return out
+        col = (chunk0 + step) * _CHUNK + 32 * t
+        ok = (rows < n_live)[:, None] & (col < K)[None, :]
+        at = rows[:, None] * stride_sn + (col // GROUP)[None, :]
+        scale = gl.load(s_ptr + at, mask=ok, other=0)
+        if FORMAT == 3:  # MXFP4: the e8m0 byte E, as 2**(E - 127); no zero
+            scale = _e8m0_power(scale.to(gl.int32), dtype)
+            zero = scale
+        elif FORMAT == 4:  # NVFP4: the run's two e4m3 scales (words 0-1, words 2-3)
+            second = gl.load(s_ptr + at + 1, mask=ok, other=0)  # e4m3 bytes
+            scale = scale.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            zero = second.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            if dtype == gl.bfloat16:  # exact: e4m3 has 4 significant bits
+                scale = scale.to(gl.bfloat16)
+                zero = zero.to(gl.bfloat16)
+        elif FORMAT == 1:  # symmetric: every zero is 8 (not stored)
+            zero = gl.full([TILE_ROWS, 4], 8.0, gl.bfloat16, RUNS)
+        else:
+            zero = gl.load(z_ptr + at, mask=ok, other=0)
+        return scale, zero
 
     @gluon.jit
     def _e8m0_power(e, dtype: gl.constexpr):

@@ -1,0 +1,140 @@
+"""The warp-specialized register kernel (bench/ws_register.py: an experiment, not chosen by any
+op) against the register kernel it builds on (w4a16_gluon.py), the op's own choice and bf16
+F.linear, on the Llama-3.1-8B layer; each result checked against the reference first. Notes:
+docs/kernels/w4a16_register.md, "v6".
+
+    PYTHONPATH=$PWD python bench/bench_register_ws.py [--ms 2,4,8,16,32,64]
+        [--shapes qkv,o,gate_up,down] [--format int4|mxfp4|nvfp4]
+        [--configs STEPS:STAGES:PER_SM:WARPS:MAXNREG,...]
+
+Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated past the L2).
+Prints per shape and M each method's time, then per M the layer's sums and speedups over bf16
+("ws best": the best config per shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_fp8 import LLAMA, copies_for, versions_line
+from bench_register import FORMATS, timed
+from ws_register import ws_config, ws_launch
+
+from qshard.kernels import int4, mxfp4, nvfp4
+from qshard.kernels.w4a16_gluon import register_launch
+from qshard.kernels.w4a16_triton import Format, linear_launch
+
+
+def reference(fmt: Format, q, s, z, g, group: int, k: int) -> torch.Tensor:
+    """The format's dequantized weight (fp32), from its reference module."""
+    if fmt == Format.MXFP4:
+        return mxfp4.dequantize_mxfp4(q, s, group, k, torch.float32)
+    if fmt == Format.NVFP4:
+        return nvfp4.dequantize_nvfp4(q, s, g, group, k, torch.float32)
+    return int4.dequantize_int4(q, s, z, group, k, torch.float32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ms", default="2,4,8,16,32,64")
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down")
+    parser.add_argument("--configs", default="8:4:1:8:0,4:6:1:8:0,16:8:1:8:0,8:8:1:8:0")
+    parser.add_argument("--format", default="int4", choices=sorted(FORMATS))
+    parser.add_argument("--launch", nargs=3, metavar=("SHAPE", "M", "CONFIG"),
+                        help="only launch the kernel (twice: for Nsight Compute)")
+    args = parser.parse_args()
+    if args.launch:
+        return launch(*args.launch, FORMATS[args.format])
+    print(versions_line([]))
+    keys = ("STEPS", "STAGES", "PER_SM", "WARPS", "MAXNREG")
+    configs = [dict(zip(keys, map(int, c.split(":")), strict=True))
+               for c in args.configs.split(",")]  # fmt: skip
+    sums: dict[tuple[int, str], float] = {}
+    for name in args.shapes.split(","):
+        n, k = LLAMA[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        fmt, group, quantize = FORMATS[args.format]
+        q, s, z, g = quantize(w)
+        exact = reference(fmt, q, s, z, g, group, k)
+        z, g = (q if t is None else t for t in (z, g))  # (what a format has not: any tensor)
+        weights = [(q.clone(), s.clone(), z.clone(), g.clone())
+                   for _ in range(copies_for(n * k // 2, 1))]  # fmt: skip
+        dense = [w.clone() for _ in range(copies_for(n * k * 2, 1))]
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = x.float() @ exact.T
+            row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
+                                 [(d,) for d in dense], x)}  # fmt: skip
+            row["op"] = timed(lambda q, s, z, gs, f=fmt, gr=group: (
+                lambda a: linear_launch(f, a, q, s, z, gs, None, gr)), weights, x)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            row["reg"] = timed(lambda q, s, z, gs, f=fmt, gr=group, o=out: (
+                lambda a: register_launch(int(f), a, q, s, z, None, o, gr, None, gs)),
+                weights, x)  # fmt: skip
+            default = ws_config(m, n, k, x.device)
+            best = None
+            for config in [default, *({**default, **c} for c in configs)]:
+                label = ":".join(str(config[key]) for key in keys)
+                if f"ws {label}" in row:
+                    continue
+                try:
+                    got = ws_launch(int(fmt), x, q, s, z, None, out.clone(), group, config, g)
+                    err = ((got.float() - want).norm() / want.norm()).item()
+                    if not err < 1e-2:
+                        print(f"{name} M={m} ws {label}: WRONG, relative error {err:.3g}")
+                        continue
+                    t = timed(lambda q, s, z, gs, c=config, o=out, f=fmt, gr=group: (
+                        lambda a: ws_launch(int(f), a, q, s, z, None, o, gr, c, gs)),
+                        weights, x)  # fmt: skip
+                except Exception as e:  # reported per config, not hidden
+                    print(f"{name} M={m} ws {label}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                row[f"ws {label}"] = t
+                if config is default:
+                    row["ws default"] = t
+                if best is None or t < best[0]:
+                    best = (t, label)
+            if best is not None:
+                row["ws best"] = best[0]
+            cells = "  ".join(f"{key} {v:.2f}" for key, v in row.items())
+            print(f"{name} {n}x{k} M={m}: {cells}", flush=True)
+            for key in ("bf16", "op", "reg", "ws default", "ws best"):
+                if key in row:
+                    sums[m, key] = sums.get((m, key), 0.0) + row[key]
+    print("\nlayer (shapes summed), us, and speedup over bf16:")
+    for m in sorted({mm for mm, _ in sums}):
+        bf16 = sums[m, "bf16"]
+        cells = "  ".join(f"{key} {v:.1f} ({bf16 / v:.2f}x)" for (mm, key), v in sums.items()
+                          if mm == m)  # fmt: skip
+        print(f"M={m}: {cells}")
+
+
+def launch(shape: str, m: str, config: str, fmt_group_quantize) -> None:
+    """Two launches of one config (for Nsight Compute and compute-sanitizer), each checked
+    against the reference; SHAPE a Llama layer's name or NxK."""
+    n, k = LLAMA[shape] if shape in LLAMA else map(int, shape.split("x"))
+    fmt, group, quantize = fmt_group_quantize
+    q, s, z, g = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    want = torch.randn(int(m), k, device="cuda", dtype=torch.bfloat16)
+    x, want = want, want.float() @ reference(fmt, q, s, z, g, group, k).T
+    z, g = (q if t is None else t for t in (z, g))
+    keys = ("STEPS", "STAGES", "PER_SM", "WARPS", "MAXNREG")
+    config = {**ws_config(int(m), n, k, x.device),
+              **dict(zip(keys, map(int, config.split(":")), strict=True))}  # fmt: skip
+    for _ in range(2):
+        out = torch.empty(int(m), n, device="cuda", dtype=torch.bfloat16)
+        ws_launch(int(fmt), x, q, s, z, None, out, group, config, g)
+        err = ((out.float() - want).norm() / want.norm()).item()
+        print(f"{shape} M={m} {config}: relative error {err:.3g}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

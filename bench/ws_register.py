@@ -1,0 +1,285 @@
+"""The register-operand W4A16 kernel, warp-specialized (issue 24, v6; notes and measurements:
+docs/kernels/w4a16_register.md, "v6"): one producer warp streams the codes and the activations
+by TMA into a ring of shared-memory slots while the other warps decode and multiply, as
+`w4a16_gluon.py`'s kernel does (the same K permutation, decode, MMAs, scales and split-K
+epilogue; read its docstring first).
+
+Why: session 17's ablations of that kernel (docs/kernels/w4a16_register.md, "Session 17")
+found its parts adding up instead of overlapping: with the cp.async copies cut out, the
+Llama-3.1-8B layer took 59.3 us at 2 tokens and 75.8 us at 16 (85.9 / 115.4 us as shipped).
+Here no compute warp issues a copy or waits for one: the producer waits for a slot to be free
+(`empty`, one arrival per chunk from the compute warps), and the compute warps for its bytes
+(`ready`, TMA's transaction count).
+
+The copies, by TMA, into the layouts the compute warps read:
+- codes: the tile's rows by the chunk's 16 words ([TILE_ROWS, 16] int32, unswizzled), so each
+  thread reads back the 16-byte runs it decodes, as before (conflict-free: 64-byte rows);
+- x: the K permutation done by the copy itself, through a 5-D view of x with strides
+  (128, 8, K, 32, 1) over (chunk, j, token, t, e): the box [1, 4, BLOCK_M, 4, 8] lands as
+  x_slot[j][token][8t + e] = x[token, 128 chunk + 32t + 8j + e], the slot the other kernel
+  builds with one cp.async per 16 bytes. Tokens past M are TMA's zero fill; K must be a
+  multiple of 128 (a view's bounds are per dimension: a partial chunk would read the next
+  token's columns), else `w4a16_gluon.py`'s kernel runs.
+
+Scope: that kernel's, with K % 128 == 0. Gluon kernels do not run in the Triton interpreter:
+CI compiles this one for sm_90 and checks its config; its numerics are tested on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from qshard.kernels.gluon_api import (
+    GLUON_IMPORT_ERROR,
+    TensorDescriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    mma_v2,
+    tma_load,
+)
+from qshard.kernels.split_k import _sm_count, workspace
+from qshard.kernels.w4a16_gluon import NVFP4, ROWS_PER_WARP, register_problem
+
+__all__ = ["WS_CONFIGS", "ws_config", "ws_launch", "ws_problem"]
+
+CHUNK = 128  # columns of K per ring slot, as in w4a16_gluon.py
+WORDS = CHUNK // 8  # int32 code words per row and chunk
+SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the barriers
+
+
+def ws_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
+    """Why the warp-specialized kernel cannot run this matmul, or None if it can."""
+    reason = register_problem(fmt, x, qdata, group)
+    if reason is None and x.shape[1] % CHUNK:
+        reason = (f"its activation copy (a 5-D TMA view of x) needs K % 128 == 0, not "
+                  f"K = {x.shape[1]}")  # fmt: skip
+    return reason
+
+
+# BLOCK_M -> (STEPS, PER_SM, WARPS, MAXNREG); the ring's STAGES fill SMEM_BUDGET / PER_SM.
+WS_CONFIGS = {8: (8, 1, 8, 0), 16: (8, 1, 8, 0), 32: (8, 1, 8, 0), 64: (8, 1, 8, 0),
+              128: (8, 1, 8, 0)}  # fmt: skip
+
+
+def ws_config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """BLOCK_M tokens per tile, STEPS chunks per work item, PER_SM programs per SM of WARPS
+    compute warps (16 weight rows each) and one producer warp, a ring of STAGES slots."""
+    block_m = 8 if m <= 8 else max(16, triton.next_power_of_2(m))
+    steps, per_sm, warps, maxnreg = WS_CONFIGS[block_m]
+    stages = _stages(block_m, warps, per_sm)
+    return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm,
+            "WARPS": warps, "MAXNREG": maxnreg}  # fmt: skip
+
+
+def _stages(block_m: int, warps: int, per_sm: int) -> int:
+    slot = ROWS_PER_WARP * warps * WORDS * 4 + block_m * CHUNK * 2  # codes + x (16-bit)
+    return max(2, min(8, SMEM_BUDGET // per_sm // slot))
+
+
+def ws_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict | None = None,
+              global_scale=None) -> torch.Tensor:  # fmt: skip
+    """out [M, N] = x [M, K] @ W.T + bias by the warp-specialized kernel (`ws_problem` is
+    None); arguments as `w4a16_gluon.register_launch`."""
+    m, k = x.shape
+    n = qdata.shape[0]
+    config = dict(config or ws_config(m, n, k, x.device))
+    block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
+    warps = config.get("WARPS", 8)
+    stages = config.get("STAGES") or _stages(block_m, warps, per_sm)
+    if (block_m not in WS_CONFIGS or block_m < m or stages < 2 or per_sm < 1
+            or warps not in (4, 8, 16)):  # fmt: skip
+        raise ValueError(f"warp-specialized W4A16 config {config} for {m} tokens: BLOCK_M must "
+                         f"be one of {sorted(WS_CONFIGS)} and >= the tokens, STAGES >= 2, "
+                         f"PER_SM >= 1, WARPS 4, 8 or 16")  # fmt: skip
+    tile_rows = ROWS_PER_WARP * warps
+    tiles = triton.cdiv(n, tile_rows)
+    splits = triton.cdiv(k // CHUNK, steps)
+    grid = min(tiles * splits, per_sm * _sm_count(x.device.index or 0))
+    partials, arrived = workspace(m, n, splits, tiles, x.device) if splits > 1 else (out, out)
+    if fmt == NVFP4:
+        if global_scale is None:
+            raise ValueError("NVFP4 needs its fp32 global scale: pass global_scale")
+        zero = global_scale
+    if fmt >= 3:  # MXFP4 / NVFP4: e8m0 / e4m3 bytes, decoded in-kernel
+        scale = scale.view(torch.uint8)
+    codes = qdata.view(torch.int32)  # [N, K / 8]
+    q_desc = TensorDescriptor.from_tensor(
+        codes, [tile_rows, WORDS], gl.NVMMASharedLayout(0, 32, rank=2))
+    x_view = x.as_strided((k // CHUNK, 4, m, 4, 8), (CHUNK, 8, k, 32, 1))
+    x_desc = TensorDescriptor.from_tensor(
+        x_view, [1, 4, block_m, 4, 8], gl.NVMMASharedLayout(0, 16, rank=5))
+    _ws_kernel[(grid,)](
+        q_desc, x_desc, scale, zero, bias if bias is not None else out, out, partials, arrived,
+        m, n, k, scale.stride(0), splits,
+        FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STEPS=steps,
+        STAGES=stages, BLOCK_M=block_m, num_warps=warps,
+        **({"maxnreg": config["MAXNREG"]} if config.get("MAXNREG") else {}),
+    )  # fmt: skip
+    return out
+
+
+# ---- the kernel --------------------------------------------------------------------------------
+
+if GLUON_IMPORT_ERROR is None:
+    from qshard.kernels.w4a16_gluon import (
+        _ROWS_PER_WARP,
+        _b_operand,
+        _chunk_scales,
+        _chunk_weights,
+        _codes_layout,
+        _finish_tile,
+        _item_at,
+        _x_layout,
+    )
+
+    _WORDS = gl.constexpr(WORDS)
+
+    @gluon.constexpr_function
+    def _codes_2d(warps):
+        """`_codes_layout` on the slot's [rows, 16 words]: thread (warp w, lane 4g + t) holds
+        words 4t .. 4t + 3 of rows 16w + g and 16w + g + 8."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]],
+            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
+            block_bases=[], shape=[16 * warps, 16],
+        )  # fmt: skip
+
+    @gluon.constexpr_function
+    def _x_5d(block_m, warps):
+        """`_x_layout` on one word j of the slot, [1, 1, block_m tokens, 4 t, 8 e]."""
+        tiles = [[0, 0, 8 << i, 0, 0] for i in range(block_m.bit_length() - 4)]
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], *tiles],
+            lane_bases=[[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0],
+                        [0, 0, 4, 0, 0]],
+            warp_bases=[[0, 0, 0, 0, 0]] * (warps.bit_length() - 1), block_bases=[],
+            shape=[1, 1, block_m, 4, 8],
+        )  # fmt: skip
+
+    @gluon.jit
+    def _slot_mma(acc, codes, x_slot, scale, zero, FORMAT: gl.constexpr,
+                  BLOCK_M: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+        """acc + one chunk: the slot's codes decoded in registers (the A operand) times x's
+        chunk (the B operand, one word j of columns at a time), as `_chunk_mma`."""
+        TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
+        MMA: gl.constexpr = acc.type.layout
+        A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        words = codes.load(_codes_2d(gl.num_warps()))
+        words = gl.convert_layout(gl.reshape(words, [TILE_ROWS, 4, 4]),
+                                  _codes_layout(gl.num_warps()), assert_trivial=True)  # fmt: skip
+        for j in gl.static_range(4):
+            a = gl.convert_layout(_chunk_weights(words, scale, zero, j, FORMAT, dtype), A,
+                                  assert_trivial=True)  # fmt: skip
+            x = x_slot.slice(j, 1, dim=1).load(_x_5d(BLOCK_M, gl.num_warps()))
+            x = gl.convert_layout(gl.reshape(x, [BLOCK_M, 32]),
+                                  _x_layout(BLOCK_M, gl.num_warps()), assert_trivial=True)
+            b = gl.convert_layout(_b_operand(x, BLOCK_M), B, assert_trivial=True)
+            acc = mma_v2(a, b, acc)
+        return acc
+
+    @gluon.jit
+    def _compute(codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
+                 cnt_ptr, M, N, K, stride_sn, splits, FORMAT: gl.constexpr,
+                 GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
+                 STEPS: gl.constexpr, STAGES: gl.constexpr,
+                 BLOCK_M: gl.constexpr):  # fmt: skip
+        """The compute warps (the default partition): per chunk, its scales loaded two chunks
+        ahead, then: wait for the slot's bytes, decode and multiply, release the slot
+        (Triton puts a barrier of these warps before the arrival: every warp's reads are done),
+        then the tile written or its partial sums counted (`_finish_tile`)."""
+        TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8])
+        dtype: gl.constexpr = x_ring.dtype
+        tiles = gl.cdiv(N, TILE_ROWS)
+        items = tiles * splits
+        pid = gl.program_id(0)
+        programs = gl.num_programs(0)
+        if FORMAT == 4:  # noqa: SIM108 (a constexpr branch)
+            times = gl.load(z_ptr).to(gl.float32)  # NVFP4's global scale, on the sums
+        else:
+            times = 1.0
+        # the scales two chunks ahead (`ahead`, then `later`), across items: a few registers
+        # where a whole item's would hold 4 * STEPS per item and its successor
+        here = _item_at(pid, items, tiles, N, M, STEPS)
+        after = _item_at(pid + programs, items, tiles, N, M, STEPS)
+        ahead = _chunk_scales(s_ptr, z_ptr, here, 0, K, stride_sn, FORMAT, GROUP, dtype)
+        later = _chunk_scales(s_ptr, z_ptr, here if STEPS > 1 else after, 1 % STEPS, K,
+                              stride_sn, FORMAT, GROUP, dtype)  # fmt: skip
+        chunk = 0
+        for item in range(pid, items, programs):
+            after = _item_at(item + programs, items, tiles, N, M, STEPS)
+            acc = gl.zeros([TILE_ROWS, BLOCK_M], gl.float32, MMA)
+            for st in gl.static_range(STEPS):
+                scale, zero = ahead
+                ahead = later
+                later = _chunk_scales(s_ptr, z_ptr, here if st + 2 < STEPS else after,
+                                      (st + 2) % STEPS, K, stride_sn, FORMAT, GROUP,
+                                      dtype)  # fmt: skip
+                slot = chunk % STAGES
+                mbarrier.wait(ready.index(slot), (chunk // STAGES) & 1)
+                acc = _slot_mma(acc, codes_ring.index(slot), x_ring.index(slot), scale, zero,
+                                FORMAT, BLOCK_M, dtype)  # fmt: skip
+                mbarrier.arrive(empty.index(slot), count=1)
+                chunk += 1
+            _finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, item % tiles,
+                         item // tiles, splits, M, N, times, HAS_BIAS, SPLIT,
+                         BLOCK_M)  # fmt: skip
+            here = after
+
+    @gluon.jit
+    def _produce(q_desc, x_desc, codes_ring, x_ring, ready, empty, N, splits,
+                 STEPS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """The producer warp: for each chunk of this program's items, wait for its slot to be
+        released, then copy the tile's codes and x's chunk into it; `ready` completes when
+        both have landed (TMA's byte count). Chunks past K are zeros (TMA's fill)."""
+        TILE_ROWS: gl.constexpr = q_desc.block_type.shape[0]
+        nbytes: gl.constexpr = q_desc.block_type.nbytes + x_desc.block_type.nbytes
+        tiles = gl.cdiv(N, TILE_ROWS)
+        chunk = 0
+        for item in range(gl.program_id(0), tiles * splits, gl.num_programs(0)):
+            row = (item % tiles) * TILE_ROWS
+            first = (item // tiles) * STEPS
+            for st in range(STEPS):
+                slot = chunk % STAGES
+                mbarrier.wait(empty.index(slot), ((chunk // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, nbytes)
+                tma_load(q_desc, [row, (first + st) * _WORDS], bar, codes_ring.index(slot))
+                tma_load(x_desc, [first + st, 0, 0, 0, 0], bar, x_ring.index(slot))
+                chunk += 1
+
+    @gluon.jit
+    def _ws_kernel(q_desc, x_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+                   M, N, K, stride_sn, splits,
+                   FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   SPLIT: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr,
+                   BLOCK_M: gl.constexpr):  # fmt: skip
+        """The ring (STAGES slots of the tile's codes and x's chunk) and its barriers, then the
+        compute warps (default partition) and the producer warp."""
+        codes_ring = gl.allocate_shared_memory(
+            gl.int32, [STAGES, _ROWS_PER_WARP * gl.num_warps(), _WORDS], q_desc.layout)
+        x_ring = gl.allocate_shared_memory(
+            x_desc.block_type.element_ty, [STAGES, 1, 4, BLOCK_M, 4, 8], x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)  # the producer's expect (and TMA's bytes)
+            mbarrier.init(empty.index(s), count=1)  # the compute warps' one arrival
+        fence_async_shared()
+        gl.warp_specialize(
+            [
+                (_compute, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
+                            part_ptr, cnt_ptr, M, N, K, stride_sn, splits, FORMAT, GROUP,
+                            HAS_BIAS, SPLIT, STEPS, STAGES, BLOCK_M)),
+                (_produce, (q_desc, x_desc, codes_ring, x_ring, ready, empty, N, splits, STEPS,
+                            STAGES)),
+            ],
+            [4],
+            [40],
+        )  # fmt: skip
