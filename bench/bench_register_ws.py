@@ -1,7 +1,7 @@
 """The warp-specialized register kernel (bench/ws_register.py: an experiment, not chosen by any
 op) against the register kernel it builds on (w4a16_gluon.py), the op's own choice and bf16
 F.linear, on the Llama-3.1-8B layer; each result checked against the reference first. Notes:
-docs/kernels/w4a16_register.md, "v6".
+docs/kernels/w4a16_register.md, "Session 19".
 
     PYTHONPATH=$PWD python bench/bench_register_ws.py [--ms 2,4,8,16,32,64]
         [--shapes qkv,o,gate_up,down] [--format int4|mxfp4|nvfp4]
