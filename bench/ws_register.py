@@ -2,7 +2,8 @@
 docs/kernels/w4a16_register.md, "Session 19"): one producer warp streams the codes and the
 activations by TMA into a ring of shared-memory slots while the other warps decode and multiply, as
 `w4a16_gluon.py`'s kernel does (the same K permutation, decode, MMAs, scales and split-K
-epilogue; read its docstring first).
+epilogue; read its docstring first). The producer is a 4-warp partition (one thread issues the
+copies; Triton pads a 1-warp partition to a warpgroup anyway).
 
 Why: session 17's ablations of that kernel (docs/kernels/w4a16_register.md, "Session 17")
 found its parts adding up instead of overlapping: with the cp.async copies cut out, the
