@@ -46,6 +46,7 @@ from .gluon_api import (
     gluon,
     gluon_unavailable,
     mbarrier,
+    store_transposed,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -265,15 +266,6 @@ if GLUON_IMPORT_ERROR is None:
                          tiles, M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
 
     @gluon.jit
-    def _store_half(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS: gl.constexpr):
-        """out[tok, row] = acc[row, tok] + bias[row] (fp32), cast to out's dtype."""
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
-        mask = (rows < N)[:, None] & (toks < M)[None, :]
-        gl.store(out_ptr + toks[None, :] * N + rows[:, None],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-
-    @gluon.jit
     def _finish_half(acc, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, split, splits, half,
                      tiles, M, N, toks, HAS_BIAS: gl.constexpr,
                      SPLIT: gl.constexpr):  # fmt: skip
@@ -299,10 +291,10 @@ if GLUON_IMPORT_ERROR is None:
                 for sp in range(splits):
                     total += gl.load(part_ptr + sp * stride + half_tile + at,
                                      cache_modifier=".cg")  # fmt: skip
-                _store_half(total, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
+                store_transposed(total, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
                 gl.store(cnt_ptr + 2 * tile + half, 0)
         else:
-            _store_half(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
+            store_transposed(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
 
     @gluon.jit
     def _fp8_kernel(w_desc, x_desc, ws_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,

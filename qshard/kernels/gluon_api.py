@@ -1,7 +1,8 @@
 """Gluon (`triton.experimental.gluon`) as qshard's Hopper kernels use it, imported in one place:
 the names Triton renamed after 3.6 (3.9 has only the new ones) are looked up here, and where
 Gluon does not import, GLUON_IMPORT_ERROR says why (the names are then None and the kernel
-modules define no kernel: their ops run the Triton kernels instead)."""
+modules define no kernel: their ops run the Triton kernels instead); and `store_transposed`,
+the epilogue store both Hopper kernels share."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ __all__ = [
     "gluon_unavailable",
     "mbarrier",
     "mma_v2",
+    "store_transposed",
     "tma",
     "tma_load",
     "warpgroup_mma",
@@ -45,7 +47,19 @@ except Exception as error:  # an old or a future Triton
     GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
     gluon = gl = async_copy = fence_async_shared = mbarrier = mma_v2 = tma = None
     warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
-    barrier = cp_async = tma_load = None
+    barrier = cp_async = tma_load = store_transposed = None
+
+if GLUON_IMPORT_ERROR is None:
+
+    @gluon.jit
+    def store_transposed(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS: gl.constexpr):
+        """out[tok, row] = acc[row, tok] + bias[row] (fp32), cast to out's dtype: the epilogue
+        of the "swap AB" kernels (weight rows on the MMA's M side, tokens on its N side)."""
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
+        mask = (rows < N)[:, None] & (toks < M)[None, :]
+        gl.store(out_ptr + toks[None, :] * N + rows[:, None],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
 def gluon_unavailable() -> str | None:

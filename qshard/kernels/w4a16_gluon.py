@@ -66,6 +66,7 @@ from .gluon_api import (
     gluon,
     gluon_unavailable,
     mma_v2,
+    store_transposed,
 )
 from .split_k import _sm_count, workspace
 
@@ -459,11 +460,7 @@ if GLUON_IMPORT_ERROR is None:
         acc = gl.convert_layout(acc, OUT) * times
         rows = tile * TILE_ROWS + gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(1, OUT))
         toks = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT))
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
-        mask = (rows < N)[:, None] & (toks < M)[None, :]
-        gl.store(out_ptr + toks[None, :] * N + rows[:, None],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        store_transposed(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
 
     @gluon.jit
     def _finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, tile, split, splits, M, N,
