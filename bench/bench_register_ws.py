@@ -1,7 +1,8 @@
-"""The warp-specialized register kernel (bench/ws_register.py: an experiment, not chosen by any
-op) against the register kernel it builds on (w4a16_gluon.py), the op's own choice and bf16
-F.linear, on the Llama-3.1-8B layer; each result checked against the reference first. Notes:
-docs/kernels/w4a16_register.md, "Session 19".
+"""The warp-specialized register kernel (w4a16_gluon_ws.py) against the register kernel it
+builds on (w4a16_gluon.py, "reg"), the Triton kernel ("triton": the op's default config), the
+op's own choice ("op") and bf16 F.linear, on the Llama-3.1-8B layer; each result checked
+against the reference first. Notes: docs/kernels/w4a16_register.md, "Session 19" and "Session
+20".
 
     PYTHONPATH=$PWD python bench/bench_register_ws.py [--ms 2,4,8,16,32,64]
         [--shapes qkv,o,gate_up,down] [--format int4|mxfp4|nvfp4]
@@ -26,11 +27,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_fp8 import LLAMA, copies_for, versions_line
 from bench_register import FORMATS, timed
-from ws_register import ws_config, ws_launch
 
 from qshard.kernels import int4, mxfp4, nvfp4
 from qshard.kernels.w4a16_gluon import register_launch
-from qshard.kernels.w4a16_triton import Format, linear_launch
+from qshard.kernels.w4a16_gluon_ws import ws_config, ws_launch
+from qshard.kernels.w4a16_triton import Format, default_config, linear_launch
 
 
 def reference(fmt: Format, q, s, z, g, group: int, k: int) -> torch.Tensor:
@@ -75,6 +76,9 @@ def main() -> None:
                                  [(d,) for d in dense], x)}  # fmt: skip
             row["op"] = timed(lambda q, s, z, gs, f=fmt, gr=group: (
                 lambda a: linear_launch(f, a, q, s, z, gs, None, gr)), weights, x)
+            triton_config = default_config(fmt, m, n, k, x.device)
+            row["triton"] = timed(lambda q, s, z, gs, f=fmt, gr=group, c=triton_config: (
+                lambda a: linear_launch(f, a, q, s, z, gs, None, gr, c)), weights, x)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             row["reg"] = timed(lambda q, s, z, gs, f=fmt, gr=group, o=out: (
                 lambda a: register_launch(int(f), a, q, s, z, None, o, gr, None, gs)),
@@ -106,7 +110,7 @@ def main() -> None:
                 row["ws best"] = best[0]
             cells = "  ".join(f"{key} {v:.2f}" for key, v in row.items())
             print(f"{name} {n}x{k} M={m}: {cells}", flush=True)
-            for key in ("bf16", "op", "reg", "ws default", "ws best"):
+            for key in ("bf16", "op", "triton", "reg", "ws default", "ws best"):
                 if key in row:
                     sums[m, key] = sums.get((m, key), 0.0) + row[key]
     print("\nlayer (shapes summed), us, and speedup over bf16:")

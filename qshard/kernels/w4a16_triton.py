@@ -64,6 +64,7 @@ import triton.language as tl
 from .split_k import _sm_count, finish_tile, split_count, workspace
 from .tuning import tuned_config
 from .w4a16_gluon import register_config, register_launch, register_problem
+from .w4a16_gluon_ws import ws_config, ws_launch, ws_problem
 
 __all__ = [
     "DEQUANTIZE",
@@ -99,8 +100,10 @@ _NVFP4: tl.constexpr = tl.constexpr(int(Format.NVFP4))
 GEMV_MAX_M = 1
 FUSED_MAX_M = 128
 # The register kernel (w4a16_gluon.py) runs up to 128 tokens, but measured on an H100 it beats
-# the small-M kernel below up to 12 (at 16 a tie; docs/kernels/w4a16_register.md, v4).
+# the small-M kernel below up to 12 (at 16 a tie; docs/kernels/w4a16_register.md, v4); its
+# warp-specialized form (w4a16_gluon_ws.py, K % 128 == 0) beats both at 9..16 ("Session 20").
 REGISTER_CHOICE_MAX_M = 12
+WS_CHOICE_MIN_M, WS_CHOICE_MAX_M = 9, 16
 MIN_STEPS_PER_SPLIT = 4
 
 
@@ -721,8 +724,8 @@ def tuned_format(fmt: Format, group: int) -> str:
 
 def kernel_for(m: int, config: dict | None) -> str:
     """Which kernel runs M tokens: "gemv", "small_m" or "dequantize" (+ cuBLAS); a config
-    names its kernel by its keys (SPLIT_K: small-M, KERNEL: dequantize, register or
-    gemv_words, else a GEMV config)."""
+    names its kernel by its keys (SPLIT_K: small-M, KERNEL: dequantize, register, register_ws
+    or gemv_words, else a GEMV config)."""
     if config is not None:
         if "KERNEL" in config:
             return config["KERNEL"]
@@ -733,9 +736,13 @@ def kernel_for(m: int, config: dict | None) -> str:
 
 
 def register_choice(fmt: Format, x, qdata, group: int) -> dict | None:
-    """The register kernel's config (w4a16_gluon.py) where it runs this matmul and is the
-    faster kernel for its token count on this GPU, else None (the Triton kernels run)."""
+    """The config of a register kernel where one runs this matmul and is the faster kernel for
+    its token count on this GPU (the warp-specialized one, w4a16_gluon_ws.py, at
+    WS_CHOICE_MIN_M..WS_CHOICE_MAX_M tokens; else w4a16_gluon.py's up to
+    REGISTER_CHOICE_MAX_M), else None (the Triton kernels run)."""
     m, k = x.shape
+    if WS_CHOICE_MIN_M <= m <= WS_CHOICE_MAX_M and ws_problem(int(fmt), x, qdata, group) is None:
+        return {"KERNEL": "register_ws", **ws_config(m, qdata.shape[0], k, x.device)}
     if m > REGISTER_CHOICE_MAX_M or register_problem(int(fmt), x, qdata, group) is not None:
         return None
     return {"KERNEL": "register", **register_config(m, qdata.shape[0], k, x.device)}
@@ -817,6 +824,8 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     common = dict(FORMAT=int(fmt), GROUP=group, HAS_BIAS=bias is not None)
     zero = zero if zero.numel() else qdata  # an empty tensor may have no address to pass
     args = (x, qdata, _scale_arg(scale), zero, global_scale, bias if bias is not None else out, out)
+    if kernel == "register_ws":
+        return ws_launch(int(fmt), x, qdata, scale, zero, bias, out, group, config, global_scale)
     if kernel == "register":
         return register_launch(int(fmt), x, qdata, scale, zero, bias, out, group, config,
                                global_scale)  # fmt: skip

@@ -1,16 +1,15 @@
 """The register-operand W4A16 kernel, warp-specialized (issue 24, v6; notes and measurements:
-docs/kernels/w4a16_register.md, "Session 19"): one producer warp streams the codes and the
-activations by TMA into a ring of shared-memory slots while the other warps decode and multiply, as
-`w4a16_gluon.py`'s kernel does (the same K permutation, decode, MMAs, scales and split-K
-epilogue; read its docstring first). The producer is a 4-warp partition (one thread issues the
-copies; Triton pads a 1-warp partition to a warpgroup anyway).
+docs/kernels/w4a16_register.md, "Session 19" and "Session 20"): a producer partition streams the
+codes and the activations by TMA into a ring of shared-memory slots while the compute warps
+decode and multiply, as `w4a16_gluon.py`'s kernel does (the same K permutation, decode, MMAs,
+scales and split-K epilogue; read its docstring first). The producer is a 4-warp partition (one
+thread issues the copies; Triton pads a 1-warp partition to a warpgroup anyway).
 
-Why: session 17's ablations of that kernel (docs/kernels/w4a16_register.md, "Session 17")
-found its parts adding up instead of overlapping: with the cp.async copies cut out, the
-Llama-3.1-8B layer took 59.3 us at 2 tokens and 75.8 us at 16 (85.9 / 115.4 us as shipped).
-Here no compute warp issues a copy or waits for one: the producer waits for a slot to be free
-(`empty`, one arrival per chunk from the compute warps), and the compute warps for its bytes
-(`ready`, TMA's transaction count).
+Why: session 17's ablations of that kernel found its parts adding up instead of overlapping:
+with the cp.async copies cut out, the Llama-3.1-8B layer took 75.8 us at 16 tokens (115.4 us as
+shipped). Here no compute warp issues a copy or waits for one: the producer waits for a slot to
+be free (`empty`, one arrival per chunk from the compute warps), and the compute warps for its
+bytes (`ready`, TMA's transaction count).
 
 The copies, by TMA, into the layouts the compute warps read:
 - codes: the tile's rows by the chunk's 16 words ([TILE_ROWS, 16] int32, unswizzled), so each
@@ -18,15 +17,22 @@ The copies, by TMA, into the layouts the compute warps read:
 - x: the K permutation done by the copy itself, through a 5-D view of x with strides
   (128, 8, K, 32, 1) over (chunk, j, token, t, e): the box [1, 4, BLOCK_M, 4, 8] lands as
   x_slot[j][token][8t + e] = x[token, 128 chunk + 32t + 8j + e], the slot the other kernel
-  builds with one cp.async per 16 bytes. Tokens past M are TMA's zero fill; K must be a
-  multiple of 128 (a view's bounds are per dimension: a partial chunk would read the next
-  token's columns), else `w4a16_gluon.py`'s kernel runs.
+  builds with one cp.async per 16 bytes. Tokens past M and rows past N are TMA's zero fill; K
+  must be a multiple of 128 (a view's bounds are per dimension: a partial chunk would read the
+  next token's columns), else `w4a16_gluon.py`'s kernel runs.
 
-Scope: that kernel's, with K % 128 == 0. **An experiment, chosen by no op**: measured on the
-H100, its results vary between runs when two of its programs share an SM (30 of 30 launches at
-16 tokens with two resident per SM; 1 of 30 with a grid of two waves; 0 of 30 with one program
-per SM), cause not found (docs/kernels/w4a16_register.md, "Session 19"). Timed and checked
-against the reference by bench/bench_register_ws.py; not in the test suite.
+**The proxy fence.** The compute warps read a slot with ordinary shared loads (the generic
+proxy); TMA writes it (the async proxy). The PTX memory model orders the two only through a
+`fence.proxy.async`: each compute thread fences after its reads of a slot and before the
+arrival that releases it to the producer. Without the fence (session 19's build) the refill
+overwrote slots still being read: 30 of 30 launches gave different bits, up to 4 % off, with two
+programs per SM and an 8-slot ring; with the fence 0 of 30 in every config tried (H100,
+docs/kernels/w4a16_register.md, "Session 20"). The FP8 Gluon kernel needs none: its consumers
+read the TMA-written slots with wgmma, itself in the async proxy.
+
+Scope: `w4a16_gluon.py`'s kernel's (Hopper, bf16 / fp16, the int4 formats with groups of
+32..256, MXFP4, NVFP4), with K % 128 == 0. The op chooses it at
+`w4a16_triton.WS_CHOICE_MIN_M`..`WS_CHOICE_MAX_M` tokens, where it was measured fastest.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from qshard.kernels.gluon_api import (
+from .gluon_api import (
     GLUON_IMPORT_ERROR,
     TensorDescriptor,
     fence_async_shared,
@@ -44,14 +50,16 @@ from qshard.kernels.gluon_api import (
     mma_v2,
     tma_load,
 )
-from qshard.kernels.split_k import _sm_count, workspace
-from qshard.kernels.w4a16_gluon import NVFP4, ROWS_PER_WARP, register_problem
+from .split_k import _sm_count, workspace
+from .w4a16_gluon import NVFP4, ROWS_PER_WARP, register_problem
 
-__all__ = ["WS_CONFIGS", "ws_config", "ws_launch", "ws_problem"]
+__all__ = ["WS_BLOCK_M", "ws_config", "ws_launch", "ws_problem"]
 
 CHUNK = 128  # columns of K per ring slot, as in w4a16_gluon.py
 WORDS = CHUNK // 8  # int32 code words per row and chunk
 SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the barriers
+WS_BLOCK_M = (8, 16, 32, 64, 128)  # the token tiles
+WS_MAX_STEPS = 32  # chunks per work item: the largest measured (K = 4096 in one item)
 
 
 def ws_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
@@ -63,19 +71,25 @@ def ws_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> st
     return reason
 
 
-# BLOCK_M -> (STEPS, PER_SM, WARPS, MAXNREG); the ring's STAGES fill SMEM_BUDGET / PER_SM.
-WS_CONFIGS = {8: (8, 1, 8, 0), 16: (8, 1, 8, 0), 32: (8, 1, 8, 0), 64: (8, 1, 8, 0),
-              128: (8, 1, 8, 0)}  # fmt: skip
-
-
-def ws_config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """BLOCK_M tokens per tile, STEPS chunks per work item, PER_SM programs per SM of WARPS
-    compute warps (16 weight rows each) and one producer warp, a ring of STAGES slots."""
+def ws_config(m: int, n: int, k: int, device: torch.device, sms: int | None = None) -> dict:
+    """BLOCK_M tokens per tile; two programs per SM (registers capped at 80), each of 8 compute
+    warps (a 128-row tile) and the producer; a ring of STAGES slots filling half the shared
+    memory; K split in as few parts as leave at least half as many work items (tiles x splits)
+    as SMs, trying splits of 32, 16, 8, ... chunks, then balanced (STEPS = chunks / splits,
+    rounded up). Fitted to the H100 sweep at 8 and 16 tokens (docs/kernels/w4a16_register.md,
+    "Session 20"): on the Llama-3.1-8B layer it gives each linear's best measured number of
+    splits (qkv 2, o 4, gate_up 1, down 4). `sms`: the device's SM count unless given."""
     block_m = 8 if m <= 8 else max(16, triton.next_power_of_2(m))
-    steps, per_sm, warps, maxnreg = WS_CONFIGS[block_m]
-    stages = _stages(block_m, warps, per_sm)
-    return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm,
-            "WARPS": warps, "MAXNREG": maxnreg}  # fmt: skip
+    warps, per_sm = 8, 2
+    tiles = triton.cdiv(n, ROWS_PER_WARP * warps)
+    chunks = triton.cdiv(k, CHUNK)
+    half = (sms or _sm_count(device.index or 0)) // 2
+    steps = WS_MAX_STEPS
+    while steps > 1 and tiles * triton.cdiv(chunks, steps) < half:
+        steps //= 2
+    steps = triton.cdiv(chunks, triton.cdiv(chunks, steps))  # the splits balanced: none past K
+    return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": _stages(block_m, warps, per_sm),
+            "PER_SM": per_sm, "WARPS": warps, "MAXNREG": 80}  # fmt: skip
 
 
 def _stages(block_m: int, warps: int, per_sm: int) -> int:
@@ -86,18 +100,19 @@ def _stages(block_m: int, warps: int, per_sm: int) -> int:
 def ws_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict | None = None,
               global_scale=None) -> torch.Tensor:  # fmt: skip
     """out [M, N] = x [M, K] @ W.T + bias by the warp-specialized kernel (`ws_problem` is
-    None); arguments as `w4a16_gluon.register_launch`."""
+    None); arguments as `w4a16_gluon.register_launch`; `config` as `ws_config` gives it (STAGES
+    0 or absent: as many as fit)."""
     m, k = x.shape
     n = qdata.shape[0]
     config = dict(config or ws_config(m, n, k, x.device))
     block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
     warps = config.get("WARPS", 8)
     stages = config.get("STAGES") or _stages(block_m, warps, per_sm)
-    if (block_m not in WS_CONFIGS or block_m < m or stages < 2 or per_sm < 1
+    if (block_m not in WS_BLOCK_M or block_m < m or stages < 2 or per_sm < 1 or steps < 1
             or warps not in (4, 8, 16)):  # fmt: skip
         raise ValueError(f"warp-specialized W4A16 config {config} for {m} tokens: BLOCK_M must "
-                         f"be one of {sorted(WS_CONFIGS)} and >= the tokens, STAGES >= 2, "
-                         f"PER_SM >= 1, WARPS 4, 8 or 16")  # fmt: skip
+                         f"be one of {list(WS_BLOCK_M)} and >= the tokens, STAGES >= 2, "
+                         f"STEPS and PER_SM >= 1, WARPS 4, 8 or 16")  # fmt: skip
     tile_rows = ROWS_PER_WARP * warps
     tiles = triton.cdiv(n, tile_rows)
     splits = triton.cdiv(k // CHUNK, steps)
@@ -128,7 +143,7 @@ def ws_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: di
 # ---- the kernel --------------------------------------------------------------------------------
 
 if GLUON_IMPORT_ERROR is None:
-    from qshard.kernels.w4a16_gluon import (
+    from .w4a16_gluon import (
         _ROWS_PER_WARP,
         _b_operand,
         _chunk_scales,
@@ -229,6 +244,10 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.wait(ready.index(slot), (chunk // STAGES) & 1)
                 acc = _slot_mma(acc, codes_ring.index(slot), x_ring.index(slot), scale, zero,
                                 FORMAT, BLOCK_M, dtype)  # fmt: skip
+                # the slot's reads (generic proxy) ordered before the TMA (async proxy) that
+                # refills it: without this fence the refill overwrote slots still being read
+                # (30 of 30 launches differed with two programs per SM; measured, session 20)
+                fence_async_shared()
                 mbarrier.arrive(empty.index(slot), count=1)
                 chunk += 1
             _finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, item % tiles,
