@@ -83,7 +83,7 @@ def main() -> None:
             row["reg"] = timed(lambda q, s, z, gs, f=fmt, gr=group, o=out: (
                 lambda a: register_launch(int(f), a, q, s, z, None, o, gr, None, gs)),
                 weights, x)  # fmt: skip
-            default = ws_config(m, n, k, x.device)
+            default = ws_config(m, n, k, x.device, int(fmt))
             best = None
             for config in [default, *({**default, **c} for c in configs)]:
                 label = ":".join(str(config[key]) for key in keys)
@@ -131,7 +131,7 @@ def launch(shape: str, m: str, config: str, fmt_group_quantize) -> None:
     x, want = want, want.float() @ reference(fmt, q, s, z, g, group, k).T
     z, g = (q if t is None else t for t in (z, g))
     keys = ("STEPS", "STAGES", "PER_SM", "WARPS", "MAXNREG")
-    config = {**ws_config(int(m), n, k, x.device),
+    config = {**ws_config(int(m), n, k, x.device, int(fmt)),
               **dict(zip(keys, map(int, config.split(":")), strict=True))}  # fmt: skip
     for _ in range(2):
         out = torch.empty(int(m), n, device="cuda", dtype=torch.bfloat16)

@@ -51,15 +51,20 @@ from .gluon_api import (
     tma_load,
 )
 from .split_k import _sm_count, workspace
-from .w4a16_gluon import NVFP4, ROWS_PER_WARP, register_problem
+from .w4a16_gluon import MXFP4, NVFP4, ROWS_PER_WARP, register_problem
 
-__all__ = ["WS_BLOCK_M", "ws_config", "ws_launch", "ws_problem"]
+__all__ = ["WS_BLOCK_M", "WS_PLANS", "ws_config", "ws_launch", "ws_problem"]
 
 CHUNK = 128  # columns of K per ring slot, as in w4a16_gluon.py
 WORDS = CHUNK // 8  # int32 code words per row and chunk
 SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the barriers
 WS_BLOCK_M = (8, 16, 32, 64, 128)  # the token tiles
-WS_MAX_STEPS = 32  # chunks per work item: the largest measured (K = 4096 in one item)
+# Per format family: (the most chunks per work item, programs per SM, register cap). int4: a
+# whole K of 4096 in one item, two programs per SM under 80 registers. MXFP4 / NVFP4: their
+# longer decode, unrolled over 32 chunks, ran at half the speed of 16 (gate_up at 16 tokens:
+# 118.8 against 54.8 us, MXFP4); at 16 the register cap for two programs per SM gained nothing
+# (qkv 16.2 against 16.1 us): one program per SM, no cap (H100, "Session 20").
+WS_PLANS = {"int4": (32, 2, 80), "fp4": (16, 1, 0)}
 
 
 def ws_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
@@ -71,25 +76,29 @@ def ws_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> st
     return reason
 
 
-def ws_config(m: int, n: int, k: int, device: torch.device, sms: int | None = None) -> dict:
-    """BLOCK_M tokens per tile; two programs per SM (registers capped at 80), each of 8 compute
-    warps (a 128-row tile) and the producer; a ring of STAGES slots filling half the shared
-    memory; K split in as few parts as leave at least half as many work items (tiles x splits)
-    as SMs, trying splits of 32, 16, 8, ... chunks, then balanced (STEPS = chunks / splits,
-    rounded up). Fitted to the H100 sweep at 8 and 16 tokens (docs/kernels/w4a16_register.md,
-    "Session 20"): on the Llama-3.1-8B layer it gives each linear's best measured number of
-    splits (qkv 2, o 4, gate_up 1, down 4). `sms`: the device's SM count unless given."""
+def ws_config(m: int, n: int, k: int, device: torch.device, fmt: int = 0,
+              sms: int | None = None) -> dict:  # fmt: skip
+    """BLOCK_M tokens per tile; PER_SM programs per SM (`WS_PLANS`), each of 8 compute warps (a
+    128-row tile) and the producer; a ring of STAGES slots filling the shared memory left; K
+    split in as few parts as leave at least half as many work items (tiles x splits) as SMs,
+    trying splits of the plan's most chunks, then half as many, ..., then balanced (STEPS =
+    chunks / splits, rounded up). Fitted to the H100 sweeps at 8 and 16 tokens
+    (docs/kernels/w4a16_register.md, "Session 20"): on the Llama-3.1-8B layer it gives each
+    linear the best of the configs measured (int4: K in 2 / 4 / 1 / 4 splits for qkv / o /
+    gate_up / down; MXFP4, NVFP4: 16 / 8 / 16 / 16 chunks per item). `sms`: the device's SM
+    count unless given."""
     block_m = 8 if m <= 8 else max(16, triton.next_power_of_2(m))
-    warps, per_sm = 8, 2
+    most, per_sm, maxnreg = WS_PLANS["fp4" if fmt >= MXFP4 else "int4"]
+    warps = 8
     tiles = triton.cdiv(n, ROWS_PER_WARP * warps)
     chunks = triton.cdiv(k, CHUNK)
     half = (sms or _sm_count(device.index or 0)) // 2
-    steps = WS_MAX_STEPS
+    steps = most
     while steps > 1 and tiles * triton.cdiv(chunks, steps) < half:
         steps //= 2
     steps = triton.cdiv(chunks, triton.cdiv(chunks, steps))  # the splits balanced: none past K
     return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": _stages(block_m, warps, per_sm),
-            "PER_SM": per_sm, "WARPS": warps, "MAXNREG": 80}  # fmt: skip
+            "PER_SM": per_sm, "WARPS": warps, "MAXNREG": maxnreg}  # fmt: skip
 
 
 def _stages(block_m: int, warps: int, per_sm: int) -> int:
@@ -104,7 +113,7 @@ def ws_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: di
     0 or absent: as many as fit)."""
     m, k = x.shape
     n = qdata.shape[0]
-    config = dict(config or ws_config(m, n, k, x.device))
+    config = dict(config or ws_config(m, n, k, x.device, fmt))
     block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
     warps = config.get("WARPS", 8)
     stages = config.get("STAGES") or _stages(block_m, warps, per_sm)

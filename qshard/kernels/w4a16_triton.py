@@ -101,9 +101,10 @@ GEMV_MAX_M = 1
 FUSED_MAX_M = 128
 # The register kernel (w4a16_gluon.py) runs up to 128 tokens, but measured on an H100 it beats
 # the small-M kernel below up to 12 (at 16 a tie; docs/kernels/w4a16_register.md, v4); its
-# warp-specialized form (w4a16_gluon_ws.py, K % 128 == 0) beats both at 9..16 ("Session 20").
+# warp-specialized form (w4a16_gluon_ws.py, K % 128 == 0) beats both at 8..16 (at 4 a tie with
+# the register kernel, at 2 slower: "Session 20").
 REGISTER_CHOICE_MAX_M = 12
-WS_CHOICE_MIN_M, WS_CHOICE_MAX_M = 9, 16
+WS_CHOICE_MIN_M, WS_CHOICE_MAX_M = 8, 16
 MIN_STEPS_PER_SPLIT = 4
 
 
@@ -742,7 +743,7 @@ def register_choice(fmt: Format, x, qdata, group: int) -> dict | None:
     REGISTER_CHOICE_MAX_M), else None (the Triton kernels run)."""
     m, k = x.shape
     if WS_CHOICE_MIN_M <= m <= WS_CHOICE_MAX_M and ws_problem(int(fmt), x, qdata, group) is None:
-        return {"KERNEL": "register_ws", **ws_config(m, qdata.shape[0], k, x.device)}
+        return {"KERNEL": "register_ws", **ws_config(m, qdata.shape[0], k, x.device, int(fmt))}
     if m > REGISTER_CHOICE_MAX_M or register_problem(int(fmt), x, qdata, group) is not None:
         return None
     return {"KERNEL": "register", **register_config(m, qdata.shape[0], k, x.device)}

@@ -262,8 +262,8 @@ def test_every_config_matches_the_reference():
 
 @hopper
 def test_the_op_chooses_it_and_tp_cuts_run_on_it():
-    """`qshard.ops.int4_linear` on Hopper at 2..REGISTER_CHOICE_MAX_M tokens runs the register
-    kernel (and the Triton kernels where it cannot: group 16, or more tokens); a TP shard of a
+    """`qshard.ops.int4_linear` on Hopper at 2..7 tokens runs the register kernel (and the
+    Triton kernels where it cannot: group 16, or more tokens); a TP shard of a
     g128 weight cut at 64 columns (re-grouped to 64) runs on it unchanged."""
     import qshard
     from qshard.kernels.w4a16_triton import Format, register_choice
@@ -273,8 +273,9 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
     w = lin.weight
     assert register_choice(Format.INT4_ASYM, x, w.qdata, 128) is not None
-    assert register_choice(Format.INT4_ASYM, torch.cat([x] * 4), w.qdata, 128) is not None  # 12
-    assert register_choice(Format.INT4_ASYM, torch.cat([x] * 4 + [x[:1]]), w.qdata, 128) is None
+    assert register_choice(Format.INT4_ASYM, x, w.qdata, 128)["KERNEL"] == "register"
+    # 9..16 tokens: the warp-specialized kernel (test_w4a16_gluon_ws.py); above: Triton
+    assert register_choice(Format.INT4_ASYM, torch.cat([x] * 6 + [x[:1]]), w.qdata, 128) is None
     assert register_choice(Format.MXFP4, x, w.qdata, 16) is None  # MXFP4 groups are 32
     assert register_choice(Format.NVFP4, x, w.qdata, 32) is None  # NVFP4 groups are 16
     assert register_choice(Format.NVFP4, x[:, :4080], w.qdata[:, :2040], 16) is None  # K % 32
