@@ -40,7 +40,8 @@ writes the tile (`split_k.py`).
 
 Scope: Hopper (sm_90; mma.sync would run on sm_80 too, but the configs and the choice against
 the Triton kernels were measured on an H100 only), bf16 or fp16 activations, 2..128 tokens (the
-op chooses it for 2..12, where it is faster than the Triton small-M kernel: w4a16_triton.py),
+op chooses it for 2..7, and for 8..12 where K % 128 != 0: w4a16_triton.py; its warp-specialized
+form, w4a16_gluon_ws.py, runs 8..16 tokens),
 int4 asymmetric / symmetric / float zero point with groups of 32..256, MXFP4 (groups of 32),
 NVFP4 (groups of 16), K a multiple of 32. MXFP4's e2m1 * 2**E is formed exactly and rounded
 once to the activation dtype (exact in bf16; in fp16 it can underflow or overflow), so its
