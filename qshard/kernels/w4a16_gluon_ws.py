@@ -217,9 +217,10 @@ if GLUON_IMPORT_ERROR is None:
                  STEPS: gl.constexpr, STAGES: gl.constexpr,
                  BLOCK_M: gl.constexpr):  # fmt: skip
         """The compute warps (the default partition): per chunk, its scales loaded two chunks
-        ahead, then: wait for the slot's bytes, decode and multiply, release the slot
-        (Triton puts a barrier of these warps before the arrival: every warp's reads are done),
-        then the tile written or its partial sums counted (`_finish_tile`)."""
+        ahead, then: wait for the slot's bytes, decode and multiply, release the slot (a proxy
+        fence, then the arrival, before which Triton puts a barrier of these warps: every
+        warp's reads are done and ordered before the refill), then the tile written or its
+        partial sums counted (`_finish_tile`)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8])
