@@ -291,25 +291,32 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     assert register_choice(Format.INT4_ASYM, x[:, 16:2064], fine.qdata, 16) is None
 
 
-@hopper
-def test_compiled_and_cuda_graphs():
-    """torch.compile (fullgraph) of a quantized linear at 2 and 4 tokens, and a CUDA graph
-    replay, equal eager: the kernel is inside the op, so the compiler only sees the op."""
+def assert_compiled_and_graphed(compiled_tokens: tuple[int, ...], graph_tokens: int) -> None:
+    """torch.compile (fullgraph, dynamic batch) of an int4 linear at each of `compiled_tokens`
+    and a CUDA graph replay at `graph_tokens` equal eager bit for bit (shared with
+    test_w4a16_gluon_ws.py: the token counts pick the kernel)."""
     import qshard
 
     lin = torch.nn.Linear(2048, 3072, bias=True, device="cuda", dtype=torch.bfloat16)
     qshard.quantize_(lin, qshard.Int4WeightOnlyConfig(group_size=64, symmetric=True))
     compiled = torch.compile(lin, fullgraph=True, dynamic=True)
-    for m in (2, 4):
+    for m in compiled_tokens:
         x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(compiled(x), lin(x), atol=0, rtol=0)
-    x = torch.randn(3, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(graph_tokens, 2048, device="cuda", dtype=torch.bfloat16)
     want = lin(x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = lin(x)
     graph.replay()
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@hopper
+def test_compiled_and_cuda_graphs():
+    """At 2 and 4 tokens compiled, 3 graphed: the kernel is inside the op, so the compiler
+    only sees the op."""
+    assert_compiled_and_graphed((2, 4), 3)
 
 
 @hopper
@@ -377,9 +384,9 @@ def test_fp4_matches_the_reference(name, dtype, shape):
         assert err <= MAX_RELATIVE_ERROR[dtype], f"M={m}: {err:.2e} > {MAX_RELATIVE_ERROR[dtype]}"
 
 
-@hopper
-@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
-def test_the_op_chooses_it_for_fp4(name):
+def assert_the_op_runs_fp4_on(kernel: str, name: str, tokens: int) -> None:
+    """An MXFP4 / NVFP4 linear at `tokens` tokens: the op chooses `kernel` and matches the
+    reference (shared with test_w4a16_gluon_ws.py)."""
     import qshard
     from qshard.kernels.w4a16_triton import Format, register_choice
 
@@ -388,10 +395,16 @@ def test_the_op_chooses_it_for_fp4(name):
     lin = torch.nn.Linear(2048, 1536, bias=True, device="cuda", dtype=torch.bfloat16)
     qshard.quantize_(lin, config)
     w = lin.weight
-    x = torch.randn(7, 2048, device="cuda", dtype=torch.bfloat16)
-    assert register_choice(fmt, x, w.qdata, group) is not None
+    x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    assert register_choice(fmt, x, w.qdata, group)["KERNEL"] == kernel
     if name == "mxfp4":
         want = mxfp4.mxfp4_linear_reference(x, w.qdata, w.scale, 32, lin.bias)
     else:
         want = nvfp4.nvfp4_linear_reference(x, w.qdata, w.scale, w.global_scale, 16, lin.bias)
     assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
+
+
+@hopper
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_the_op_chooses_it_for_fp4(name):
+    assert_the_op_runs_fp4_on("register", name, 7)

@@ -14,8 +14,9 @@ import sys
 import pytest
 import torch
 from helpers import relative_error
+from test_w4a16_gluon import _fp4_weight, assert_compiled_and_graphed, assert_the_op_runs_fp4_on
 
-from qshard.kernels import int4, mxfp4, nvfp4
+from qshard.kernels import int4
 from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
 from qshard.kernels.w4a16_gluon_ws import ws_config
 
@@ -167,14 +168,10 @@ CASES = [("int4-asym", 128, 1000, 4096), ("int4-sym", 64, 200, 1024), ("int4-fze
 
 def _weight(name: str, group: int, n: int, k: int):
     """(format number, codes, scale, zero or codes, global scale or None, reference(x, bias))."""
+    if name in ("mxfp4", "nvfp4"):
+        fmt, _, q, s, g, reference = _fp4_weight(name, n, k)
+        return fmt, q, s, q, g, reference
     w = torch.randn(n, k, device="cuda") * 0.02
-    if name == "mxfp4":
-        q, s = mxfp4.quantize_mxfp4(w)
-        return 3, q, s, q, None, lambda x, b: mxfp4.mxfp4_linear_reference(x, q, s, 32, b)
-    if name == "nvfp4":
-        g = nvfp4.global_scale_of(w)
-        q, s = nvfp4.quantize_nvfp4(w, g)
-        return 4, q, s, q, g, lambda x, b: nvfp4.nvfp4_linear_reference(x, q, s, g, 16, b)
     fmt = {"int4-asym": 0, "int4-sym": 1, "int4-fzero": 2}[name]
     q, s, z = int4.quantize_int4(w, group, fmt == 1, fmt == 2)
     return fmt, q, s, z if z.numel() else q, None, (
@@ -263,39 +260,10 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
 @hopper
 @pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
 def test_the_op_chooses_it_for_fp4(name):
-    import qshard
-    from qshard.kernels.w4a16_triton import Format, register_choice
-
-    config, fmt, group = {"mxfp4": (qshard.MXFP4WeightOnlyConfig(), Format.MXFP4, 32),
-                          "nvfp4": (qshard.NVFP4WeightOnlyConfig(), Format.NVFP4, 16)}[name]
-    lin = torch.nn.Linear(2048, 1536, bias=True, device="cuda", dtype=torch.bfloat16)
-    qshard.quantize_(lin, config)
-    w = lin.weight
-    x = torch.randn(14, 2048, device="cuda", dtype=torch.bfloat16)
-    assert register_choice(fmt, x, w.qdata, group)["KERNEL"] == "register_ws"
-    if name == "mxfp4":
-        want = mxfp4.mxfp4_linear_reference(x, w.qdata, w.scale, 32, lin.bias)
-    else:
-        want = nvfp4.nvfp4_linear_reference(x, w.qdata, w.scale, w.global_scale, 16, lin.bias)
-    assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
+    assert_the_op_runs_fp4_on("register_ws", name, 14)
 
 
 @hopper
 def test_compiled_and_cuda_graphs():
-    """torch.compile (fullgraph, dynamic batch) at 10 and 16 tokens and a CUDA graph replay
-    equal eager bit for bit: the kernel is inside the op, its descriptors made per call."""
-    import qshard
-
-    lin = torch.nn.Linear(2048, 3072, bias=True, device="cuda", dtype=torch.bfloat16)
-    qshard.quantize_(lin, qshard.Int4WeightOnlyConfig(group_size=64, symmetric=True))
-    compiled = torch.compile(lin, fullgraph=True, dynamic=True)
-    for m in (10, 16):
-        x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
-        torch.testing.assert_close(compiled(x), lin(x), atol=0, rtol=0)
-    x = torch.randn(12, 2048, device="cuda", dtype=torch.bfloat16)
-    want = lin(x)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = lin(x)
-    graph.replay()
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    """At 10 and 16 tokens compiled, 12 graphed: the kernel's descriptors are made per call."""
+    assert_compiled_and_graphed((10, 16), 12)
