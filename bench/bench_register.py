@@ -54,6 +54,20 @@ def triton_config(fmt: Format, group: int, n: int, k: int, m: int) -> dict:
         fmt, m, n, k, device)  # fmt: skip
 
 
+def layer_weights(name: str, format_name: str) -> tuple:
+    """One Llama linear's random weight, quantized: (n, k, fmt, group, the quantized parts
+    (codes, scale, zero or None, global scale or None), copies of them to rotate past the L2
+    (a part the format has not: the codes, any tensor), copies of the dense weight)."""
+    n, k = LLAMA[name]
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    fmt, group, quantize = FORMATS[format_name]
+    parts = quantize(w)
+    args = tuple(parts[0] if t is None else t for t in parts)
+    weights = [tuple(t.clone() for t in args) for _ in range(copies_for(n * k // 2, 1))]
+    dense = [w.clone() for _ in range(copies_for(n * k * 2, 1))]
+    return n, k, fmt, group, parts, weights, dense
+
+
 def timed(make, weights, x) -> float:
     fns = [make(*w) for w in weights]
     return time_us(lambda: [f(x) for f in fns], len(fns))
@@ -73,14 +87,7 @@ def main() -> None:
                for c in args.configs.split(",")]  # STEPS:STAGES:PER_SM[:WARPS[:MAXNREG]]
     sums: dict[tuple[int, str], float] = {}
     for name in args.shapes.split(","):
-        n, k = LLAMA[name]
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        fmt, group, quantize = FORMATS[args.format]
-        q, s, z, g = quantize(w)
-        z, g = (q if t is None else t for t in (z, g))  # (what a format has not: any tensor)
-        count = copies_for(n * k // 2, 1)
-        weights = [(q.clone(), s.clone(), z.clone(), g.clone()) for _ in range(count)]
-        dense = [w.clone() for _ in range(copies_for(n * k * 2, 1))]
+        n, k, fmt, group, _, weights, dense = layer_weights(name, args.format)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_fp8 import LLAMA, copies_for, versions_line
-from bench_register import FORMATS, timed
+from bench_fp8 import LLAMA, versions_line
+from bench_register import FORMATS, layer_weights, timed
 
 from qshard.kernels import int4, mxfp4, nvfp4
 from qshard.kernels.w4a16_gluon import register_launch
@@ -60,15 +60,9 @@ def main() -> None:
                for c in args.configs.split(",")]  # fmt: skip
     sums: dict[tuple[int, str], float] = {}
     for name in args.shapes.split(","):
-        n, k = LLAMA[name]
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        fmt, group, quantize = FORMATS[args.format]
-        q, s, z, g = quantize(w)
-        exact = reference(fmt, q, s, z, g, group, k)
-        z, g = (q if t is None else t for t in (z, g))  # (what a format has not: any tensor)
-        weights = [(q.clone(), s.clone(), z.clone(), g.clone())
-                   for _ in range(copies_for(n * k // 2, 1))]  # fmt: skip
-        dense = [w.clone() for _ in range(copies_for(n * k * 2, 1))]
+        n, k, fmt, group, parts, weights, dense = layer_weights(name, args.format)
+        exact = reference(fmt, *parts, group, k)
+        q, s, z, g = weights[0]
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = x.float() @ exact.T

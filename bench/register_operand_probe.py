@@ -54,23 +54,20 @@ import triton
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-try:  # Gluon's Hopper API; its absence is reported, not hidden
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        mma_v2,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    # renamed after triton 3.6 (triton 3.9 has only the new names)
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-    GLUON_ERROR = None
-except Exception as e:
-    GLUON_ERROR = f"{type(e).__name__}: {e}"
+# Gluon's Hopper API as qshard's kernels import it (the renames after triton 3.6 looked up
+# there); its absence is reported, not hidden
+from qshard.kernels.gluon_api import GLUON_IMPORT_ERROR as GLUON_ERROR
+from qshard.kernels.gluon_api import (
+    async_copy,
+    fence_async_shared,
+    gl,
+    gluon,
+    mma_v2,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from qshard.kernels.gluon_api import barrier as _barrier
+from qshard.kernels.gluon_api import cp_async as _async_load
 
 GROUP = 128
 ROWS = 64  # weight rows per program: 4 warps x 16
