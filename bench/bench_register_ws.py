@@ -55,9 +55,7 @@ def main() -> None:
     if args.launch:
         return launch(*args.launch, FORMATS[args.format])
     print(versions_line([]))
-    keys = ("STEPS", "STAGES", "PER_SM", "WARPS", "MAXNREG")
-    configs = [dict(zip(keys, map(int, c.split(":")), strict=True))
-               for c in args.configs.split(",")]  # fmt: skip
+    configs = [parse_config(c) for c in args.configs.split(",")]
     sums: dict[tuple[int, str], float] = {}
     for name in args.shapes.split(","):
         n, k, fmt, group, parts, weights, dense = layer_weights(name, args.format)
@@ -80,7 +78,7 @@ def main() -> None:
             default = ws_config(m, n, k, x.device, int(fmt))
             best = None
             for config in [default, *({**default, **c} for c in configs)]:
-                label = ":".join(str(config[key]) for key in keys)
+                label = ":".join(str(config[key]) for key in KEYS if key in config)
                 if f"ws {label}" in row:
                     continue
                 try:
@@ -115,6 +113,17 @@ def main() -> None:
         print(f"M={m}: {cells}")
 
 
+KEYS = ("STEPS", "STAGES", "PER_SM", "WARPS", "MAXNREG")
+
+
+def parse_config(text: str) -> dict:
+    """STEPS:STAGES:PER_SM:WARPS:MAXNREG; a field "-" keeps `ws_config`'s value."""
+    values = text.split(":")
+    if len(values) != len(KEYS):
+        raise SystemExit(f"config {text!r}: want {':'.join(KEYS)}")
+    return {key: int(v) for key, v in zip(KEYS, values, strict=False) if v != "-"}
+
+
 def launch(shape: str, m: str, config: str, fmt_group_quantize) -> None:
     """Two launches of one config (for Nsight Compute and compute-sanitizer), each checked
     against the reference; SHAPE a Llama layer's name or NxK."""
@@ -124,9 +133,7 @@ def launch(shape: str, m: str, config: str, fmt_group_quantize) -> None:
     want = torch.randn(int(m), k, device="cuda", dtype=torch.bfloat16)
     x, want = want, want.float() @ reference(fmt, q, s, z, g, group, k).T
     z, g = (q if t is None else t for t in (z, g))
-    keys = ("STEPS", "STAGES", "PER_SM", "WARPS", "MAXNREG")
-    config = {**ws_config(int(m), n, k, x.device, int(fmt)),
-              **dict(zip(keys, map(int, config.split(":")), strict=True))}  # fmt: skip
+    config = {**ws_config(int(m), n, k, x.device, int(fmt)), **parse_config(config)}
     for _ in range(2):
         out = torch.empty(int(m), n, device="cuda", dtype=torch.bfloat16)
         ws_launch(int(fmt), x, q, s, z, None, out, group, config, g)

@@ -124,20 +124,13 @@ def split_for(tiles: int, groups: int, programs: int, block_t: int) -> int:
     return best
 
 
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-
-
 def _counters(count: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 arrival counters, kept per device and stream: the kernel's last arrival at
-    each half tile sets its counter back to zero, so no launch needs a memset (one fewer
-    kernel per call). Per stream, because two launches running at once must not share them."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.cuda.current_stream(device).cuda_stream)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < count:
-        counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
+    """Zeroed int32 arrival counters, one set per launch (a memset). Session 18 kept one set
+    per device and stream, re-zeroed by the kernel's last arrivals, to save the memset; but a
+    cached tensor first allocated under torch.compile's CUDA graphs (their warm-up runs and
+    captures allocate from the graph's private pool) broke them: "Detected 1 tensor(s) in the
+    cudagraph pool not tracked as outputs" (Llama decode at batch 32, session 21)."""
+    return torch.zeros(count, dtype=torch.int32, device=device)
 
 
 def gluon_launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
@@ -270,8 +263,7 @@ if GLUON_IMPORT_ERROR is None:
                      tiles, M, N, toks, HAS_BIAS: gl.constexpr,
                      SPLIT: gl.constexpr):  # fmt: skip
         """Write this warpgroup's half tile, or store it as its split's partial sums and, if it
-        is the half's last to arrive, write their sum in split order (split_k.py's scheme) and
-        zero the half's counter for the next launch (the counters are kept, not re-zeroed)."""
+        is the half's last to arrive, write their sum in split order (split_k.py's scheme)."""
         MMA: gl.constexpr = acc.type.layout
         BLOCK_T: gl.constexpr = acc.type.shape[1]
         r = gl.arange(0, _HALF_ROWS, layout=gl.SliceLayout(1, MMA))
@@ -292,7 +284,6 @@ if GLUON_IMPORT_ERROR is None:
                     total += gl.load(part_ptr + sp * stride + half_tile + at,
                                      cache_modifier=".cg")  # fmt: skip
                 store_transposed(total, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
-                gl.store(cnt_ptr + 2 * tile + half, 0)
         else:
             store_transposed(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
 

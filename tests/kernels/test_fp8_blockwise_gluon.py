@@ -176,3 +176,20 @@ def test_auto_runs_it_and_compiles_once():
         expected = _expected(x[:m], lin.weight.qdata, lin.weight.scale, lin.bias, False)
         assert relative_error(lin(x[:m]), expected) < MAX_RELATIVE_ERROR
         torch.testing.assert_close(compiled(x[:m]), lin(x[:m]), atol=0, rtol=0)
+
+
+@gpu
+def test_cuda_graphs_of_torch_compile_run_it_with_split_k():
+    """mode="reduce-overhead" (CUDA graph trees) at tokens where the kernel splits K: the
+    split-K counters must not be cached from inside the capture (they were: "Detected 1
+    tensor(s) in the cudagraph pool not tracked as outputs", Llama decode at batch 32)."""
+    from qshard.kernels.fp8_blockwise_gluon import gluon_config
+
+    lin = torch.nn.Linear(4096, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    qshard.quantize_(lin, qshard.Fp8BlockwiseConfig())
+    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16)
+    assert gluon_config(32, 1024, 4096, x.device)["SPLITS"] > 1
+    eager = lin(x)
+    graphed = torch.compile(lin, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, capture, replay
+        torch.testing.assert_close(graphed(x.clone()), eager, atol=0, rtol=0)
