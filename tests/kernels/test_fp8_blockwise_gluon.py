@@ -181,8 +181,9 @@ def test_auto_runs_it_and_compiles_once():
 @gpu
 def test_cuda_graphs_of_torch_compile_run_it_with_split_k():
     """mode="reduce-overhead" (CUDA graph trees) at tokens where the kernel splits K: the
-    split-K counters must not be cached from inside the capture (they were: "Detected 1
-    tensor(s) in the cudagraph pool not tracked as outputs", Llama decode at batch 32)."""
+    split-K counters must not be a tensor kept from the graph's pool, where the warm-up and the
+    capture allocate (they were: "Detected 1 tensor(s) in the cudagraph pool not tracked as
+    outputs", Llama decode at batch 32; this test failed so on the H100 before the fix)."""
     from qshard.kernels.fp8_blockwise_gluon import gluon_config
 
     lin = torch.nn.Linear(4096, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
