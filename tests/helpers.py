@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 
 import qshard
@@ -51,3 +55,14 @@ def assert_same_device_form(a: qshard.QTensor, b: qshard.QTensor) -> None:
         x, y = getattr(a, name), getattr(b, name)
         assert (x.dtype, x.shape, x.device) == (y.dtype, y.shape, y.device), name
         assert torch.equal(raw_bytes(x), raw_bytes(y)), f"device tensor {name!r} differs"
+
+
+def compile_for_sm90(script: str) -> str:
+    """Run a script that compiles Gluon kernels for sm_90 in a child process and return what it
+    printed (a child: the compiles need no GPU, and Gluon ignores TRITON_INTERPRET, which the
+    suite may set). The script's failure fails the test with its stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout

@@ -6,13 +6,9 @@ split and unsplit, the same bits on every run, TP-cut weights, and chosen by the
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from helpers import relative_error
+from helpers import compile_for_sm90, relative_error
 
 import qshard
 from qshard.kernels import fp8_blockwise as ref
@@ -58,10 +54,7 @@ def test_compiles_for_sm90():
         x = torch.zeros(16, 128, dtype=torch.bfloat16)
         assert "Gluon is not available" in gluon_problem(x, x, 128, 128, 128)
         return
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    compile_for_sm90(COMPILE_FOR_SM90)
 
 
 @pytest.mark.skipif(HOPPER, reason="the CPU's reasons")

@@ -6,13 +6,9 @@ group and activation dtype, TP-cut weights, compiled, and chosen by the op."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from helpers import relative_error
+from helpers import compile_for_sm90, relative_error
 
 from qshard.kernels import int4, mxfp4, nvfp4
 from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
@@ -59,10 +55,7 @@ def test_compiles_for_sm90():
         x = torch.zeros(16, 128, dtype=torch.bfloat16)
         assert "Gluon is not available" in register_problem(0, x, x, 128)
         return
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    compile_for_sm90(COMPILE_FOR_SM90)
 
 
 def test_weight_and_activation_permutations_agree():

@@ -7,13 +7,9 @@ refusals. On a Hopper GPU: against the reference on fresh random inputs, odd sha
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from helpers import relative_error
+from helpers import compile_for_sm90, relative_error
 from test_w4a16_gluon import _fp4_weight, assert_compiled_and_graphed, assert_the_op_runs_fp4_on
 
 from qshard.kernels import int4
@@ -85,11 +81,7 @@ def test_compiles_for_sm90_with_a_fence_before_each_slot_release():
         x = torch.zeros(16, 128, dtype=torch.bfloat16)
         assert "Gluon is not available" in ws_problem(0, x, x, 128)
         return
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    kernels = result.stdout.split("=== ")[1:]
+    kernels = compile_for_sm90(COMPILE_FOR_SM90).split("=== ")[1:]
     assert len(kernels) == 5
     for kernel in kernels:
         title, ptx = kernel.split("\n", 1)
