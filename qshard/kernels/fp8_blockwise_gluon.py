@@ -124,15 +124,6 @@ def split_for(tiles: int, groups: int, programs: int, block_t: int) -> int:
     return best
 
 
-def _counters(count: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one set per launch (a memset). Session 18 kept one set
-    per device and stream, re-zeroed by the kernel's last arrivals, to save the memset; but a
-    cached tensor first allocated under torch.compile's CUDA graphs (their warm-up runs and
-    captures allocate from the graph's private pool) broke them: "Detected 1 tensor(s) in the
-    cudagraph pool not tracked as outputs" (Llama decode at batch 32, session 21)."""
-    return torch.zeros(count, dtype=torch.int32, device=device)
-
-
 def gluon_launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None, ue8m0: bool, config: dict | None = None,
                  ) -> torch.Tensor:  # fmt: skip
@@ -160,7 +151,11 @@ def gluon_launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     if splits > 1:  # partial sums per split in fragment order; a counter per half tile
         partials = torch.empty(splits * tiles * TILE_ROWS * block_t, dtype=torch.float32,
                                device=x.device)  # fmt: skip
-        arrived = _counters(2 * tiles, x.device)
+        # zeroed per launch (a memset): session 18 kept them per device and stream, re-zeroed
+        # by the last arrivals, but a cached tensor first allocated under torch.compile's CUDA
+        # graphs (warm-up and capture allocate from the graph's pool) broke them: "Detected 1
+        # tensor(s) in the cudagraph pool not tracked as outputs" (decode at batch 32, session 21)
+        arrived = torch.zeros(2 * tiles, dtype=torch.int32, device=x.device)
     else:
         partials = arrived = out
     grid = min(tiles * splits, per_sm * _sm_count(x.device.index or 0))
