@@ -1,0 +1,113 @@
+"""The one-token int4 GEMVs on the Llama-3.1-8B layer: the Gluon tensor-core GEMV (gemv_mma.py,
+an experiment: its default and the configs given) against the Triton word GEMV the op runs
+("triton", also "op") and bf16 F.linear; each result checked against the reference first (a
+wrong one is reported and not timed). Notes: docs/kernels/w4a16.md, "v10 (session 22)".
+
+    PYTHONPATH=$PWD python bench/bench_gemv.py [--shapes qkv,o,gate_up,down]
+        [--configs WARPS:TILES,...]
+
+Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated past the L2).
+Prints per shape each method's time, then the layer's sums, speedups over bf16 and fractions
+of the copy bandwidth measured here (the bytes of the codes, scales, zeros and the activations:
+the floor any GEMV has to move).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_fp8 import versions_line
+from bench_int4 import machine_limits
+from bench_register import layer_weights, timed
+from bench_register_ws import reference
+from gemv_mma import gluon_gemv_config, gluon_gemv_launch
+
+from qshard.kernels.w4a16_triton import default_config, linear_launch
+
+KEYS = ("WARPS", "TILES")
+
+
+def parse_config(text: str) -> dict:
+    """"WARPS:TILES"; a field "-" keeps the default's value."""
+    return {key: int(v) for key, v in zip(KEYS, text.split(":"), strict=True) if v != "-"}
+
+
+def moved_bytes(parts, x: torch.Tensor) -> int:
+    """What one call must read and write: the quantized parts, x and the output."""
+    tensors = [t for t in parts if isinstance(t, torch.Tensor)]
+    n = parts[0].shape[0]
+    return sum(t.numel() * t.element_size() for t in tensors) + x.numel() * 2 + n * 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down")
+    parser.add_argument("--configs", default="")
+    args = parser.parse_args()
+    bandwidth, _ = machine_limits()
+    print(versions_line([]) + f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    configs = [parse_config(c) for c in args.configs.split(",") if c]
+    format_name = "int4"
+    sums: dict[str, float] = {}
+    moved = 0
+    for name in args.shapes.split(","):
+        n, k, fmt, group, parts, weights, dense = layer_weights(name, format_name)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        want = x.float() @ reference(fmt, *parts, group, k).T
+        moved += moved_bytes(parts, x)
+        q, s, z, _ = weights[0]
+        row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
+                             [(d,) for d in dense], x)}  # fmt: skip
+        row["op"] = timed(lambda q, s, z, gs, f=fmt, gr=group: (
+            lambda a: linear_launch(f, a, q, s, z, gs, None, gr)), weights, x)
+        triton_config = default_config(fmt, 1, n, k, x.device)
+        row["triton"] = timed(lambda q, s, z, gs, f=fmt, gr=group, c=triton_config: (
+            lambda a: linear_launch(f, a, q, s, z, gs, None, gr, c)), weights, x)
+        out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        default = gluon_gemv_config(n, k)
+        best = None
+        for config in [default, *({**default, **c} for c in configs)]:
+            label = ":".join(str(config[key]) for key in KEYS)
+            if f"gluon {label}" in row:
+                continue
+            try:
+                got = gluon_gemv_launch(int(fmt), x, q, s, z, None, out.clone(), group,
+                                        config)  # fmt: skip
+                err = ((got.float() - want).norm() / want.norm()).item()
+                if not err < 1e-2:
+                    print(f"{name} gluon {label}: WRONG, relative error {err:.3g}")
+                    continue
+                t = timed(lambda q, s, z, gs, c=config, o=out, f=fmt, gr=group: (
+                    lambda a: gluon_gemv_launch(int(f), a, q, s, z, None, o, gr, c)),
+                    weights, x)  # fmt: skip
+            except Exception as e:  # reported per config, not hidden
+                print(f"{name} gluon {label}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            row[f"gluon {label}"] = t
+            if config is default:
+                row["gluon default"] = t
+            if best is None or t < best[0]:
+                best = (t, label)
+        if best is not None:
+            row["gluon best"] = best[0]
+        cells = "  ".join(f"{key} {v:.2f}" for key, v in row.items())
+        print(f"{format_name} {name} {n}x{k}: {cells}", flush=True)
+        for key in ("bf16", "op", "triton", "gluon default", "gluon best"):
+            if key in row:
+                sums[key] = sums.get(key, 0.0) + row[key]
+    floor = moved / bandwidth * 1e6
+    cells = "  ".join(f"{key} {v:.1f} us ({sums['bf16'] / v:.2f}x, {floor / v:.0%})"
+                      for key, v in sums.items())  # fmt: skip
+    print(f"{format_name} layer (copy-bandwidth floor {floor:.1f} us): {cells}\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
