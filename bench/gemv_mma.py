@@ -67,7 +67,8 @@ def gluon_gemv_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: in
 
 
 def gluon_gemv_config(n: int, k: int) -> dict:
-    """WARPS warps (K slices) per program of 16 * TILES rows."""
+    """WARPS warps (K slices) per program of 16 * TILES rows: 8 K slices of one tile, the best
+    measured on o and down (gate_up: 2, qkv: 4; docs/kernels/w4a16.md, "v10")."""
     return {"WARPS": 8, "TILES": 1}
 
 
@@ -97,9 +98,9 @@ if GLUON_IMPORT_ERROR is None:
     from qshard.kernels.w4a16_gluon import _b_operand, _x_layout
 
     _CHUNK = gl.constexpr(CHUNK)
-    # Word $8 -> bytes b = 0..3 as 16-bit pairs (BIAS + low nibble, BIAS + high nibble): the
-    # byte's nibbles placed 16 bits apart by one PRMT, masked under the bits of BIAS (bf16 128,
-    # fp16 1024: the values whose lowest mantissa bit is worth 1) by one LOP3. Exact.
+    # Word $4 -> bytes b = 0..3 as 16-bit pairs $b (BIAS + low nibble, BIAS + high nibble):
+    # the byte's nibbles placed 16 bits apart by one PRMT, masked under the bits of BIAS (bf16
+    # 128, fp16 1024: the values whose lowest mantissa bit is worth 1) by one LOP3. Exact.
     _BIASED = (
         "{\n.reg .b32 r;\nshr.u32 r, $4, 4;\n"
         + "".join(f"prmt.b32 ${b}, $4, r, {sel}; lop3.b32 ${b}, ${b}, 0x000f000f, $MAGIC, 0xEA;\n"
