@@ -19,25 +19,17 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_fp8 import versions_line
 from bench_int4 import machine_limits
-from bench_register import layer_weights, timed
+from bench_register import baseline_row, layer_weights, parse_config, sweep_configs
 from bench_register_ws import reference
 from gemv_mma import gluon_gemv_config, gluon_gemv_launch
 
-from qshard.kernels.w4a16_triton import default_config, linear_launch
-
 KEYS = ("WARPS", "TILES")
-
-
-def parse_config(text: str) -> dict:
-    """"WARPS:TILES"; a field "-" keeps the default's value."""
-    return {key: int(v) for key, v in zip(KEYS, text.split(":"), strict=True) if v != "-"}
 
 
 def moved_bytes(parts, x: torch.Tensor) -> int:
@@ -54,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth, _ = machine_limits()
     print(versions_line([]) + f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    configs = [parse_config(c) for c in args.configs.split(",") if c]
+    configs = [parse_config(c, KEYS) for c in args.configs.split(",") if c]
     format_name = "int4"
     sums: dict[str, float] = {}
     moved = 0
@@ -63,41 +55,12 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         want = x.float() @ reference(fmt, *parts, group, k).T
         moved += moved_bytes(parts, x)
-        q, s, z, _ = weights[0]
-        row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
-                             [(d,) for d in dense], x)}  # fmt: skip
-        row["op"] = timed(lambda q, s, z, gs, f=fmt, gr=group: (
-            lambda a: linear_launch(f, a, q, s, z, gs, None, gr)), weights, x)
-        triton_config = default_config(fmt, 1, n, k, x.device)
-        row["triton"] = timed(lambda q, s, z, gs, f=fmt, gr=group, c=triton_config: (
-            lambda a: linear_launch(f, a, q, s, z, gs, None, gr, c)), weights, x)
-        out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-        default = gluon_gemv_config(n, k)
-        best = None
-        for config in [default, *({**default, **c} for c in configs)]:
-            label = ":".join(str(config[key]) for key in KEYS)
-            if f"gluon {label}" in row:
-                continue
-            try:
-                got = gluon_gemv_launch(int(fmt), x, q, s, z, None, out.clone(), group,
-                                        config)  # fmt: skip
-                err = ((got.float() - want).norm() / want.norm()).item()
-                if not err < 1e-2:
-                    print(f"{name} gluon {label}: WRONG, relative error {err:.3g}")
-                    continue
-                t = timed(lambda q, s, z, gs, c=config, o=out, f=fmt, gr=group: (
-                    lambda a: gluon_gemv_launch(int(f), a, q, s, z, None, o, gr, c)),
-                    weights, x)  # fmt: skip
-            except Exception as e:  # reported per config, not hidden
-                print(f"{name} gluon {label}: {type(e).__name__}: {str(e)[:300]}")
-                continue
-            row[f"gluon {label}"] = t
-            if config is default:
-                row["gluon default"] = t
-            if best is None or t < best[0]:
-                best = (t, label)
-        if best is not None:
-            row["gluon best"] = best[0]
+        row = baseline_row(fmt, group, n, k, weights, dense, x)
+        sweep_configs(row, "gluon", f"{format_name} {name}", gluon_gemv_config(n, k), configs,
+                      KEYS,
+                      lambda a, q, s, z, gs, o, c, f=int(fmt), gr=group: gluon_gemv_launch(
+                          f, a, q, s, z, None, o, gr, c),
+                      want, weights, x)  # fmt: skip
         cells = "  ".join(f"{key} {v:.2f}" for key, v in row.items())
         print(f"{format_name} {name} {n}x{k}: {cells}", flush=True)
         for key in ("bf16", "op", "triton", "gluon default", "gluon best"):

@@ -73,6 +73,62 @@ def timed(make, weights, x) -> float:
     return time_us(lambda: [f(x) for f in fns], len(fns))
 
 
+def baseline_row(fmt: Format, group: int, n: int, k: int, weights, dense, x) -> dict:
+    """The times (us) every experiment compares with: bf16 F.linear, the op's own choice
+    ("op") and the Triton kernel with its default config ("triton")."""
+    m = x.shape[0]
+    row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
+                         [(d,) for d in dense], x)}  # fmt: skip
+    row["op"] = timed(lambda q, s, z, gs: (
+        lambda a: linear_launch(fmt, a, q, s, z, gs, None, group)), weights, x)
+    config = default_config(fmt, m, n, k, x.device)
+    row["triton"] = timed(lambda q, s, z, gs: (
+        lambda a: linear_launch(fmt, a, q, s, z, gs, None, group, config)), weights, x)
+    return row
+
+
+def parse_config(text: str, keys: tuple[str, ...]) -> dict:
+    """A config written as its `keys`' values joined by ":"; a field "-" keeps the default's
+    value."""
+    values = text.split(":")
+    if len(values) != len(keys):
+        raise SystemExit(f"config {text!r}: want {':'.join(keys)}")
+    return {key: int(v) for key, v in zip(keys, values, strict=True) if v != "-"}
+
+
+def sweep_configs(row: dict, prefix: str, title: str, default: dict, configs, keys, run,
+                  want, weights, x) -> None:  # fmt: skip
+    """Each config (`default`, then `default` updated by each of `configs`) checked against
+    `want` (fp32; relative error < 1e-2, else reported and not timed) and timed:
+    `run(x, codes, scale, zero, global_scale, out, config)`. Adds to `row` "<prefix> <label>"
+    per config, "<prefix> default" and "<prefix> best"; failures are printed under `title`,
+    not hidden."""
+    out = torch.empty(x.shape[0], weights[0][0].shape[0], device="cuda", dtype=x.dtype)
+    best = None
+    for config in [default, *({**default, **c} for c in configs)]:
+        label = ":".join(str(config[key]) for key in keys if key in config)
+        if f"{prefix} {label}" in row:
+            continue
+        try:
+            got = run(x, *weights[0], out.clone(), config)
+            err = ((got.float() - want).norm() / want.norm()).item()
+            if not err < 1e-2:
+                print(f"{title} {prefix} {label}: WRONG, relative error {err:.3g}")
+                continue
+            t = timed(lambda q, s, z, gs, c=config: (
+                lambda a: run(a, q, s, z, gs, out, c)), weights, x)  # fmt: skip
+        except Exception as e:  # reported per config, not hidden
+            print(f"{title} {prefix} {label}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        row[f"{prefix} {label}"] = t
+        if config is default:
+            row[f"{prefix} default"] = t
+        if best is None or t < best[0]:
+            best = (t, label)
+    if best is not None:
+        row[f"{prefix} best"] = best[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ms", default="2,4,8,16,32,64,128")

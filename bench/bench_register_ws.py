@@ -20,18 +20,24 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_fp8 import LLAMA, versions_line
-from bench_register import FORMATS, layer_weights, timed
+from bench_register import (
+    FORMATS,
+    baseline_row,
+    layer_weights,
+    parse_config,
+    sweep_configs,
+    timed,
+)
 
 from qshard.kernels import int4, mxfp4, nvfp4
 from qshard.kernels.w4a16_gluon import register_launch
 from qshard.kernels.w4a16_gluon_ws import ws_config, ws_launch
-from qshard.kernels.w4a16_triton import Format, default_config, linear_launch
+from qshard.kernels.w4a16_triton import Format
 
 
 def reference(fmt: Format, q, s, z, g, group: int, k: int) -> torch.Tensor:
@@ -55,51 +61,24 @@ def main() -> None:
     if args.launch:
         return launch(*args.launch, FORMATS[args.format])
     print(versions_line([]))
-    configs = [parse_config(c) for c in args.configs.split(",")]
+    configs = [parse_config(c, KEYS) for c in args.configs.split(",")]
     sums: dict[tuple[int, str], float] = {}
     for name in args.shapes.split(","):
         n, k, fmt, group, parts, weights, dense = layer_weights(name, args.format)
         exact = reference(fmt, *parts, group, k)
-        q, s, z, g = weights[0]
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = x.float() @ exact.T
-            row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
-                                 [(d,) for d in dense], x)}  # fmt: skip
-            row["op"] = timed(lambda q, s, z, gs, f=fmt, gr=group: (
-                lambda a: linear_launch(f, a, q, s, z, gs, None, gr)), weights, x)
-            triton_config = default_config(fmt, m, n, k, x.device)
-            row["triton"] = timed(lambda q, s, z, gs, f=fmt, gr=group, c=triton_config: (
-                lambda a: linear_launch(f, a, q, s, z, gs, None, gr, c)), weights, x)
+            row = baseline_row(fmt, group, n, k, weights, dense, x)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             row["reg"] = timed(lambda q, s, z, gs, f=fmt, gr=group, o=out: (
                 lambda a: register_launch(int(f), a, q, s, z, None, o, gr, None, gs)),
                 weights, x)  # fmt: skip
-            default = ws_config(m, n, k, x.device, int(fmt))
-            best = None
-            for config in [default, *({**default, **c} for c in configs)]:
-                label = ":".join(str(config[key]) for key in KEYS if key in config)
-                if f"ws {label}" in row:
-                    continue
-                try:
-                    got = ws_launch(int(fmt), x, q, s, z, None, out.clone(), group, config, g)
-                    err = ((got.float() - want).norm() / want.norm()).item()
-                    if not err < 1e-2:
-                        print(f"{name} M={m} ws {label}: WRONG, relative error {err:.3g}")
-                        continue
-                    t = timed(lambda q, s, z, gs, c=config, o=out, f=fmt, gr=group: (
-                        lambda a: ws_launch(int(f), a, q, s, z, None, o, gr, c, gs)),
-                        weights, x)  # fmt: skip
-                except Exception as e:  # reported per config, not hidden
-                    print(f"{name} M={m} ws {label}: {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                row[f"ws {label}"] = t
-                if config is default:
-                    row["ws default"] = t
-                if best is None or t < best[0]:
-                    best = (t, label)
-            if best is not None:
-                row["ws best"] = best[0]
+            sweep_configs(row, "ws", f"{name} M={m}", ws_config(m, n, k, x.device, int(fmt)),
+                          configs, KEYS,
+                          lambda a, q, s, z, gs, o, c, f=int(fmt), gr=group: ws_launch(
+                              f, a, q, s, z, None, o, gr, c, gs),
+                          want, weights, x)  # fmt: skip
             cells = "  ".join(f"{key} {v:.2f}" for key, v in row.items())
             print(f"{name} {n}x{k} M={m}: {cells}", flush=True)
             for key in ("bf16", "op", "triton", "reg", "ws default", "ws best"):
@@ -116,14 +95,6 @@ def main() -> None:
 KEYS = ("STEPS", "STAGES", "PER_SM", "WARPS", "MAXNREG")
 
 
-def parse_config(text: str) -> dict:
-    """STEPS:STAGES:PER_SM:WARPS:MAXNREG; a field "-" keeps `ws_config`'s value."""
-    values = text.split(":")
-    if len(values) != len(KEYS):
-        raise SystemExit(f"config {text!r}: want {':'.join(KEYS)}")
-    return {key: int(v) for key, v in zip(KEYS, values, strict=False) if v != "-"}
-
-
 def launch(shape: str, m: str, config: str, fmt_group_quantize) -> None:
     """Two launches of one config (for Nsight Compute and compute-sanitizer), each checked
     against the reference; SHAPE a Llama layer's name or NxK."""
@@ -133,7 +104,7 @@ def launch(shape: str, m: str, config: str, fmt_group_quantize) -> None:
     want = torch.randn(int(m), k, device="cuda", dtype=torch.bfloat16)
     x, want = want, want.float() @ reference(fmt, q, s, z, g, group, k).T
     z, g = (q if t is None else t for t in (z, g))
-    config = {**ws_config(int(m), n, k, x.device, int(fmt)), **parse_config(config)}
+    config = {**ws_config(int(m), n, k, x.device, int(fmt)), **parse_config(config, KEYS)}
     for _ in range(2):
         out = torch.empty(int(m), n, device="cuda", dtype=torch.bfloat16)
         ws_launch(int(fmt), x, q, s, z, None, out, group, config, g)
