@@ -159,9 +159,11 @@ if GLUON_IMPORT_ERROR is None:
         return gl.reshape(gl.permute(p, [0, 2, 3, 1, 4]), [VROWS, 32])
 
     @gluon.jit
-    def _load_codes(q_ptr, word0, it, chunk_of_row, live, chunks):
+    def _load_codes(codes_at, it):
         """Iteration `it`'s code words [virtual rows, 4, 4]: chunk it * WARPS + w of each
-        virtual row's weight row (zeros past N and K)."""
+        virtual row's weight row (zeros past N and K). `codes_at`: the kernel's (q_ptr,
+        word0, warp, live, chunks)."""
+        q_ptr, word0, chunk_of_row, live, chunks = codes_at
         chunk = it * gl.num_warps() + chunk_of_row
         ok = (live & (chunk < chunks))[:, :, None]
         return gl.load(q_ptr + word0 + (chunk * 16)[:, :, None], mask=ok, other=0)
@@ -219,11 +221,13 @@ if GLUON_IMPORT_ERROR is None:
                                  assert_trivial=True)  # fmt: skip
 
     @gluon.jit
-    def _load_scales(s_ptr, z_ptr, rows, chunk, live, stride_sn, K, FORMAT: gl.constexpr,
-                     GROUP: gl.constexpr):  # fmt: skip
-        """(scale, zero) per virtual row for its chunk, as stored (converted where used, so
-        that the prefetch does not wait for them): int4's scale and zero point (the symmetric
-        format's zero unused: the scale again)."""
+    def _load_scales(scales_at, it, FORMAT: gl.constexpr, GROUP: gl.constexpr):
+        """(scale, zero) per virtual row for iteration `it`'s chunk, as stored (converted
+        where used, so that the prefetch does not wait for them): int4's scale and zero point
+        (the symmetric format's zero unused: the scale again). `scales_at`: the kernel's
+        (s_ptr, z_ptr, v_rows, v_warp, v_live, stride_sn, K)."""
+        s_ptr, z_ptr, rows, chunk_of_row, live, stride_sn, K = scales_at
+        chunk = it * gl.num_warps() + chunk_of_row
         ok = live & (chunk * _CHUNK < K)
         at = rows * stride_sn + (chunk * _CHUNK) // GROUP
         scale = gl.load(s_ptr + at, mask=ok, other=0.0)
@@ -263,6 +267,18 @@ if GLUON_IMPORT_ERROR is None:
         return total
 
     @gluon.jit
+    def _step(total, words, x_pairs, scales, it, codes_at, scales_at, x_ptr, K,
+              FORMAT: gl.constexpr, GROUP: gl.constexpr, TILES: gl.constexpr,
+              dtype: gl.constexpr):  # fmt: skip
+        """Iteration `it`: its chunk added to total, then its registers refilled with the codes
+        and scales of iteration it + 4 and the activations of it + 2 (the loop's prefetch)."""
+        total = _chunk_total(total, words, x_pairs, scales, FORMAT, TILES, dtype)
+        words = _load_codes(codes_at, it + 4)
+        scales = _load_scales(scales_at, it + 4, FORMAT, GROUP)
+        x_pairs = _load_x(x_ptr, it + 2, K)
+        return total, words, x_pairs, scales
+
+    @gluon.jit
     def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, K, KW4, stride_sn,
                      FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                      TILES: gl.constexpr):  # fmt: skip
@@ -294,44 +310,31 @@ if GLUON_IMPORT_ERROR is None:
         v_live = v_rows < N
         v_warp = (v // 16) % W
         iters = gl.cdiv(chunks, W)
-        w0 = _load_codes(q_ptr, word0, 0, warp, live, chunks)
-        w1 = _load_codes(q_ptr, word0, 1, warp, live, chunks)
-        w2 = _load_codes(q_ptr, word0, 2, warp, live, chunks)
-        w3 = _load_codes(q_ptr, word0, 3, warp, live, chunks)
-        s0 = _load_scales(s_ptr, z_ptr, v_rows, v_warp, v_live, stride_sn, K, FORMAT, GROUP)
-        s1 = _load_scales(s_ptr, z_ptr, v_rows, W + v_warp, v_live, stride_sn, K, FORMAT,
-                          GROUP)  # fmt: skip
-        s2 = _load_scales(s_ptr, z_ptr, v_rows, 2 * W + v_warp, v_live, stride_sn, K, FORMAT,
-                          GROUP)  # fmt: skip
-        s3 = _load_scales(s_ptr, z_ptr, v_rows, 3 * W + v_warp, v_live, stride_sn, K, FORMAT,
-                          GROUP)  # fmt: skip
+        codes_at = (q_ptr, word0, warp, live, chunks)
+        scales_at = (s_ptr, z_ptr, v_rows, v_warp, v_live, stride_sn, K)
+        w0 = _load_codes(codes_at, 0)
+        w1 = _load_codes(codes_at, 1)
+        w2 = _load_codes(codes_at, 2)
+        w3 = _load_codes(codes_at, 3)
+        s0 = _load_scales(scales_at, 0, FORMAT, GROUP)
+        s1 = _load_scales(scales_at, 1, FORMAT, GROUP)
+        s2 = _load_scales(scales_at, 2, FORMAT, GROUP)
+        s3 = _load_scales(scales_at, 3, FORMAT, GROUP)
         xa = _load_x(x_ptr, 0, K)
         xb = _load_x(x_ptr, 1, K)
         total = gl.zeros([VROWS, 8], gl.float32, MMA)
-        for it in range(0, iters, 4):
-            total = _chunk_total(total, w0, xa, s0, FORMAT, TILES, dtype)
-            w0 = _load_codes(q_ptr, word0, it + 4, warp, live, chunks)
-            s0 = _load_scales(s_ptr, z_ptr, v_rows, (it + 4) * W + v_warp, v_live, stride_sn,
-                              K, FORMAT, GROUP)  # fmt: skip
-            xa = _load_x(x_ptr, it + 2, K)
+        for it in range(0, iters, 4):  # unrolled by hand: each chunk keeps its registers
+            total, w0, xa, s0 = _step(total, w0, xa, s0, it, codes_at, scales_at, x_ptr, K,
+                                      FORMAT, GROUP, TILES, dtype)  # fmt: skip
             if it + 1 < iters:
-                total = _chunk_total(total, w1, xb, s1, FORMAT, TILES, dtype)
-                w1 = _load_codes(q_ptr, word0, it + 5, warp, live, chunks)
-                s1 = _load_scales(s_ptr, z_ptr, v_rows, (it + 5) * W + v_warp, v_live,
-                                  stride_sn, K, FORMAT, GROUP)  # fmt: skip
-                xb = _load_x(x_ptr, it + 3, K)
+                total, w1, xb, s1 = _step(total, w1, xb, s1, it + 1, codes_at, scales_at,
+                                          x_ptr, K, FORMAT, GROUP, TILES, dtype)  # fmt: skip
             if it + 2 < iters:
-                total = _chunk_total(total, w2, xa, s2, FORMAT, TILES, dtype)
-                w2 = _load_codes(q_ptr, word0, it + 6, warp, live, chunks)
-                s2 = _load_scales(s_ptr, z_ptr, v_rows, (it + 6) * W + v_warp, v_live,
-                                  stride_sn, K, FORMAT, GROUP)  # fmt: skip
-                xa = _load_x(x_ptr, it + 4, K)
+                total, w2, xa, s2 = _step(total, w2, xa, s2, it + 2, codes_at, scales_at,
+                                          x_ptr, K, FORMAT, GROUP, TILES, dtype)  # fmt: skip
             if it + 3 < iters:
-                total = _chunk_total(total, w3, xb, s3, FORMAT, TILES, dtype)
-                w3 = _load_codes(q_ptr, word0, it + 7, warp, live, chunks)
-                s3 = _load_scales(s_ptr, z_ptr, v_rows, (it + 7) * W + v_warp, v_live,
-                                  stride_sn, K, FORMAT, GROUP)  # fmt: skip
-                xb = _load_x(x_ptr, it + 5, K)
+                total, w3, xb, s3 = _step(total, w3, xb, s3, it + 3, codes_at, scales_at,
+                                          x_ptr, K, FORMAT, GROUP, TILES, dtype)  # fmt: skip
         # column n of warp w's virtual rows is its K slice's sum where n == w; the warps' sums
         cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
         mine = gl.sum(gl.where(cols[None, :] == v_warp[:, None], total, 0.0), axis=1)
