@@ -1,0 +1,319 @@
+"""The register-operand W4A16 kernel on wgmma (issue 24, v7; notes and measurements:
+docs/kernels/w4a16_register.md, "Session 23"): the dequantized weight is wgmma's register A
+operand, x's chunk its shared-memory B operand, the MMAs asynchronous, so that a chunk's decode
+runs while the previous chunk's MMAs do. Read `w4a16_gluon.py`'s docstring first (the K
+permutation, the decode, the scales) and `w4a16_gluon_ws.py`'s (the warp-specialized ring).
+
+**Why wgmma needed x permuted beforehand.** mma.sync (v4, v6) takes B from registers, so those
+kernels give x the canonical packing's K permutation on its way into shared memory, 16 bytes
+at a time. wgmma reads B from shared memory in its own K order, in which each thread's A
+fragment holds logical columns 2t, 2t + 1, 2t + 8, 2t + 9 of every 16: with the weight decoded
+from the canonical packing in place, B's row for MMA column 32j + 8b + 2t + h must hold x's
+actual column 32t + 8j + 2b + h of the chunk, a permutation of 4-byte pairs, finer than a TMA
+box (16 bytes) can make. So the launcher writes x once in that order (`permute_x`: one copy of
+M x K activations, 1 MB at 128 tokens and K = 4096, against the weight's 8 MB), and the
+producer copies the permuted x by plain TMA boxes into 128-byte-swizzled slots that wgmma reads
+as they are.
+
+The program: a 128-row tile of two 64-row halves, one consumer warpgroup each (wgmma's M is 64
+per warpgroup), and a producer warp streaming each chunk (the tile's code words, x's chunk as
+two 64-column boxes) into a ring of STAGES slots. Per chunk a consumer waits for the slot, reads
+its half's code words (LDS), decodes them into the A operand ([64 rows, 64 columns] twice),
+issues the two wgmmas asynchronously, then waits until only those two are in flight: the
+previous chunk's are done, so its slot is released (a proxy fence first: the codes were read by
+the generic proxy, and TMA refills the slot) and its A registers are free (they are the wait's
+dependencies until then, so the compiler keeps them). The tile is written as the FP8 Gluon
+kernel's halves are (`_finish_half`: split K with fp32 partial sums and a counter per half).
+
+Scope: Hopper, bf16 / fp16 activations, the int4 formats with groups of 32..256, MXFP4, NVFP4,
+K % 128 == 0 (the permuted copy and the boxes work per 128-column chunk), 16-byte aligned codes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .gluon_api import (
+    GLUON_IMPORT_ERROR,
+    TensorDescriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from .split_k import _sm_count
+from .w4a16_gluon import MXFP4, NVFP4, register_problem
+
+__all__ = ["WGMMA_BLOCK_T", "permute_x", "wgmma_config", "wgmma_launch", "wgmma_problem"]
+
+CHUNK = 128  # columns of K per ring slot
+WORDS = CHUNK // 8  # int32 code words per row and chunk
+TILE_ROWS, HALF_ROWS = 128, 64  # a program's rows; each consumer warpgroup's
+SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the barriers
+WGMMA_BLOCK_T = (16, 32, 64, 128)  # token tiles (wgmma's N); 128: 64 accumulator registers
+GROUP_CHUNKS = 4  # chunks per unrolled group (`_chunk_group`); the MMAs drain between groups
+
+
+def wgmma_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
+    """Why the wgmma kernel cannot run this matmul, or None if it can."""
+    reason = register_problem(fmt, x, qdata, group)
+    if reason is None and x.shape[1] % CHUNK:
+        reason = f"its permuted x is made per 128-column chunk: K % 128 == 0, not K = {x.shape[1]}"
+    if reason is None and x.shape[0] > WGMMA_BLOCK_T[-1]:
+        reason = f"it takes up to {WGMMA_BLOCK_T[-1]} tokens, not {x.shape[0]}"
+    return reason
+
+
+def permute_x(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with each 128-column chunk in wgmma's K order for the canonical packing: column
+    32j + 8b + 2t + h of a chunk holds x's column 32t + 8j + 2b + h (module docstring)."""
+    m, k = x.shape
+    return x.view(m, k // CHUNK, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
+
+
+def wgmma_config(m: int, n: int, k: int, device: torch.device, sms: int | None = None) -> dict:
+    """BLOCK_T tokens per tile (wgmma's N: 16, 32, 64 or 128); STEPS chunks per work item
+    (tile x K split), the split count `split_for` models fastest; a ring of STAGES slots
+    filling the shared memory; GROUP_CHUNKS chunks per unrolled group."""
+    block_t = max(16, triton.next_power_of_2(m))
+    tiles = triton.cdiv(n, TILE_ROWS)
+    chunks = triton.cdiv(k, CHUNK)
+    splits = split_for(tiles, chunks, sms or _sm_count(device.index or 0), block_t)
+    return {"BLOCK_T": block_t, "STEPS": triton.cdiv(chunks, splits),
+            "STAGES": _stages(block_t), "GROUP_CHUNKS": GROUP_CHUNKS}  # fmt: skip
+
+
+def split_for(tiles: int, chunks: int, programs: int, block_t: int) -> int:
+    """The K split count with the shortest modelled time: the busiest program's chunks, plus
+    per split item an epilogue of 2 + BLOCK_T / 32 chunks' time (its partial sums out and
+    back); ties go to fewer splits, each split keeps >= 2 chunks."""
+    best, best_time = 1, None
+    for splits in range(1, max(1, chunks // 2) + 1):
+        steps = triton.cdiv(chunks, splits)
+        items = tiles * triton.cdiv(chunks, steps)
+        epilogue = 0 if splits == 1 else 2 + block_t // 32
+        time = triton.cdiv(items, programs) * (steps + epilogue)
+        if best_time is None or time < best_time:
+            best, best_time = splits, time
+    return best
+
+
+def _stages(block_t: int) -> int:
+    slot = TILE_ROWS * WORDS * 4 + block_t * CHUNK * 2  # codes + x (16-bit)
+    return max(2, min(8, SMEM_BUDGET // slot))
+
+
+def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
+                 config: dict | None = None, global_scale=None) -> torch.Tensor:  # fmt: skip
+    """out [M, N] = x [M, K] @ W.T + bias by the wgmma kernel (`wgmma_problem` is None);
+    arguments as `w4a16_gluon.register_launch`; `config` as `wgmma_config` gives it."""
+    m, k = x.shape
+    n = qdata.shape[0]
+    config = dict(config or wgmma_config(m, n, k, x.device))
+    block_t, steps = config["BLOCK_T"], config["STEPS"]
+    stages = config.get("STAGES") or _stages(block_t)
+    if block_t not in WGMMA_BLOCK_T or block_t < m or stages < 2 or steps < 1:
+        raise ValueError(f"wgmma W4A16 config {config} for {m} tokens: BLOCK_T must be one of "
+                         f"{list(WGMMA_BLOCK_T)} and >= the tokens, STAGES >= 2, STEPS >= 1")
+    tiles = triton.cdiv(n, TILE_ROWS)
+    splits = triton.cdiv(k // CHUNK, steps)
+    grid = min(tiles * splits, _sm_count(x.device.index or 0))
+    if splits > 1:  # fp32 partial sums per split in fragment order; a counter per half tile
+        partials = torch.empty(splits * tiles * TILE_ROWS * block_t, dtype=torch.float32,
+                               device=x.device)  # fmt: skip
+        arrived = torch.zeros(2 * tiles, dtype=torch.int32, device=x.device)
+    else:
+        partials = arrived = out
+    if fmt == NVFP4:
+        if global_scale is None:
+            raise ValueError("NVFP4 needs its fp32 global scale: pass global_scale")
+        zero = global_scale
+    if fmt >= MXFP4:  # e8m0 / e4m3 bytes, decoded in-kernel
+        scale = scale.view(torch.uint8)
+    codes = qdata.view(torch.int32)  # [N, K / 8]
+    q_desc = TensorDescriptor.from_tensor(
+        codes, [TILE_ROWS, WORDS], gl.NVMMASharedLayout(0, 32, rank=2))
+    x_layout = gl.NVMMASharedLayout(128, 16, rank=2)  # 64 columns: one 128-byte swizzle row
+    x_desc = TensorDescriptor.from_tensor(permute_x(x), [block_t, CHUNK // 2], x_layout)
+    _wgmma_kernel[(grid,)](
+        q_desc, x_desc, scale, zero, bias if bias is not None else out, out, partials, arrived,
+        m, n, k, scale.stride(0), splits, steps,
+        FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STAGES=stages,
+        GROUP_CHUNKS=config.get("GROUP_CHUNKS", GROUP_CHUNKS), BLOCK_T=block_t, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# ---- the kernel --------------------------------------------------------------------------------
+
+if GLUON_IMPORT_ERROR is None:
+    from .fp8_blockwise_gluon import _finish_half
+    from .w4a16_gluon import _chunk_scales, _chunk_weights, _codes_layout
+    from .w4a16_gluon_ws import _codes_2d
+
+    _WORDS = gl.constexpr(WORDS)
+    _TILE_ROWS = gl.constexpr(TILE_ROWS)
+    _HALF_ROWS = gl.constexpr(HALF_ROWS)
+
+    @gluon.jit
+    def _a_operand(words, scale, zero, first: gl.constexpr, A: gl.constexpr,
+                   FORMAT: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+        """Words `first` and `first + 1` of each thread's runs decoded: the A operand [64 rows,
+        64 MMA columns 32 jj + c] (c as `_chunk_weights` orders a word's 32)."""
+        lo = _chunk_weights(words, scale, zero, first, FORMAT, dtype)
+        hi = _chunk_weights(words, scale, zero, first + 1, FORMAT, dtype)
+        a = gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [_HALF_ROWS, 64])
+        return gl.convert_layout(a, A, assert_trivial=True)
+
+    @gluon.jit
+    def _item_chunks(item, tiles, chunks, steps):
+        """Work item `item`'s first chunk and its chunk count (the last split's may be fewer)."""
+        first = (item // tiles) * steps
+        return first, gl.minimum(steps, chunks - first)
+
+    @gluon.jit
+    def _chunk_group(acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st0, chunk, ahead,
+                     later, K, stride_sn, half: gl.constexpr, FORMAT: gl.constexpr,
+                     GROUP: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
+                     BLOCK_T: gl.constexpr):  # fmt: skip
+        """GROUP_CHUNKS chunks of the item at `at` from its chunk st0 (`chunk`: this consumer's
+        running count, which names the ring slot and its phase): per chunk the scales two
+        ahead, the wait for its slot, the decode, two asynchronous wgmmas, then the wait for
+        the previous chunk's (its A operands are the wait's dependencies until then) and that
+        chunk's slot released; at the group's end every MMA is waited for. ptxas serializes
+        every wgmma of the kernel if one with a register operand is in flight across a loop's
+        back edge ("insufficient register resources", C7512), so the groups are the unrolled
+        body of the chunk loop and none crosses it."""
+        MMA: gl.constexpr = acc.type.layout
+        A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        dtype: gl.constexpr = x_ring.dtype
+        for j in gl.static_range(GROUP_CHUNKS):
+            scale, zero = ahead
+            ahead = later
+            # (chunks past the item: loaded, not used; past K: masked)
+            later = _chunk_scales(s_ptr, z_ptr, at, st0 + j + 2, K, stride_sn, FORMAT, GROUP,
+                                  dtype)  # fmt: skip
+            slot = chunk % STAGES
+            mbarrier.wait(ready.index(slot), (chunk // STAGES) & 1)
+            words = codes_ring.index(slot).slice(half * _HALF_ROWS, _HALF_ROWS)
+            words = gl.convert_layout(gl.reshape(words.load(_codes_2d(4)), [_HALF_ROWS, 4, 4]),
+                                      _codes_layout(4), assert_trivial=True)  # fmt: skip
+            a0 = _a_operand(words, scale, zero, 0, A, FORMAT, dtype)
+            acc = warpgroup_mma(a0, x_ring.index(2 * slot).permute((1, 0)), acc, is_async=True)
+            a1 = _a_operand(words, scale, zero, 2, A, FORMAT, dtype)
+            acc = warpgroup_mma(a1, x_ring.index(2 * slot + 1).permute((1, 0)), acc,
+                                is_async=True)  # fmt: skip
+            if j > 0:  # the previous chunk's MMAs done: its A registers and its slot are free
+                acc, _, _ = warpgroup_mma_wait(
+                    num_outstanding=2, deps=(acc, last0, last1))  # noqa: F821 (unrolled: j - 1)
+                fence_async_shared()  # its codes were read by LDS; TMA refills the slot
+                mbarrier.arrive(empty.index(last_slot), count=1)  # noqa: F821
+            last0, last1, last_slot = a0, a1, slot
+            chunk += 1
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, last0, last1))
+        fence_async_shared()
+        mbarrier.arrive(empty.index(last_slot), count=1)
+        return acc, chunk, ahead, later
+
+    @gluon.jit
+    def _consume(codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
+                 cnt_ptr, M, N, K, stride_sn, splits, steps, half: gl.constexpr,
+                 FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
+                 BLOCK_T: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup, rows [64 half, 64 half + 64) of each tile (module
+        docstring): each item's chunks in groups of GROUP_CHUNKS (`_chunk_group`), then one at
+        a time; then the tile. (Unrolled over all of an item's 16-32 chunks instead, the two
+        consumers' code missed the instruction cache: 28 % of the stall samples on qkv at 128
+        tokens, and gate_up at 16 tokens took twice as long as in items of 8 chunks.)"""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16])
+        dtype: gl.constexpr = x_ring.dtype
+        tiles = gl.cdiv(N, _TILE_ROWS)
+        chunks = K // 128
+        if FORMAT == 4:  # noqa: SIM108 (a constexpr branch)
+            times = gl.load(z_ptr).to(gl.float32)  # NVFP4's global scale, on the sums
+        else:
+            times = 1.0
+        toks = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
+        chunk = 0
+        for item in range(gl.program_id(0), tiles * splits, gl.num_programs(0)):
+            tile = item % tiles
+            first, count = _item_chunks(item, tiles, chunks, steps)
+            at = (tile * _TILE_ROWS + half * _HALF_ROWS, first, N, M)
+            ahead = _chunk_scales(s_ptr, z_ptr, at, 0, K, stride_sn, FORMAT, GROUP, dtype)
+            later = _chunk_scales(s_ptr, z_ptr, at, 1, K, stride_sn, FORMAT, GROUP, dtype)
+            acc = gl.zeros([_HALF_ROWS, BLOCK_T], gl.float32, MMA)
+            whole = count // GROUP_CHUNKS * GROUP_CHUNKS
+            for st in range(0, whole, GROUP_CHUNKS):
+                acc, chunk, ahead, later = _chunk_group(
+                    acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st, chunk, ahead,
+                    later, K, stride_sn, half, FORMAT, GROUP, STAGES, GROUP_CHUNKS, BLOCK_T)
+            for st in range(whole, count):
+                acc, chunk, ahead, later = _chunk_group(
+                    acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st, chunk, ahead,
+                    later, K, stride_sn, half, FORMAT, GROUP, STAGES, 1, BLOCK_T)
+            _finish_half(acc * times, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, item // tiles,
+                         splits, half, tiles, M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
+
+    @gluon.jit
+    def _produce(q_desc, x_desc, codes_ring, x_ring, ready, empty, N, K, splits, steps,
+                 STAGES: gl.constexpr):  # fmt: skip
+        """The producer warp: for each chunk of this program's items, wait until both consumers
+        released its slot, then copy the tile's code words and x's chunk (two 64-column boxes)
+        into it; `ready` completes when all three have landed (TMA's byte count). Rows past N,
+        tokens past M: TMA's zero fill."""
+        nbytes: gl.constexpr = q_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
+        tiles = gl.cdiv(N, _TILE_ROWS)
+        chunks = K // 128
+        chunk = 0
+        for item in range(gl.program_id(0), tiles * splits, gl.num_programs(0)):
+            row = (item % tiles) * _TILE_ROWS
+            first, count = _item_chunks(item, tiles, chunks, steps)
+            for st in range(count):
+                slot = chunk % STAGES
+                mbarrier.wait(empty.index(slot), ((chunk // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, nbytes)
+                col = (first + st) * 128
+                tma_load(q_desc, [row, col // 8], bar, codes_ring.index(slot))
+                tma_load(x_desc, [0, col], bar, x_ring.index(2 * slot))
+                tma_load(x_desc, [0, col + 64], bar, x_ring.index(2 * slot + 1))
+                chunk += 1
+
+    @gluon.jit
+    def _wgmma_kernel(q_desc, x_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+                      M, N, K, stride_sn, splits, steps,
+                      FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
+                      BLOCK_T: gl.constexpr):  # fmt: skip
+        """The ring (STAGES slots of the tile's codes and x's chunk as two 64-column halves)
+        and its barriers, then the two consumer warpgroups and the producer warp."""
+        codes_ring = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_ROWS, _WORDS],
+                                               q_desc.layout)  # fmt: skip
+        x_ring = gl.allocate_shared_memory(x_desc.block_type.element_ty,
+                                           [2 * STAGES, BLOCK_T, 64], x_desc.layout)  # fmt: skip
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)  # the producer's expect (and TMA's bytes)
+            mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+        fence_async_shared()
+        gl.warp_specialize(
+            [
+                (_consume, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
+                            part_ptr, cnt_ptr, M, N, K, stride_sn, splits, steps, 0, FORMAT,
+                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T)),
+                (_consume, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
+                            part_ptr, cnt_ptr, M, N, K, stride_sn, splits, steps, 1, FORMAT,
+                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T)),
+                (_produce, (q_desc, x_desc, codes_ring, x_ring, ready, empty, N, K, splits,
+                            steps, STAGES)),
+            ],
+            [4, 1],
+            [232, 40],
+        )  # fmt: skip

@@ -1,0 +1,203 @@
+"""The wgmma register kernel (kernels/w4a16_gluon_wgmma.py). On the CPU: it compiles for sm_90
+(no GPU needed; catches a Gluon API break in CI) with asynchronous wgmmas on register A
+operands and a proxy fence before every slot release; x's permutation against the canonical
+packing's K order (the product of the permuted operands is the matmul, exactly); its split
+rule; its refusals. On a Hopper GPU: against the reference on fresh random inputs, odd shapes,
+every 4-bit format, group and activation dtype; the same bits on every run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import compile_for_sm90, relative_error
+from test_w4a16_gluon import _fp4_weight
+from test_w4a16_gluon_ws import _releases_without_fence
+
+from qshard.kernels import int4
+from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
+from qshard.kernels.w4a16_gluon_wgmma import (
+    GROUP_CHUNKS,
+    permute_x,
+    split_for,
+    wgmma_config,
+    wgmma_problem,
+)
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+MAX_RELATIVE_ERROR = {torch.float16: 1e-3, torch.bfloat16: 8e-3}  # as test_w4a16_gluon.py
+
+COMPILE_FOR_SM90 = """
+import sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from qshard.kernels.w4a16_gluon_wgmma import TensorDescriptor, _wgmma_kernel, gl
+names = list(_wgmma_kernel.arg_names)
+k = 1024
+for fmt, dtype, block_t, split, steps in ((0, "bf16", 128, True, 3), (1, "fp16", 32, True, 2),
+                                          (2, "bf16", 64, False, 8), (3, "bf16", 16, True, 2),
+                                          (4, "fp16", 64, False, 2)):
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    codes = torch.empty(256, k // 8, dtype=torch.int32)
+    x = torch.empty(block_t, k, dtype=tdtype)
+    q_desc = TensorDescriptor.from_tensor(codes, [128, 16], gl.NVMMASharedLayout(0, 32, rank=2))
+    x_desc = TensorDescriptor.from_tensor(x, [block_t, 64], gl.NVMMASharedLayout(128, 16, rank=2))
+    s_type = "*u8" if fmt >= 3 else "*bf16"
+    z_type = "*fp32" if fmt == 4 else s_type
+    types = [mangle_type(q_desc), mangle_type(x_desc), s_type, z_type, f"*{dtype}", f"*{dtype}",
+             "*fp32", "*i32"] + ["i32"] * 6 + ["constexpr"] * 7
+    source = GluonASTSource(
+        fn=_wgmma_kernel, signature=dict(zip(names, types)),
+        constexprs={"FORMAT": fmt, "GROUP": {3: 32, 4: 16}.get(fmt, 128), "HAS_BIAS": True,
+                    "SPLIT": split, "STAGES": 4, "GROUP_CHUNKS": 4, "BLOCK_T": block_t},
+        attrs={(i,): [["tt.divisibility", 16]] for i in (2, 3, 4, 5, 6, 7)})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    sys.stdout.write(f"=== {dtype} {block_t} {steps}\\n" + compiled.asm["ptx"])
+"""
+
+
+@pytest.mark.skipif(HOPPER, reason="compiles for sm_90 without a GPU: done on the CPU")
+def test_compiles_for_sm90_with_async_register_wgmma():
+    """Every format, both activation dtypes, four token tiles, split and unsplit K. Per chunk
+    and consumer: 8 wgmmas (128 columns in steps of 16) with the A operand in registers; in a
+    group of GROUP_CHUNKS chunks one wait per chunk after the first leaves that chunk's two
+    groups in flight; one fenced slot release per chunk. The consumer's code holds a group
+    and a single chunk (the remainder), for each of the two consumers."""
+    if GLUON_IMPORT_ERROR is not None:
+        x = torch.zeros(16, 128, dtype=torch.bfloat16)
+        assert "Gluon is not available" in wgmma_problem(0, x, x, 128)
+        return
+    kernels = compile_for_sm90(COMPILE_FOR_SM90).split("=== ")[1:]
+    assert len(kernels) == 5
+    bodies = 2 * (GROUP_CHUNKS + 1)  # chunk bodies: two consumers, a group and one chunk each
+    for kernel in kernels:
+        title, ptx = kernel.split("\n", 1)
+        dtype, block_t, _ = title.split()
+        kind = {"bf16": "bf16.bf16", "fp16": "f16.f16"}[dtype]
+        mma = f"wgmma.mma_async.sync.aligned.m64n{block_t}k16.f32.{kind}"
+        assert ptx.count(mma) == 8 * bodies, title
+        assert ptx.count("wgmma.wait_group.sync.aligned 2;") == 2 * (GROUP_CHUNKS - 1), title
+        releases, unfenced = _releases_without_fence(ptx)
+        assert releases == bodies and unfenced == 0, (title, releases, unfenced)
+
+
+def _decoded_columns(k: int) -> torch.Tensor:
+    """For each MMA column of a K-long row, the actual column whose code a thread decodes into
+    it: thread t's word j, byte b, nibble h is column 32t + 8j + 2b + h of the chunk, and
+    `_chunk_weights` places it at 32j + 16 s0 + 8 c8 + 2t + h (b = 2 s0 + c8) of the chunk."""
+    j, b, t, h = torch.meshgrid(*(torch.arange(n) for n in (4, 4, 4, 2)), indexing="ij")
+    actual = torch.empty(128, dtype=torch.long)
+    actual[(32 * j + 8 * b + 2 * t + h).flatten()] = (32 * t + 8 * j + 2 * b + h).flatten()
+    return (torch.arange(0, k, 128)[:, None] + actual).flatten()
+
+
+def test_permuted_x_meets_the_decoded_weight_column_for_column():
+    """The kernel multiplies the weight decoded in MMA column order by permute_x(x): column for
+    column the same actual K index, so the product is x @ W.T (exactly, in integers)."""
+    k = 512
+    columns = _decoded_columns(k)
+    assert sorted(columns.tolist()) == list(range(k))
+    x = torch.arange(3 * k, dtype=torch.float64).reshape(3, k)
+    assert torch.equal(permute_x(x), x[:, columns])
+    w = torch.randint(-8, 8, (5, k), dtype=torch.float64)
+    assert torch.equal(permute_x(x) @ w[:, columns].T, x @ w.T)
+
+
+@pytest.mark.parametrize("m,block_t", [(2, 16), (16, 16), (17, 32), (33, 64), (100, 128)])
+def test_config_tiles_and_splits(m, block_t):
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (200, 128)):
+        config = wgmma_config(m, n, k, torch.device("cuda"), sms=132)
+        chunks = k // 128
+        splits = -(-chunks // config["STEPS"])
+        assert config["BLOCK_T"] == block_t and config["STAGES"] >= 2
+        assert (splits - 1) * config["STEPS"] < chunks <= splits * config["STEPS"]
+
+
+def test_split_rule_fills_the_gpu_and_keeps_whole_tiles():
+    assert split_for(224, 32, 132, 16) == 1  # gate_up: 224 tiles already fill 132 SMs
+    assert split_for(32, 32, 132, 128) == 4  # o: 32 tiles x 4 splits = 128 items
+    assert split_for(1, 1, 132, 16) == 1
+
+
+def test_a_config_it_cannot_run_is_refused():
+    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+
+    x = torch.zeros(40, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="BLOCK_T must be one of"):
+        wgmma_launch(0, x, x, x, x, None, x, 128, {"BLOCK_T": 32, "STEPS": 2})
+
+
+def test_where_it_cannot_run_it_says_why():
+    x = torch.zeros(16, 256, dtype=torch.bfloat16)
+    assert wgmma_problem(0, x, x, 128) is not None  # a CPU tensor: the register kernels' rules
+
+
+# ---- on a Hopper GPU ---------------------------------------------------------------------------
+
+hopper = pytest.mark.skipif(not HOPPER, reason="the register kernel runs on Hopper (sm_90)")
+
+# (format, group, N, K): N not a multiple of the 128-row tile, one chunk, a long split K,
+# groups 32..256; MXFP4 / NVFP4 with their own groups
+CASES = [("int4-asym", 128, 1000, 4096), ("int4-sym", 64, 200, 1024), ("int4-fzero", 32, 96, 128),
+         ("int4-asym", 256, 4160, 14336), ("mxfp4", 32, 1000, 2048), ("nvfp4", 16, 200, 1024)]
+
+
+def _weight(name: str, group: int, n: int, k: int):
+    """(format number, codes, scale, zero or codes, global scale or None, reference(x, bias))."""
+    if name in ("mxfp4", "nvfp4"):
+        fmt, _, q, s, g, reference = _fp4_weight(name, n, k)
+        return fmt, q, s, q, g, reference
+    w = torch.randn(n, k, device="cuda") * 0.02
+    fmt = {"int4-asym": 0, "int4-sym": 1, "int4-fzero": 2}[name]
+    q, s, z = int4.quantize_int4(w, group, fmt == 1, fmt == 2)
+    return fmt, q, s, z if z.numel() else q, None, (
+        lambda x, b: int4.int4_linear_reference(x, q, s, z, group, b, fmt == 2))
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,group,n,k", CASES, ids=str)
+def test_matches_the_reference(name, group, n, k, dtype):
+    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+
+    fmt, q, s, z, g, reference = _weight(name, group, n, k)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    for m in (3, 16, 20, 33, 64, 100, 128):  # token tiles 16..128; partial tiles
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        assert wgmma_problem(fmt, x, q, group) is None
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        b = bias if m % 2 else None
+        got = wgmma_launch(fmt, x, q, s, z, b, out, group, global_scale=g)
+        err = relative_error(got, reference(x, b))
+        assert err <= MAX_RELATIVE_ERROR[dtype], f"M={m}: {err:.2e} > {MAX_RELATIVE_ERROR[dtype]}"
+
+
+@hopper
+@pytest.mark.parametrize("steps", [1, 2, 3, 5, 32])
+def test_every_split_and_ring_wrap(steps):
+    """Items of 1..32 chunks (split K, and a ring of STAGES slots wrapped within an item)."""
+    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+
+    fmt, q, s, z, _, reference = _weight("int4-asym", 128, 1000, 4096)
+    for m, stages in ((24, 2), (64, 3), (128, 5)):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        config = {**wgmma_config(m, 1000, 4096, x.device), "STEPS": steps, "STAGES": stages}
+        out = torch.empty(m, 1000, device="cuda", dtype=torch.bfloat16)
+        got = wgmma_launch(fmt, x, q, s, z, None, out, 128, config)
+        assert relative_error(got, reference(x, None)) <= MAX_RELATIVE_ERROR[torch.bfloat16]
+
+
+@hopper
+@pytest.mark.parametrize("n,k,m", [(28672, 4096, 64), (4096, 14336, 128)], ids=str)
+def test_the_same_bits_on_every_run(n, k, m):
+    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+
+    fmt, q, s, z, _, reference = _weight("int4-asym", 128, n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    first = wgmma_launch(fmt, x, q, s, z, None, torch.empty(m, n, device="cuda",
+                                                            dtype=torch.bfloat16), 128)  # fmt: skip
+    assert relative_error(first, reference(x, None)) <= MAX_RELATIVE_ERROR[torch.bfloat16]
+    for run in range(20):
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(wgmma_launch(fmt, x, q, s, z, None, out, 128), first), f"run {run}"
