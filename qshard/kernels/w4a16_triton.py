@@ -32,6 +32,11 @@ kernel with 1): Triton pipelines only loads that feed a dot.
   (`w4a16_gluon_ws.py`; H100, Llama-3.1-8B layer at M = 8 / 16: int4 1.87x / 1.62x of bf16,
   MXFP4 1.68x / 1.53x, NVFP4 1.57x / 1.42x, where the register kernel gives 1.76x / 1.44x,
   1.62x / 1.38x, 1.54x / 1.35x and the kernel below 1.35x / 1.37x, 1.18x, 0.97x).
+- WGMMA_CHOICE_MIN_M <= M <= WGMMA_CHOICE_MAX_M on Hopper where K % 128 == 0, int4 formats
+  (and at 9..16 tokens for weights of >= WGMMA_SMALL_MIN_WEIGHTS): the register operand on
+  wgmma, asynchronous (`w4a16_gluon_wgmma.py`; H100, Llama-3.1-8B layer at M = 16 / 32 / 64:
+  int4 1.87x / 1.70x / 1.47x of bf16 where the kernels before gave 1.62x / 1.26x / 0.92x;
+  docs/kernels/w4a16_register.md, "Session 23").
 - 2 <= M <= FUSED_MAX_M otherwise: a tensor-core kernel, "swap AB" (weight rows on the MMA's M
   side, the tokens on its N side), K split over programs so a 4096-wide layer fills the GPU
   (`split_k.py`). The weight tile is dequantized in fp32 and rounded to the activation dtype,
@@ -69,6 +74,7 @@ import triton.language as tl
 from .split_k import _sm_count, finish_tile, split_count, workspace
 from .tuning import tuned_config
 from .w4a16_gluon import register_config, register_launch, register_problem
+from .w4a16_gluon_wgmma import wgmma_config, wgmma_launch, wgmma_problem
 from .w4a16_gluon_ws import ws_config, ws_launch, ws_problem
 
 __all__ = [
@@ -110,6 +116,24 @@ FUSED_MAX_M = 128
 # the register kernel, at 2 slower: "Session 20").
 REGISTER_CHOICE_MAX_M = 12
 WS_CHOICE_MIN_M, WS_CHOICE_MAX_M = 8, 16
+# The wgmma register kernel (w4a16_gluon_wgmma.py, K % 128 == 0) beats the small-M kernel on
+# every Llama-3.1-8B linear measured from 32 tokens to 128, and at 16 the warp-specialized one
+# on gate_up and down (N x K = 117M, 59M) but not on qkv and o (25M, 17M), whose 14-17 us
+# leave more weight to its fixed 2.3 us copy of x ("Session 23"). 9..16 tokens share both
+# kernels' 16-token tile, so the 16-token comparison stands for them.
+WGMMA_CHOICE_MIN_M, WGMMA_CHOICE_MAX_M = 17, 128
+WGMMA_SMALL_MIN_WEIGHTS = 40_000_000  # N x K from which it runs at 9..16 tokens too
+
+
+def wgmma_chosen(fmt: Format, m: int, n: int, k: int) -> bool:
+    """Whether the wgmma register kernel is the faster for M tokens on an [N, K] weight (where
+    it can run at all: `w4a16_gluon_wgmma.wgmma_problem`), as measured on the H100: the int4
+    formats only (MXFP4 and NVFP4 run on it correctly but were not timed on it yet)."""
+    if fmt not in (Format.INT4_ASYM, Format.INT4_SYM, Format.INT4_FZERO):
+        return False
+    if WGMMA_CHOICE_MIN_M <= m <= WGMMA_CHOICE_MAX_M:
+        return True
+    return WS_CHOICE_MIN_M < m < WGMMA_CHOICE_MIN_M and n * k >= WGMMA_SMALL_MIN_WEIGHTS
 MIN_STEPS_PER_SPLIT = 4
 
 
@@ -730,8 +754,8 @@ def tuned_format(fmt: Format, group: int) -> str:
 
 def kernel_for(m: int, config: dict | None) -> str:
     """Which kernel runs M tokens: "gemv", "small_m" or "dequantize" (+ cuBLAS); a config
-    names its kernel by its keys (SPLIT_K: small-M, KERNEL: dequantize, register, register_ws
-    or gemv_words, else a GEMV config)."""
+    names its kernel by its keys (SPLIT_K: small-M, KERNEL: dequantize, register, register_ws,
+    register_wgmma or gemv_words, else a GEMV config)."""
     if config is not None:
         if "KERNEL" in config:
             return config["KERNEL"]
@@ -743,12 +767,16 @@ def kernel_for(m: int, config: dict | None) -> str:
 
 def register_choice(fmt: Format, x, qdata, group: int) -> dict | None:
     """The config of a register kernel where one runs this matmul and is the faster kernel for
-    its token count on this GPU (the warp-specialized one, w4a16_gluon_ws.py, at
-    WS_CHOICE_MIN_M..WS_CHOICE_MAX_M tokens; else w4a16_gluon.py's up to
-    REGISTER_CHOICE_MAX_M), else None (the Triton kernels run)."""
+    its token count on this GPU (the wgmma one, w4a16_gluon_wgmma.py, where `wgmma_chosen`;
+    else the warp-specialized one, w4a16_gluon_ws.py, at WS_CHOICE_MIN_M..WS_CHOICE_MAX_M
+    tokens; else w4a16_gluon.py's up to REGISTER_CHOICE_MAX_M), else None (the Triton kernels
+    run)."""
     m, k = x.shape
+    n = qdata.shape[0]
+    if wgmma_chosen(fmt, m, n, k) and wgmma_problem(int(fmt), x, qdata, group) is None:
+        return {"KERNEL": "register_wgmma", **wgmma_config(m, n, k, x.device)}
     if WS_CHOICE_MIN_M <= m <= WS_CHOICE_MAX_M and ws_problem(int(fmt), x, qdata, group) is None:
-        return {"KERNEL": "register_ws", **ws_config(m, qdata.shape[0], k, x.device, int(fmt))}
+        return {"KERNEL": "register_ws", **ws_config(m, n, k, x.device, int(fmt))}
     if m > REGISTER_CHOICE_MAX_M or register_problem(int(fmt), x, qdata, group) is not None:
         return None
     return {"KERNEL": "register", **register_config(m, qdata.shape[0], k, x.device)}
@@ -832,6 +860,9 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     args = (x, qdata, _scale_arg(scale), zero, global_scale, bias if bias is not None else out, out)
     if kernel == "register_ws":
         return ws_launch(int(fmt), x, qdata, scale, zero, bias, out, group, config, global_scale)
+    if kernel == "register_wgmma":
+        return wgmma_launch(int(fmt), x, qdata, scale, zero, bias, out, group, config,
+                            global_scale)  # fmt: skip
     if kernel == "register":
         return register_launch(int(fmt), x, qdata, scale, zero, bias, out, group, config,
                                global_scale)  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import compile_for_sm90, relative_error
-from test_w4a16_gluon import _fp4_weight
+from test_w4a16_gluon import _fp4_weight, assert_compiled_and_graphed
 from test_w4a16_gluon_ws import _releases_without_fence
 
 from qshard.kernels import int4
@@ -120,6 +120,22 @@ def test_split_rule_fills_the_gpu_and_keeps_whole_tiles():
     assert split_for(1, 1, 132, 16) == 1
 
 
+@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 32, 128, 129])
+def test_the_op_chooses_it_where_it_was_measured_faster(m):
+    """17..128 tokens for int4; 9..16 only for weights as large as gate_up and down (at 16
+    tokens slower than the warp-specialized kernel on qkv and o); MXFP4 / NVFP4 not (not timed
+    on it)."""
+    from qshard.kernels.w4a16_triton import Format, wgmma_chosen
+
+    llama = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+             "down": (4096, 14336)}  # fmt: skip
+    for name, (n, k) in llama.items():
+        want = 17 <= m <= 128 or (9 <= m <= 16 and name in ("gate_up", "down"))
+        for fmt in (Format.INT4_ASYM, Format.INT4_SYM, Format.INT4_FZERO):
+            assert wgmma_chosen(fmt, m, n, k) == want, (name, fmt)
+        assert not wgmma_chosen(Format.MXFP4, m, n, k) and not wgmma_chosen(Format.NVFP4, m, n, k)
+
+
 def test_a_config_it_cannot_run_is_refused():
     from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
 
@@ -201,3 +217,50 @@ def test_the_same_bits_on_every_run(n, k, m):
     for run in range(20):
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         assert torch.equal(wgmma_launch(fmt, x, q, s, z, None, out, 128), first), f"run {run}"
+
+
+@hopper
+def test_the_op_chooses_it_and_tp_cuts_run_on_it():
+    """`qshard.ops.int4_linear` on Hopper at WGMMA_CHOICE_MIN_M..WGMMA_CHOICE_MAX_M tokens runs
+    the wgmma kernel where K % 128 == 0, else the Triton kernels; a TP shard cut at 64 columns
+    (re-grouped to 64) and a row shard run on it."""
+    import qshard
+    from qshard.kernels.w4a16_triton import (
+        WGMMA_CHOICE_MAX_M,
+        WGMMA_CHOICE_MIN_M,
+        WS_CHOICE_MAX_M,
+        Format,
+        register_choice,
+    )
+
+    lin = torch.nn.Linear(4096, 1024, bias=True, device="cuda", dtype=torch.bfloat16)
+    qshard.quantize_(lin, qshard.Int4WeightOnlyConfig(group_size=128))
+    w = lin.weight
+    for m in (WGMMA_CHOICE_MIN_M - 1, WGMMA_CHOICE_MIN_M, 64, WGMMA_CHOICE_MAX_M,
+              WGMMA_CHOICE_MAX_M + 1):  # fmt: skip
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        kernel = (register_choice(Format.INT4_ASYM, x, w.qdata, 128) or {}).get("KERNEL")
+        want = ("register_wgmma" if WGMMA_CHOICE_MIN_M <= m <= WGMMA_CHOICE_MAX_M
+                else "register_ws" if m <= WS_CHOICE_MAX_M else None)  # fmt: skip
+        assert kernel == want, (m, kernel)
+        ref = int4.int4_linear_reference(x, w.qdata, w.scale, w.zero, 128, lin.bias)
+        assert relative_error(lin(x), ref) <= MAX_RELATIVE_ERROR[torch.bfloat16]
+    x = torch.randn(48, 4096, device="cuda", dtype=torch.bfloat16)
+    odd = x[:, :4064]  # K % 128 != 0: the Triton kernel
+    assert register_choice(Format.INT4_ASYM, odd, w.qdata[:, :2032], 32) is None
+    shard = w[:, 64:2112]  # cuts a 128-group: re-grouped to 64; K = 2048
+    assert shard.group_size == 64
+    xs = x[:, 64:2112].contiguous()
+    assert register_choice(Format.INT4_ASYM, xs, shard.qdata, 64)["KERNEL"] == "register_wgmma"
+    ref = int4.int4_linear_reference(xs, shard.qdata, shard.scale, shard.zero, 64)
+    assert relative_error(torch.nn.functional.linear(xs, shard), ref) <= 8e-3
+    rows = w[136:520]  # a row shard: 384 rows, not a multiple of the 128-row tile
+    ref = int4.int4_linear_reference(x, rows.qdata, rows.scale, rows.zero, 128)
+    assert relative_error(torch.nn.functional.linear(x, rows), ref) <= 8e-3
+
+
+@hopper
+def test_compiled_and_cuda_graphs():
+    """At 20 and 100 tokens compiled, 64 graphed: the permuted x and the descriptors are made
+    per call, inside the op."""
+    assert_compiled_and_graphed((20, 100), 64)

@@ -216,6 +216,7 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     import qshard
     from qshard.kernels.w4a16_triton import (
         REGISTER_CHOICE_MAX_M,
+        WGMMA_CHOICE_MIN_M,
         WS_CHOICE_MAX_M,
         WS_CHOICE_MIN_M,
         Format,
@@ -230,6 +231,7 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
         kernel = (register_choice(Format.INT4_ASYM, x, w.qdata, 128) or {}).get("KERNEL")
         ws = WS_CHOICE_MIN_M <= m <= WS_CHOICE_MAX_M
         assert kernel == ("register_ws" if ws else "register" if m <= REGISTER_CHOICE_MAX_M
+                          else "register_wgmma" if m >= WGMMA_CHOICE_MIN_M
                           else None), (m, kernel)  # fmt: skip
         want = int4.int4_linear_reference(x, w.qdata, w.scale, w.zero, 128, lin.bias)
         assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
