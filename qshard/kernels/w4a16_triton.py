@@ -35,7 +35,7 @@ kernel with 1): Triton pipelines only loads that feed a dot.
 - WGMMA_CHOICE_MIN_M <= M <= WGMMA_CHOICE_MAX_M on Hopper where K % 128 == 0, int4 formats
   (and at 9..16 tokens for weights of >= WGMMA_SMALL_MIN_WEIGHTS): the register operand on
   wgmma, asynchronous (`w4a16_gluon_wgmma.py`; H100, Llama-3.1-8B layer at M = 16 / 32 / 64:
-  int4 1.87x / 1.70x / 1.47x of bf16 where the kernels before gave 1.62x / 1.26x / 0.92x;
+  int4 1.87x / 1.70x / 1.47x of bf16 where the op gave 1.62x / 1.29x / 0.96x;
   docs/kernels/w4a16_register.md, "Session 23").
 - 2 <= M <= FUSED_MAX_M otherwise: a tensor-core kernel, "swap AB" (weight rows on the MMA's M
   side, the tokens on its N side), K split over programs so a 4096-wide layer fills the GPU
