@@ -123,9 +123,12 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     config = dict(config or wgmma_config(m, n, k, x.device))
     block_t, steps = config["BLOCK_T"], config["STEPS"]
     stages = config.get("STAGES") or _stages(block_t)
-    if block_t not in WGMMA_BLOCK_T or block_t < m or stages < 2 or steps < 1:
+    group_chunks = config.get("GROUP_CHUNKS", GROUP_CHUNKS)
+    if (block_t not in WGMMA_BLOCK_T or block_t < m or not 2 <= stages <= _stages(block_t)
+            or steps < 1 or group_chunks < 1):  # fmt: skip
         raise ValueError(f"wgmma W4A16 config {config} for {m} tokens: BLOCK_T must be one of "
-                         f"{list(WGMMA_BLOCK_T)} and >= the tokens, STAGES >= 2, STEPS >= 1")
+                         f"{list(WGMMA_BLOCK_T)} and >= the tokens, STAGES 2..{_stages(block_t)} "
+                         f"(the ring fills the shared memory), STEPS and GROUP_CHUNKS >= 1")
     tiles = triton.cdiv(n, TILE_ROWS)
     splits = triton.cdiv(k // CHUNK, steps)
     grid = min(tiles * splits, _sm_count(x.device.index or 0))
@@ -150,7 +153,7 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
         q_desc, x_desc, scale, zero, bias if bias is not None else out, out, partials, arrived,
         m, n, k, scale.stride(0), splits, steps,
         FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STAGES=stages,
-        GROUP_CHUNKS=config.get("GROUP_CHUNKS", GROUP_CHUNKS), BLOCK_T=block_t, num_warps=4,
+        GROUP_CHUNKS=group_chunks, BLOCK_T=block_t, num_warps=4,
     )  # fmt: skip
     return out
 

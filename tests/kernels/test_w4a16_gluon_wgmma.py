@@ -106,12 +106,17 @@ def test_permuted_x_meets_the_decoded_weight_column_for_column():
 
 @pytest.mark.parametrize("m,block_t", [(2, 16), (16, 16), (17, 32), (33, 64), (100, 128)])
 def test_config_tiles_and_splits(m, block_t):
+    """The token tile; K in the split count `split_for` models fastest, balanced so that no
+    split is empty; the ring as deep as the shared memory allows (8 slots at 16-64 tokens, 5 at
+    128: 40 KB each)."""
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (200, 128)):
         config = wgmma_config(m, n, k, torch.device("cuda"), sms=132)
         chunks = k // 128
-        splits = -(-chunks // config["STEPS"])
-        assert config["BLOCK_T"] == block_t and config["STAGES"] >= 2
-        assert (splits - 1) * config["STEPS"] < chunks <= splits * config["STEPS"]
+        splits = split_for(-(-n // 128), chunks, 132, block_t)
+        assert config["BLOCK_T"] == block_t
+        assert config["STEPS"] == -(-chunks // splits)
+        assert -(-chunks // config["STEPS"]) == splits  # every split holds chunks
+        assert config["STAGES"] == {16: 8, 32: 8, 64: 8, 128: 5}[block_t]
 
 
 def test_split_rule_fills_the_gpu_and_keeps_whole_tiles():
@@ -136,17 +141,28 @@ def test_the_op_chooses_it_where_it_was_measured_faster(m):
         assert not wgmma_chosen(Format.MXFP4, m, n, k) and not wgmma_chosen(Format.NVFP4, m, n, k)
 
 
-def test_a_config_it_cannot_run_is_refused():
+@pytest.mark.parametrize("config", [{"BLOCK_T": 32, "STEPS": 2}, {"BLOCK_T": 64, "STEPS": 0},
+                                    {"BLOCK_T": 64, "STEPS": 2, "STAGES": 9},
+                                    {"BLOCK_T": 64, "STEPS": 2, "GROUP_CHUNKS": 0}])
+def test_a_config_it_cannot_run_is_refused(config):
     from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
 
     x = torch.zeros(40, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="BLOCK_T must be one of"):
-        wgmma_launch(0, x, x, x, x, None, x, 128, {"BLOCK_T": 32, "STEPS": 2})
+        wgmma_launch(0, x, x, x, x, None, x, 128, config)
 
 
-def test_where_it_cannot_run_it_says_why():
+def test_where_it_cannot_run_it_says_why(monkeypatch):
+    """The register kernels' rules first (a CPU tensor here), then its own: whole 128-column
+    chunks (its permuted x and boxes) and at most 128 tokens."""
+    from qshard.kernels import w4a16_gluon_wgmma
+
     x = torch.zeros(16, 256, dtype=torch.bfloat16)
-    assert wgmma_problem(0, x, x, 128) is not None  # a CPU tensor: the register kernels' rules
+    assert wgmma_problem(0, x, x, 128) is not None
+    monkeypatch.setattr(w4a16_gluon_wgmma, "register_problem", lambda *args: None)
+    assert wgmma_problem(0, x, x, 128) is None
+    assert "K % 128 == 0" in wgmma_problem(0, x[:, :224], x, 32)
+    assert "up to 128 tokens" in wgmma_problem(0, torch.zeros(129, 256), x, 128)
 
 
 # ---- on a Hopper GPU ---------------------------------------------------------------------------
