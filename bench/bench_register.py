@@ -96,6 +96,23 @@ def parse_config(text: str, keys: tuple[str, ...]) -> dict:
     return {key: int(v) for key, v in zip(keys, values, strict=True) if v != "-"}
 
 
+def add_to_layer(sums: dict, m: int, row: dict, keys: tuple[str, ...]) -> None:
+    """Adds `row`'s times under `keys` (those it has) to the layer's sums at M = m."""
+    for key in keys:
+        if key in row:
+            sums[m, key] = sums.get((m, key), 0.0) + row[key]
+
+
+def print_layer(sums: dict) -> None:
+    """Per M, the layer's summed times (`add_to_layer`) and their speedups over bf16."""
+    print("\nlayer (shapes summed), us, and speedup over bf16:")
+    for m in sorted({mm for mm, _ in sums}):
+        bf16 = sums[m, "bf16"]
+        cells = "  ".join(f"{key} {v:.1f} ({bf16 / v:.2f}x)" for (mm, key), v in sums.items()
+                          if mm == m)  # fmt: skip
+        print(f"M={m}: {cells}")
+
+
 def sweep_configs(row: dict, prefix: str, title: str, default: dict, configs, keys, run,
                   want, weights, x) -> None:  # fmt: skip
     """Each config (`default`, then `default` updated by each of `configs`) checked against

@@ -26,13 +26,23 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_fp8 import LLAMA, versions_line
-from bench_register import FORMATS, baseline_row, layer_weights, parse_config, sweep_configs, timed
+from bench_register import (
+    FORMATS,
+    add_to_layer,
+    baseline_row,
+    layer_weights,
+    parse_config,
+    print_layer,
+    sweep_configs,
+    timed,
+)
 from bench_register_ws import reference
 
 from qshard.kernels.w4a16_gluon_wgmma import permute_x, wgmma_config, wgmma_launch
 from qshard.kernels.w4a16_gluon_ws import ws_launch
 
 KEYS = ("STEPS", "STAGES", "GROUP_CHUNKS")
+LAYER_KEYS = ("bf16", "op", "triton", "ws", "wgmma default", "wgmma best")  # summed per M
 
 
 def main() -> None:
@@ -67,15 +77,8 @@ def main() -> None:
                           want, weights, x)  # fmt: skip
             cells = "  ".join(f"{key} {v:.2f}" for key, v in row.items())
             print(f"{name} {n}x{k} M={m}: {cells}", flush=True)
-            for key in ("bf16", "op", "triton", "ws", "wgmma default", "wgmma best"):
-                if key in row:
-                    sums[m, key] = sums.get((m, key), 0.0) + row[key]
-    print("\nlayer (shapes summed), us, and speedup over bf16:")
-    for m in sorted({mm for mm, _ in sums}):
-        bf16 = sums[m, "bf16"]
-        cells = "  ".join(f"{key} {v:.1f} ({bf16 / v:.2f}x)" for (mm, key), v in sums.items()
-                          if mm == m)  # fmt: skip
-        print(f"M={m}: {cells}")
+            add_to_layer(sums, m, row, LAYER_KEYS)
+    print_layer(sums)
 
 
 def launch(shape: str, m: str, config: str, fmt_group_quantize) -> None:

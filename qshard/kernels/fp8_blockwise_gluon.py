@@ -124,6 +124,20 @@ def split_for(tiles: int, groups: int, programs: int, block_t: int) -> int:
     return best
 
 
+def half_tile_workspace(splits: int, tiles: int, block_t: int, out: torch.Tensor) -> tuple:
+    """`_finish_half`'s split-K buffers: the fp32 partial sums of every split in fragment order,
+    and a counter per half tile; `out` twice when K is not split (nothing is read then)."""
+    if splits == 1:
+        return out, out
+    partials = torch.empty(splits * tiles * TILE_ROWS * block_t, dtype=torch.float32,
+                           device=out.device)  # fmt: skip
+    # zeroed per launch (a memset): session 18 kept them per device and stream, re-zeroed by
+    # the last arrivals, but a cached tensor first allocated under torch.compile's CUDA graphs
+    # (warm-up and capture allocate from the graph's pool) broke them: "Detected 1 tensor(s) in
+    # the cudagraph pool not tracked as outputs" (decode at batch 32, session 21)
+    return partials, torch.zeros(2 * tiles, dtype=torch.int32, device=out.device)
+
+
 def gluon_launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None, ue8m0: bool, config: dict | None = None,
                  ) -> torch.Tensor:  # fmt: skip
@@ -148,16 +162,7 @@ def gluon_launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     x_layout = gl.NVMMASharedLayout.get_default_for([block_t, CHUNK], gl.float8e4nv)
     w_desc = TensorDescriptor.from_tensor(qdata, [HALF_ROWS, CHUNK], w_layout)
     x_desc = TensorDescriptor.from_tensor(xq, [block_t, CHUNK], x_layout)
-    if splits > 1:  # partial sums per split in fragment order; a counter per half tile
-        partials = torch.empty(splits * tiles * TILE_ROWS * block_t, dtype=torch.float32,
-                               device=x.device)  # fmt: skip
-        # zeroed per launch (a memset): session 18 kept them per device and stream, re-zeroed
-        # by the last arrivals, but a cached tensor first allocated under torch.compile's CUDA
-        # graphs (warm-up and capture allocate from the graph's pool) broke them: "Detected 1
-        # tensor(s) in the cudagraph pool not tracked as outputs" (decode at batch 32, session 21)
-        arrived = torch.zeros(2 * tiles, dtype=torch.int32, device=x.device)
-    else:
-        partials = arrived = out
+    partials, arrived = half_tile_workspace(splits, tiles, block_t, out)
     grid = min(tiles * splits, per_sm * _sm_count(x.device.index or 0))
     _fp8_kernel[(grid,)](
         w_desc, x_desc, scale, x_scale, bias if bias is not None else out, out, partials,

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from .fp8_blockwise_gluon import half_tile_workspace
 from .gluon_api import (
     GLUON_IMPORT_ERROR,
     TensorDescriptor,
@@ -132,12 +133,7 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     tiles = triton.cdiv(n, TILE_ROWS)
     splits = triton.cdiv(k // CHUNK, steps)
     grid = min(tiles * splits, _sm_count(x.device.index or 0))
-    if splits > 1:  # fp32 partial sums per split in fragment order; a counter per half tile
-        partials = torch.empty(splits * tiles * TILE_ROWS * block_t, dtype=torch.float32,
-                               device=x.device)  # fmt: skip
-        arrived = torch.zeros(2 * tiles, dtype=torch.int32, device=x.device)
-    else:
-        partials = arrived = out
+    partials, arrived = half_tile_workspace(splits, tiles, block_t, out)
     if fmt == NVFP4:
         if global_scale is None:
             raise ValueError("NVFP4 needs its fp32 global scale: pass global_scale")

@@ -10,8 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import compile_for_sm90, relative_error
-from test_w4a16_gluon import _fp4_weight, assert_compiled_and_graphed
-from test_w4a16_gluon_ws import _releases_without_fence
+from test_w4a16_gluon import assert_compiled_and_graphed
+from test_w4a16_gluon_ws import (  # the same cases and weights as the warp-specialized kernel's
+    CASES,
+    HOPPER,
+    MAX_RELATIVE_ERROR,
+    _releases_without_fence,
+    _weight,
+)
 
 from qshard.kernels import int4
 from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
@@ -22,9 +28,6 @@ from qshard.kernels.w4a16_gluon_wgmma import (
     wgmma_config,
     wgmma_problem,
 )
-
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-MAX_RELATIVE_ERROR = {torch.float16: 1e-3, torch.bfloat16: 8e-3}  # as test_w4a16_gluon.py
 
 COMPILE_FOR_SM90 = """
 import sys
@@ -168,24 +171,6 @@ def test_where_it_cannot_run_it_says_why(monkeypatch):
 # ---- on a Hopper GPU ---------------------------------------------------------------------------
 
 hopper = pytest.mark.skipif(not HOPPER, reason="the register kernel runs on Hopper (sm_90)")
-
-# (format, group, N, K): N not a multiple of the 128-row tile, one chunk, a long split K,
-# groups 32..256; MXFP4 / NVFP4 with their own groups
-CASES = [("int4-asym", 128, 1000, 4096), ("int4-sym", 64, 200, 1024), ("int4-fzero", 32, 96, 128),
-         ("int4-asym", 256, 4160, 14336), ("mxfp4", 32, 1000, 2048), ("nvfp4", 16, 200, 1024)]
-
-
-def _weight(name: str, group: int, n: int, k: int):
-    """(format number, codes, scale, zero or codes, global scale or None, reference(x, bias))."""
-    if name in ("mxfp4", "nvfp4"):
-        fmt, _, q, s, g, reference = _fp4_weight(name, n, k)
-        return fmt, q, s, q, g, reference
-    w = torch.randn(n, k, device="cuda") * 0.02
-    fmt = {"int4-asym": 0, "int4-sym": 1, "int4-fzero": 2}[name]
-    q, s, z = int4.quantize_int4(w, group, fmt == 1, fmt == 2)
-    return fmt, q, s, z if z.numel() else q, None, (
-        lambda x, b: int4.int4_linear_reference(x, q, s, z, group, b, fmt == 2))
-
 
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
