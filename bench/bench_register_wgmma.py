@@ -5,13 +5,12 @@ result checked against the reference first. Notes: docs/kernels/w4a16_register.m
 
     PYTHONPATH=$PWD python bench/bench_register_wgmma.py [--ms 16,32,64,128]
         [--shapes qkv,o,gate_up,down] [--format int4|mxfp4|nvfp4]
-        [--configs=STEPS:STAGES:GROUP_CHUNKS,...]
+        [--configs=STEPS:STAGES:GROUP_CHUNKS:X_BY_TMA,...]
 
-Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated past the L2; the
-wgmma kernel's time includes its permuted copy of x). Prints per shape and M each method's
-time, then per M the layer's sums and speedups over bf16 ("wgmma best": the best config per
-shape). `--launch SHAPE M STEPS:STAGES:GROUP_CHUNKS|default` only launches it twice (for
-Nsight Compute).
+Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated past the L2).
+Prints per shape and M each method's time, then per M the layer's sums and speedups over bf16
+("wgmma best": the best config per shape). `--launch SHAPE M
+STEPS:STAGES:GROUP_CHUNKS:X_BY_TMA|default` only launches it twice (for Nsight Compute).
 """
 
 from __future__ import annotations
@@ -38,10 +37,10 @@ from bench_register import (
 )
 from bench_register_ws import reference
 
-from qshard.kernels.w4a16_gluon_wgmma import permute_x, wgmma_config, wgmma_launch
+from qshard.kernels.w4a16_gluon_wgmma import wgmma_config, wgmma_launch
 from qshard.kernels.w4a16_gluon_ws import ws_launch
 
-KEYS = ("STEPS", "STAGES", "GROUP_CHUNKS")
+KEYS = ("STEPS", "STAGES", "GROUP_CHUNKS", "X_BY_TMA")
 LAYER_KEYS = ("bf16", "op", "triton", "ws", "wgmma default", "wgmma best")  # summed per M
 
 
@@ -69,7 +68,6 @@ def main() -> None:
             row["ws"] = timed(lambda q, s, z, gs, f=fmt, gr=group, o=out: (
                 lambda a: ws_launch(int(f), a, q, s, z, None, o, gr, None, gs)),
                 weights, x)  # fmt: skip
-            row["permute x"] = timed(lambda *_: permute_x, weights[:1], x)
             sweep_configs(row, "wgmma", f"{name} M={m}", wgmma_config(m, n, k, x.device),
                           configs, KEYS,
                           lambda a, q, s, z, gs, o, c, f=int(fmt), gr=group: wgmma_launch(

@@ -18,6 +18,7 @@ __all__ = [
     "gluon_unavailable",
     "mbarrier",
     "mma_v2",
+    "reinterpret",
     "store_transposed",
     "tma",
     "tma_load",
@@ -47,9 +48,18 @@ except Exception as error:  # an old or a future Triton
     GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
     gluon = gl = async_copy = fence_async_shared = mbarrier = mma_v2 = tma = None
     warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
-    barrier = cp_async = tma_load = store_transposed = None
+    barrier = cp_async = tma_load = store_transposed = reinterpret = None
 
 if GLUON_IMPORT_ERROR is None:
+    # a shared-memory view with another shape or layout: `reinterpret` since triton 3.7,
+    # `_reinterpret` in 3.6
+    _REINTERPRET = (getattr(gl.shared_memory_descriptor, "reinterpret", None)
+                    or gl.shared_memory_descriptor._reinterpret)  # fmt: skip
+
+    @gluon.jit
+    def reinterpret(desc, shape: gl.constexpr):
+        """`desc`'s bytes viewed with another shape (same dtype and layout)."""
+        return _REINTERPRET(desc, desc.dtype, shape, desc.layout)
 
     @gluon.jit
     def store_transposed(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS: gl.constexpr):

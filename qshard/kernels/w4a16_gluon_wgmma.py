@@ -1,39 +1,45 @@
-"""The register-operand W4A16 kernel on wgmma (issue 24, v7; notes and measurements:
-docs/kernels/w4a16_register.md, "Session 23"): the dequantized weight is wgmma's register A
-operand, x's chunk its shared-memory B operand, the MMAs asynchronous, so that a chunk's decode
-runs while the previous chunk's MMAs do. Read `w4a16_gluon.py`'s docstring first (the K
-permutation, the decode, the scales) and `w4a16_gluon_ws.py`'s (the warp-specialized ring).
+"""The register-operand W4A16 kernel on wgmma (issue 24, v8; notes and measurements:
+docs/kernels/w4a16_register.md, "Session 23" and "Session 24"): the dequantized weight is
+wgmma's register A operand, x's chunk its shared-memory B operand, the MMAs asynchronous, so
+that a chunk's decode runs while the previous chunk's MMAs do. Read `w4a16_gluon.py`'s
+docstring first (the K permutation, the decode, the scales) and `w4a16_gluon_ws.py`'s (the
+warp-specialized ring).
 
-**Why wgmma needed x permuted beforehand.** mma.sync (v4, v6) takes B from registers, so those
-kernels give x the canonical packing's K permutation on its way into shared memory, 16 bytes
-at a time. wgmma reads B from shared memory in its own K order, in which each thread's A
+**Why x must be permuted, and the two ways it is.** mma.sync (v4, v6) takes B from registers,
+so those kernels give x the canonical packing's K permutation on its way into shared memory, 16
+bytes at a time. wgmma reads B from shared memory in its own K order, in which each thread's A
 fragment holds logical columns 2t, 2t + 1, 2t + 8, 2t + 9 of every 16: with the weight decoded
 from the canonical packing in place, B's row for MMA column 32j + 8b + 2t + h must hold x's
 actual column 32t + 8j + 2b + h of the chunk, a permutation of 4-byte pairs, finer than a TMA
-box (16 bytes) can make. So the launcher writes x once in that order (`permute_x`: one copy of
-M x K activations, 1 MB at 128 tokens and K = 4096, against the weight's 8 MB), and the
-producer copies the permuted x by plain TMA boxes into 128-byte-swizzled slots that wgmma reads
-as they are.
+box (16 bytes) can make. Below X_BY_TMA_MIN_T tokens (token tiles of 16 and 32) the producer,
+four warps, copies x's chunk by 4-byte cp.async straight into that order (`_copy_x`); from it
+(tiles of 64 and 128) the launcher writes x once in that order (`permute_x`, one M x K copy,
+2.3-5.9 us on the Llama linears) and the producer copies it by TMA boxes: there the producer's
+copies, 4-16 times as many as at 16 tokens, were slower than the copy made beforehand (session
+24: the layer at 64 tokens 128.4 against 116.4 us). Either way the slots are 128-byte-swizzled
+and wgmma reads them as they are.
 
 The program: a 128-row tile of two 64-row halves, one consumer warpgroup each (wgmma's M is 64
-per warpgroup), and a producer warp streaming each chunk (the tile's code words, x's chunk as
-two 64-column boxes) into a ring of STAGES slots. Per chunk a consumer waits for the slot, reads
-its half's code words (LDS), decodes them into the A operand ([64 rows, 64 columns] twice),
-issues the two wgmmas asynchronously, then waits until only those two are in flight: the
-previous chunk's are done, so its slot is released (a proxy fence first: the codes were read by
-the generic proxy, and TMA refills the slot) and its A registers are free (they are the wait's
-dependencies until then, so the compiler keeps them). The chunks run in unrolled groups of
-GROUP_CHUNKS inside a loop, every MMA waited for at a group's end: ptxas serializes all of the
-kernel's wgmmas if one with register operands is in flight across a loop's back edge, and fully
-unrolled items of 16-32 chunks missed the instruction cache. The tile is written as the FP8
-Gluon kernel's halves are (`_finish_half`: split K with fp32 partial sums, a counter per half).
+per warpgroup), and the producer streaming each chunk (the tile's code words, x's chunk as
+two 64-column halves) into a ring of STAGES slots. Per chunk a consumer waits for the slot
+(then fences, where x came by cp.async: the generic proxy, which wgmma's async reads must
+follow), reads its half's code words (LDS), decodes them into the A operand ([64 rows, 64
+columns] twice), issues the two wgmmas asynchronously, then waits until only those two are in
+flight: the previous chunk's are done, so its slot is released (a proxy fence first: the codes
+were read by the generic proxy, and TMA refills the slot) and its A registers are free (they
+are the wait's dependencies until then, so the compiler keeps them). The chunks run in unrolled
+groups of GROUP_CHUNKS inside a loop, every MMA waited for at a group's end: ptxas serializes
+all of the kernel's wgmmas if one with register operands is in flight across a loop's back
+edge, and fully unrolled items of 16-32 chunks missed the instruction cache. The tile is
+written as the FP8 Gluon kernel's halves are (`_finish_half`: split K with fp32 partial sums, a
+counter per half).
 
 Measured (H100, int4 g128, bf16, Llama-3.1-8B layer; docs/kernels/w4a16_register.md, "Session
-23"): 16 / 32 / 64 tokens 92.2 / 97.8 / 115.4 us against bf16's 165.8 / 166.1 / 169.2; the op
-runs it where it was the faster (`w4a16_triton.wgmma_chosen`).
+24"): 16 / 32 / 64 / 128 tokens 85.7 / 94.6 / 115.5 / 160.1 us against bf16's 167.7 / 167.9 /
+169.3 / 178.6; the op runs it where it was the faster (`w4a16_triton.wgmma_chosen`).
 
 Scope: Hopper, bf16 / fp16 activations, the int4 formats with groups of 32..256, MXFP4, NVFP4,
-K % 128 == 0 (the permuted copy and the boxes work per 128-column chunk), 16-byte aligned codes.
+K % 128 == 0 (x is permuted per 128-column chunk), 16-byte aligned codes.
 """
 
 from __future__ import annotations
@@ -45,10 +51,13 @@ from .fp8_blockwise_gluon import half_tile_workspace
 from .gluon_api import (
     GLUON_IMPORT_ERROR,
     TensorDescriptor,
+    async_copy,
+    cp_async,
     fence_async_shared,
     gl,
     gluon,
     mbarrier,
+    reinterpret,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -63,6 +72,7 @@ WORDS = CHUNK // 8  # int32 code words per row and chunk
 TILE_ROWS, HALF_ROWS = 128, 64  # a program's rows; each consumer warpgroup's
 SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the barriers
 WGMMA_BLOCK_T = (16, 32, 64, 128)  # token tiles (wgmma's N); 128: 64 accumulator registers
+X_BY_TMA_MIN_T = 64  # token tiles from which x is permuted beforehand and copied by TMA
 GROUP_CHUNKS = 4  # chunks per unrolled group (`_chunk_group`); the MMAs drain between groups
 
 
@@ -70,7 +80,7 @@ def wgmma_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) ->
     """Why the wgmma kernel cannot run this matmul, or None if it can."""
     reason = register_problem(fmt, x, qdata, group)
     if reason is None and x.shape[1] % CHUNK:
-        reason = f"its permuted x is made per 128-column chunk: K % 128 == 0, not K = {x.shape[1]}"
+        reason = f"it permutes x per 128-column chunk: K % 128 == 0, not K = {x.shape[1]}"
     if reason is None and x.shape[0] > WGMMA_BLOCK_T[-1]:
         reason = f"it takes up to {WGMMA_BLOCK_T[-1]} tokens, not {x.shape[0]}"
     return reason
@@ -78,7 +88,8 @@ def wgmma_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) ->
 
 def permute_x(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] with each 128-column chunk in wgmma's K order for the canonical packing: column
-    32j + 8b + 2t + h of a chunk holds x's column 32t + 8j + 2b + h (module docstring)."""
+    32j + 8b + 2t + h of a chunk holds x's column 32t + 8j + 2b + h (module docstring; the order
+    `_copy_x` writes a slot in, too)."""
     m, k = x.shape
     return x.view(m, k // CHUNK, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
 
@@ -86,13 +97,16 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
 def wgmma_config(m: int, n: int, k: int, device: torch.device, sms: int | None = None) -> dict:
     """BLOCK_T tokens per tile (wgmma's N: 16, 32, 64 or 128); STEPS chunks per work item
     (tile x K split), the split count `split_for` models fastest; a ring of STAGES slots
-    filling the shared memory; GROUP_CHUNKS chunks per unrolled group."""
+    filling the shared memory; GROUP_CHUNKS chunks per unrolled group; X_BY_TMA: x permuted
+    beforehand and copied by TMA (1) or permuted by the producer's cp.async copies (0): the
+    faster at the token tile (module docstring)."""
     block_t = max(16, triton.next_power_of_2(m))
     tiles = triton.cdiv(n, TILE_ROWS)
     chunks = triton.cdiv(k, CHUNK)
     splits = split_for(tiles, chunks, sms or _sm_count(device.index or 0), block_t)
     return {"BLOCK_T": block_t, "STEPS": triton.cdiv(chunks, splits),
-            "STAGES": _stages(block_t), "GROUP_CHUNKS": GROUP_CHUNKS}  # fmt: skip
+            "STAGES": _stages(block_t), "GROUP_CHUNKS": GROUP_CHUNKS,
+            "X_BY_TMA": int(block_t >= X_BY_TMA_MIN_T)}  # fmt: skip
 
 
 def split_for(tiles: int, chunks: int, programs: int, block_t: int) -> int:
@@ -125,6 +139,7 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     block_t, steps = config["BLOCK_T"], config["STEPS"]
     stages = config.get("STAGES") or _stages(block_t)
     group_chunks = config.get("GROUP_CHUNKS", GROUP_CHUNKS)
+    x_by_tma = bool(config.get("X_BY_TMA", block_t >= X_BY_TMA_MIN_T))
     if (block_t not in WGMMA_BLOCK_T or block_t < m or not 2 <= stages <= _stages(block_t)
             or steps < 1 or group_chunks < 1):  # fmt: skip
         raise ValueError(f"wgmma W4A16 config {config} for {m} tokens: BLOCK_T must be one of "
@@ -143,13 +158,19 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     codes = qdata.view(torch.int32)  # [N, K / 8]
     q_desc = TensorDescriptor.from_tensor(
         codes, [TILE_ROWS, WORDS], gl.NVMMASharedLayout(0, 32, rank=2))
-    x_layout = gl.NVMMASharedLayout(128, 16, rank=2)  # 64 columns: one 128-byte swizzle row
-    x_desc = TensorDescriptor.from_tensor(permute_x(x), [block_t, CHUNK // 2], x_layout)
+    if x_by_tma:
+        x_layout = gl.NVMMASharedLayout(128, 16, rank=2)  # 64 columns: one 128-byte swizzle row
+        x_src = TensorDescriptor.from_tensor(permute_x(x), [block_t, CHUNK // 2], x_layout)
+    elif not x.is_contiguous() or x.data_ptr() % 16:  # the producer's 4-byte copies of rows
+        x_src = x.clone(memory_format=torch.contiguous_format)
+    else:
+        x_src = x
     _wgmma_kernel[(grid,)](
-        q_desc, x_desc, scale, zero, bias if bias is not None else out, out, partials, arrived,
+        q_desc, x_src, scale, zero, bias if bias is not None else out, out, partials, arrived,
         m, n, k, scale.stride(0), splits, steps,
         FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STAGES=stages,
-        GROUP_CHUNKS=group_chunks, BLOCK_T=block_t, num_warps=4,
+        GROUP_CHUNKS=group_chunks, BLOCK_T=block_t, X_BY_TMA=x_by_tma,
+        PRODUCER_WARPS=1 if x_by_tma else 4, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -185,7 +206,7 @@ if GLUON_IMPORT_ERROR is None:
     def _chunk_group(acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st0, chunk, ahead,
                      later, K, stride_sn, half: gl.constexpr, FORMAT: gl.constexpr,
                      GROUP: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
-                     BLOCK_T: gl.constexpr):  # fmt: skip
+                     BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr):  # fmt: skip
         """GROUP_CHUNKS chunks of the item at `at` from its chunk st0 (`chunk`: this consumer's
         running count, which names the ring slot and its phase): per chunk the scales two
         ahead, the wait for its slot, the decode, two asynchronous wgmmas, then the wait for
@@ -205,6 +226,8 @@ if GLUON_IMPORT_ERROR is None:
                                   dtype)  # fmt: skip
             slot = chunk % STAGES
             mbarrier.wait(ready.index(slot), (chunk // STAGES) & 1)
+            if not X_BY_TMA:  # x came by cp.async (the generic proxy); wgmma reads it async
+                fence_async_shared()
             words = codes_ring.index(slot).slice(half * _HALF_ROWS, _HALF_ROWS)
             words = gl.convert_layout(gl.reshape(words.load(_codes_2d(4)), [_HALF_ROWS, 4, 4]),
                                       _codes_layout(4), assert_trivial=True)  # fmt: skip
@@ -230,7 +253,7 @@ if GLUON_IMPORT_ERROR is None:
                  cnt_ptr, M, N, K, stride_sn, splits, steps, half: gl.constexpr,
                  FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                  SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
-                 BLOCK_T: gl.constexpr):  # fmt: skip
+                 BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr):  # fmt: skip
         """One consumer warpgroup, rows [64 half, 64 half + 64) of each tile (module
         docstring): each item's chunks in groups of GROUP_CHUNKS (`_chunk_group`), then one at
         a time; then the tile. (Unrolled over all of an item's 16-32 chunks instead, the two
@@ -258,22 +281,50 @@ if GLUON_IMPORT_ERROR is None:
             for st in range(0, whole, GROUP_CHUNKS):
                 acc, chunk, ahead, later = _chunk_group(
                     acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st, chunk, ahead,
-                    later, K, stride_sn, half, FORMAT, GROUP, STAGES, GROUP_CHUNKS, BLOCK_T)
+                    later, K, stride_sn, half, FORMAT, GROUP, STAGES, GROUP_CHUNKS, BLOCK_T,
+                    X_BY_TMA)
             for st in range(whole, count):
                 acc, chunk, ahead, later = _chunk_group(
                     acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st, chunk, ahead,
-                    later, K, stride_sn, half, FORMAT, GROUP, STAGES, 1, BLOCK_T)
+                    later, K, stride_sn, half, FORMAT, GROUP, STAGES, 1, BLOCK_T, X_BY_TMA)
             _finish_half(acc * times, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, item // tiles,
                          splits, half, tiles, M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
 
     @gluon.jit
-    def _produce(q_desc, x_desc, codes_ring, x_ring, ready, empty, N, K, splits, steps,
-                 STAGES: gl.constexpr):  # fmt: skip
-        """The producer warp: for each chunk of this program's items, wait until both consumers
-        released its slot, then copy the tile's code words and x's chunk (two 64-column boxes)
-        into it; `ready` completes when all three have landed (TMA's byte count). Rows past N,
-        tokens past M: TMA's zero fill."""
-        nbytes: gl.constexpr = q_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
+    def _copy_x(x_ptr, x_blocks, slot, col, M, K, BLOCK_T: gl.constexpr,
+                PRODUCER_WARPS: gl.constexpr):  # fmt: skip
+        """x's chunk (columns col..col + 127, tokens < M) into the slot's two 64-column halves
+        in wgmma's K order (module docstring): MMA column 32j + 8b + 2t + h of the chunk from
+        x's column 32t + 8j + 2b + h, by 4-byte cp.async (a pair h is the largest unit the
+        permutation keeps whole), 16 rows (two 128-byte swizzle atoms) per copy, spread over
+        the producer's warps. Rows of the last block past M repeat row M - 1 and blocks past
+        it are not copied: those tokens reach only output columns that are never stored."""
+        XL: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
+        c = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))  # MMA column in half 0 (j = c // 32)
+        source = 32 * (c // 2 % 4) + 8 * (c // 32) + 2 * (c // 8 % 4) + c % 2
+        r = gl.arange(0, 16, layout=gl.SliceLayout(1, XL))
+        BLOCKS: gl.constexpr = BLOCK_T // 16
+        for block in range(gl.cdiv(M, 16)):
+            rows = gl.minimum(block * 16 + r, M - 1)
+            at = x_ptr + (rows * K + col)[:, None] + source[None, :]
+            for half in gl.static_range(2):  # half 1: j + 2, 16 columns on in x
+                cp_async(x_blocks.index((2 * slot + half) * BLOCKS + block), at + 16 * half)
+
+    @gluon.jit
+    def _produce(q_desc, x_src, codes_ring, x_ring, ready, empty, M, N, K, splits, steps,
+                 STAGES: gl.constexpr, BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr,
+                 PRODUCER_WARPS: gl.constexpr):  # fmt: skip
+        """The producer warps: for each chunk of this program's items, wait until both
+        consumers released its slot, then copy x's chunk into it, either as two 64-column TMA
+        boxes of the permuted x (X_BY_TMA) or permuting it (`_copy_x`; each lane's copies
+        complete on `ready` by a no-increment cp.async arrival), and the tile's code words by
+        TMA; `ready` also counts the TMA bytes. Rows past N, tokens past M: TMA's zero fill."""
+        if X_BY_TMA:
+            nbytes: gl.constexpr = q_desc.block_type.nbytes + 2 * x_src.block_type.nbytes
+        else:
+            nbytes: gl.constexpr = q_desc.block_type.nbytes
+            # the same bytes as [16, 64] blocks: 128-byte swizzling repeats every 8 rows (1 KB)
+            x_blocks = reinterpret(x_ring, [2 * STAGES * (BLOCK_T // 16), 16, 64])
         tiles = gl.cdiv(N, _TILE_ROWS)
         chunks = K // 128
         chunk = 0
@@ -284,42 +335,54 @@ if GLUON_IMPORT_ERROR is None:
                 slot = chunk % STAGES
                 mbarrier.wait(empty.index(slot), ((chunk // STAGES) & 1) ^ 1)
                 bar = ready.index(slot)
-                mbarrier.expect(bar, nbytes)
                 col = (first + st) * 128
+                if X_BY_TMA:
+                    mbarrier.expect(bar, nbytes)
+                    tma_load(x_src, [0, col], bar, x_ring.index(2 * slot))
+                    tma_load(x_src, [0, col + 64], bar, x_ring.index(2 * slot + 1))
+                else:
+                    _copy_x(x_src, x_blocks, slot, col, M, K, BLOCK_T, PRODUCER_WARPS)
+                    async_copy.mbarrier_arrive(bar, increment_count=False)
+                    mbarrier.expect(bar, nbytes)
                 tma_load(q_desc, [row, col // 8], bar, codes_ring.index(slot))
-                tma_load(x_desc, [0, col], bar, x_ring.index(2 * slot))
-                tma_load(x_desc, [0, col + 64], bar, x_ring.index(2 * slot + 1))
                 chunk += 1
 
     @gluon.jit
-    def _wgmma_kernel(q_desc, x_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    def _wgmma_kernel(q_desc, x_src, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
                       M, N, K, stride_sn, splits, steps,
                       FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                       SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
-                      BLOCK_T: gl.constexpr):  # fmt: skip
+                      BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr,
+                      PRODUCER_WARPS: gl.constexpr):  # fmt: skip
         """The ring (STAGES slots of the tile's codes and x's chunk as two 64-column halves)
         and its barriers, then the two consumer warpgroups and the producer warp."""
         codes_ring = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_ROWS, _WORDS],
                                                q_desc.layout)  # fmt: skip
-        x_ring = gl.allocate_shared_memory(x_desc.block_type.element_ty,
-                                           [2 * STAGES, BLOCK_T, 64], x_desc.layout)  # fmt: skip
+        if X_BY_TMA:  # x_src: the permuted x's descriptor
+            x_ring = gl.allocate_shared_memory(x_src.block_type.element_ty,
+                                               [2 * STAGES, BLOCK_T, 64], x_src.layout)
+        else:  # x_src: x; 64 columns of 16 bits, one 128-byte swizzle row
+            x_ring = gl.allocate_shared_memory(x_src.dtype.element_ty, [2 * STAGES, BLOCK_T, 64],
+                                               gl.NVMMASharedLayout(128, 16, rank=2))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)  # the producer's expect (and TMA's bytes)
+            # the producer's expect (and TMA's bytes); without X_BY_TMA also each producer
+            # lane's arrival on its cp.async copies
+            mbarrier.init(ready.index(s), count=1 if X_BY_TMA else 1 + 32 * PRODUCER_WARPS)
             mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
         fence_async_shared()
         gl.warp_specialize(
             [
                 (_consume, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
                             part_ptr, cnt_ptr, M, N, K, stride_sn, splits, steps, 0, FORMAT,
-                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T)),
+                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T, X_BY_TMA)),
                 (_consume, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
                             part_ptr, cnt_ptr, M, N, K, stride_sn, splits, steps, 1, FORMAT,
-                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T)),
-                (_produce, (q_desc, x_desc, codes_ring, x_ring, ready, empty, N, K, splits,
-                            steps, STAGES)),
+                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T, X_BY_TMA)),
+                (_produce, (q_desc, x_src, codes_ring, x_ring, ready, empty, M, N, K, splits,
+                            steps, STAGES, BLOCK_T, X_BY_TMA, PRODUCER_WARPS)),
             ],
-            [4, 1],
+            [4, PRODUCER_WARPS],
             [232, 40],
         )  # fmt: skip

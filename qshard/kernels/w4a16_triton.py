@@ -32,11 +32,13 @@ kernel with 1): Triton pipelines only loads that feed a dot.
   (`w4a16_gluon_ws.py`; H100, Llama-3.1-8B layer at M = 8 / 16: int4 1.87x / 1.62x of bf16,
   MXFP4 1.68x / 1.53x, NVFP4 1.57x / 1.42x, where the register kernel gives 1.76x / 1.44x,
   1.62x / 1.38x, 1.54x / 1.35x and the kernel below 1.35x / 1.37x, 1.18x, 0.97x).
-- WGMMA_CHOICE_MIN_M <= M <= WGMMA_CHOICE_MAX_M on Hopper where K % 128 == 0, int4 formats
-  (and at 9..16 tokens for weights of >= WGMMA_SMALL_MIN_WEIGHTS): the register operand on
-  wgmma, asynchronous (`w4a16_gluon_wgmma.py`; H100, Llama-3.1-8B layer at M = 16 / 32 / 64:
-  int4 1.87x / 1.70x / 1.47x of bf16 where the op gave 1.62x / 1.29x / 0.96x;
-  docs/kernels/w4a16_register.md, "Session 23").
+- where `wgmma_chosen` on Hopper and K % 128 == 0 (int4 from 9 tokens to 128 on every
+  weight and from 2 on weights of >= WGMMA_BIG_WEIGHTS; MXFP4 / NVFP4 from 17 on every weight
+  and from 9 on the big ones): the register operand on wgmma, asynchronous
+  (`w4a16_gluon_wgmma.py`; H100, Llama-3.1-8B layer at M = 16 / 32 / 64 / 128: int4 1.96x /
+  1.77x / 1.47x / 1.12x of bf16 where the op gave 1.62x / 1.29x / 0.96x / 0.72x; MXFP4 at
+  M = 32 / 128 1.48x / 1.10x where it gave 1.16x / 0.66x; docs/kernels/w4a16_register.md,
+  "Session 24").
 - 2 <= M <= FUSED_MAX_M otherwise: a tensor-core kernel, "swap AB" (weight rows on the MMA's M
   side, the tokens on its N side), K split over programs so a 4096-wide layer fills the GPU
   (`split_k.py`). The weight tile is dequantized in fp32 and rounded to the activation dtype,
@@ -116,24 +118,25 @@ FUSED_MAX_M = 128
 # the register kernel, at 2 slower: "Session 20").
 REGISTER_CHOICE_MAX_M = 12
 WS_CHOICE_MIN_M, WS_CHOICE_MAX_M = 8, 16
-# The wgmma register kernel (w4a16_gluon_wgmma.py, K % 128 == 0) beats the small-M kernel on
-# every Llama-3.1-8B linear measured from 32 tokens to 128, and at 16 the warp-specialized one
-# on gate_up and down (N x K = 117M, 59M) but not on qkv and o (25M, 17M), whose 14-17 us
-# leave more weight to its fixed 2.3 us copy of x ("Session 23"). 9..16 tokens share both
-# kernels' 16-token tile, so the 16-token comparison stands for them.
-WGMMA_CHOICE_MIN_M, WGMMA_CHOICE_MAX_M = 17, 128
-WGMMA_SMALL_MIN_WEIGHTS = 40_000_000  # N x K from which it runs at 9..16 tokens too
+# The wgmma register kernel (w4a16_gluon_wgmma.py, K % 128 == 0), measured on the H100 against
+# the kernels above on the Llama-3.1-8B linears ("Session 24"): int4 faster on all four from 9
+# tokens to 128; at 2..8 faster on gate_up (N x K = 117M), even on down (59M) and 1 us slower
+# on qkv and o (25M, 17M). MXFP4 and NVFP4 faster on all four from 17 tokens; at 9..16 on
+# gate_up and down, slower at 16 on qkv and o; not timed below 9.
+WGMMA_CHOICE_MAX_M = 128
+WGMMA_BIG_WEIGHTS = 40_000_000  # N x K: "big" below
 
 
 def wgmma_chosen(fmt: Format, m: int, n: int, k: int) -> bool:
     """Whether the wgmma register kernel is the faster for M tokens on an [N, K] weight (where
-    it can run at all: `w4a16_gluon_wgmma.wgmma_problem`), as measured on the H100: the int4
-    formats only (MXFP4 and NVFP4 run on it correctly but were not timed on it yet)."""
-    if fmt not in (Format.INT4_ASYM, Format.INT4_SYM, Format.INT4_FZERO):
+    it can run at all: `w4a16_gluon_wgmma.wgmma_problem`), as measured on the H100."""
+    int4 = fmt in (Format.INT4_ASYM, Format.INT4_SYM, Format.INT4_FZERO)
+    every_from, big_from = (9, 2) if int4 else (17, 9)
+    if m > WGMMA_CHOICE_MAX_M:
         return False
-    if WGMMA_CHOICE_MIN_M <= m <= WGMMA_CHOICE_MAX_M:
-        return True
-    return WS_CHOICE_MIN_M < m < WGMMA_CHOICE_MIN_M and n * k >= WGMMA_SMALL_MIN_WEIGHTS
+    return m >= every_from or (m >= big_from and n * k >= WGMMA_BIG_WEIGHTS)
+
+
 MIN_STEPS_PER_SPLIT = 4
 
 

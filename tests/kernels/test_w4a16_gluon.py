@@ -267,8 +267,7 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     w = lin.weight
     assert register_choice(Format.INT4_ASYM, x, w.qdata, 128) is not None
     assert register_choice(Format.INT4_ASYM, x, w.qdata, 128)["KERNEL"] == "register"
-    # 9..16 tokens: the warp-specialized kernel (test_w4a16_gluon_ws.py); 17..128 the wgmma one
-    # (test_w4a16_gluon_wgmma.py); above: Triton
+    # int4 at 9..128 tokens: the wgmma kernel (test_w4a16_gluon_wgmma.py); above: Triton
     x19 = torch.cat([x] * 6 + [x[:1]])
     assert register_choice(Format.INT4_ASYM, x19, w.qdata, 128)["KERNEL"] == "register_wgmma"
     assert register_choice(Format.INT4_ASYM, torch.cat([x19] * 7), w.qdata, 128) is None  # 133

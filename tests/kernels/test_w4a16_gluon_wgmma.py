@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import compile_for_sm90, relative_error
-from test_w4a16_gluon import assert_compiled_and_graphed
+from test_w4a16_gluon import assert_compiled_and_graphed, assert_the_op_runs_fp4_on
 from test_w4a16_gluon_ws import (  # the same cases and weights as the warp-specialized kernel's
     CASES,
     HOPPER,
@@ -35,29 +35,54 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-from qshard.kernels.w4a16_gluon_wgmma import TensorDescriptor, _wgmma_kernel, gl
+from qshard.kernels.w4a16_gluon_wgmma import X_BY_TMA_MIN_T, TensorDescriptor, _wgmma_kernel, gl
 names = list(_wgmma_kernel.arg_names)
 k = 1024
-for fmt, dtype, block_t, split, steps in ((0, "bf16", 128, True, 3), (1, "fp16", 32, True, 2),
-                                          (2, "bf16", 64, False, 8), (3, "bf16", 16, True, 2),
-                                          (4, "fp16", 64, False, 2)):
+for fmt, dtype, block_t, split in ((0, "bf16", 128, True), (1, "fp16", 32, True),
+                                   (2, "bf16", 64, False), (3, "bf16", 16, True),
+                                   (4, "fp16", 64, False)):
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     codes = torch.empty(256, k // 8, dtype=torch.int32)
-    x = torch.empty(block_t, k, dtype=tdtype)
     q_desc = TensorDescriptor.from_tensor(codes, [128, 16], gl.NVMMASharedLayout(0, 32, rank=2))
-    x_desc = TensorDescriptor.from_tensor(x, [block_t, 64], gl.NVMMASharedLayout(128, 16, rank=2))
+    by_tma = block_t >= X_BY_TMA_MIN_T
+    x_type = (mangle_type(TensorDescriptor.from_tensor(
+        torch.empty(block_t, k, dtype=tdtype), [block_t, 64], gl.NVMMASharedLayout(128, 16,
+        rank=2))) if by_tma else f"*{dtype}")
     s_type = "*u8" if fmt >= 3 else "*bf16"
     z_type = "*fp32" if fmt == 4 else s_type
-    types = [mangle_type(q_desc), mangle_type(x_desc), s_type, z_type, f"*{dtype}", f"*{dtype}",
-             "*fp32", "*i32"] + ["i32"] * 6 + ["constexpr"] * 7
+    types = [mangle_type(q_desc), x_type, s_type, z_type, f"*{dtype}", f"*{dtype}",
+             "*fp32", "*i32"] + ["i32"] * 6 + ["constexpr"] * 9
     source = GluonASTSource(
         fn=_wgmma_kernel, signature=dict(zip(names, types)),
         constexprs={"FORMAT": fmt, "GROUP": {3: 32, 4: 16}.get(fmt, 128), "HAS_BIAS": True,
-                    "SPLIT": split, "STAGES": 4, "GROUP_CHUNKS": 4, "BLOCK_T": block_t},
-        attrs={(i,): [["tt.divisibility", 16]] for i in (2, 3, 4, 5, 6, 7)})
+                    "SPLIT": split, "STAGES": 4, "GROUP_CHUNKS": 4, "BLOCK_T": block_t,
+                    "X_BY_TMA": by_tma, "PRODUCER_WARPS": 1 if by_tma else 4},
+        attrs={(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4, 5, 6, 7, 10)})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    sys.stdout.write(f"=== {dtype} {block_t} {steps}\\n" + compiled.asm["ptx"])
+    sys.stdout.write(f"=== {dtype} {block_t} {int(by_tma)}\\n" + compiled.asm["ptx"])
 """
+
+
+def _wgmmas_after_unfenced_waits(ptx: str) -> int:
+    """wgmmas issued after an mbarrier wait with no `fence.proxy.async` between: x came into
+    the slot by cp.async (the generic proxy) and wgmma reads it through the async proxy."""
+    unfenced = 0
+    waited = False
+    for line in ptx.splitlines():
+        if "mbarrier.try_wait" in line:
+            waited = True
+        elif "fence.proxy.async" in line:
+            waited = False
+        elif "wgmma.mma_async" in line:
+            unfenced += waited
+    return unfenced
+
+
+def test_the_wgmma_fence_check_sees_a_missing_fence():
+    ptx = "mbarrier.try_wait.parity.shared::cta.b64 p, [r], 0;\nwgmma.mma_async.sync.aligned"
+    assert _wgmmas_after_unfenced_waits(ptx) == 1
+    fenced = ptx.replace("\nwgmma", "\nfence.proxy.async.shared::cta;\nwgmma")
+    assert _wgmmas_after_unfenced_waits(fenced) == 0
 
 
 @pytest.mark.skipif(HOPPER, reason="compiles for sm_90 without a GPU: done on the CPU")
@@ -66,7 +91,10 @@ def test_compiles_for_sm90_with_async_register_wgmma():
     and consumer: 8 wgmmas (128 columns in steps of 16) with the A operand in registers; in a
     group of GROUP_CHUNKS chunks one wait per chunk after the first leaves that chunk's two
     groups in flight; one fenced slot release per chunk. The consumer's code holds a group
-    and a single chunk (the remainder), for each of the two consumers."""
+    and a single chunk (the remainder), for each of the two consumers. The producer copies x
+    in 4-byte cp.async pieces (its permutation's unit) that complete on the slot's barrier
+    (one no-increment arrival per lane), and the consumers fence before their wgmmas read it;
+    from X_BY_TMA_MIN_T tokens TMA copies the permuted x instead."""
     if GLUON_IMPORT_ERROR is not None:
         x = torch.zeros(16, 128, dtype=torch.bfloat16)
         assert "Gluon is not available" in wgmma_problem(0, x, x, 128)
@@ -76,13 +104,22 @@ def test_compiles_for_sm90_with_async_register_wgmma():
     bodies = 2 * (GROUP_CHUNKS + 1)  # chunk bodies: two consumers, a group and one chunk each
     for kernel in kernels:
         title, ptx = kernel.split("\n", 1)
-        dtype, block_t, _ = title.split()
+        dtype, block_t, by_tma = title.split()
         kind = {"bf16": "bf16.bf16", "fp16": "f16.f16"}[dtype]
         mma = f"wgmma.mma_async.sync.aligned.m64n{block_t}k16.f32.{kind}"
         assert ptx.count(mma) == 8 * bodies, title
         assert ptx.count("wgmma.wait_group.sync.aligned 2;") == 2 * (GROUP_CHUNKS - 1), title
         releases, unfenced = _releases_without_fence(ptx)
         assert releases == bodies and unfenced == 0, (title, releases, unfenced)
+        copies = [line for line in ptx.splitlines() if "cp.async.ca.shared.global" in line]
+        if by_tma == "1":
+            assert not copies and "cp.async.mbarrier" not in ptx, title
+            assert ptx.count("cp.async.bulk.tensor.2d") == 3, title  # x's two boxes, the codes
+            continue
+        assert copies and all(", 0x4," in line for line in copies), title
+        assert ptx.count("cp.async.mbarrier.arrive.noinc") == 1, title
+        assert ptx.count("cp.async.bulk.tensor.2d") == 1, title  # the codes
+        assert _wgmmas_after_unfenced_waits(ptx) == 0, title
 
 
 def _decoded_columns(k: int) -> torch.Tensor:
@@ -128,20 +165,23 @@ def test_split_rule_fills_the_gpu_and_keeps_whole_tiles():
     assert split_for(1, 1, 132, 16) == 1
 
 
-@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 32, 128, 129])
+@pytest.mark.parametrize("m", [1, 2, 8, 9, 16, 17, 32, 128, 129])
 def test_the_op_chooses_it_where_it_was_measured_faster(m):
-    """17..128 tokens for int4; 9..16 only for weights as large as gate_up and down (at 16
-    tokens slower than the warp-specialized kernel on qkv and o); MXFP4 / NVFP4 not (not timed
-    on it)."""
+    """int4 from 9 tokens to 128 on every weight, from 2 on weights as large as gate_up and
+    down; MXFP4 / NVFP4 from 17 on every weight, from 9 on the large ones (the H100's Llama
+    layer, session 24)."""
     from qshard.kernels.w4a16_triton import Format, wgmma_chosen
 
     llama = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
              "down": (4096, 14336)}  # fmt: skip
     for name, (n, k) in llama.items():
-        want = 17 <= m <= 128 or (9 <= m <= 16 and name in ("gate_up", "down"))
+        big = name in ("gate_up", "down")
+        int4 = 9 <= m <= 128 or (2 <= m <= 128 and big)
+        fp4 = 17 <= m <= 128 or (9 <= m <= 128 and big)
         for fmt in (Format.INT4_ASYM, Format.INT4_SYM, Format.INT4_FZERO):
-            assert wgmma_chosen(fmt, m, n, k) == want, (name, fmt)
-        assert not wgmma_chosen(Format.MXFP4, m, n, k) and not wgmma_chosen(Format.NVFP4, m, n, k)
+            assert wgmma_chosen(fmt, m, n, k) == int4, (name, fmt)
+        for fmt in (Format.MXFP4, Format.NVFP4):
+            assert wgmma_chosen(fmt, m, n, k) == fp4, (name, fmt)
 
 
 @pytest.mark.parametrize("config", [{"BLOCK_T": 32, "STEPS": 2}, {"BLOCK_T": 64, "STEPS": 0},
@@ -191,6 +231,22 @@ def test_matches_the_reference(name, group, n, k, dtype):
 
 
 @hopper
+def test_x_strided_or_offset_is_copied_first():
+    """The producer copies x's rows in 4-byte pieces from a contiguous, 16-byte aligned x: a
+    column slice (strided) and a view one element in (2 bytes off) are copied first."""
+    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+
+    fmt, q, s, z, _, reference = _weight("int4-sym", 128, 520, 1024)
+    wide = torch.randn(40, 1152, device="cuda", dtype=torch.bfloat16)
+    flat = torch.randn(40 * 1024 + 1, device="cuda", dtype=torch.bfloat16)
+    for x in (wide[:, 128:], flat[1:].view(40, 1024)):
+        assert not x.is_contiguous() or x.data_ptr() % 16
+        out = torch.empty(40, 520, device="cuda", dtype=torch.bfloat16)
+        got = wgmma_launch(fmt, x, q, s, z, None, out, 128)
+        assert relative_error(got, reference(x, None)) <= MAX_RELATIVE_ERROR[torch.bfloat16]
+
+
+@hopper
 @pytest.mark.parametrize("steps", [1, 2, 3, 5, 32])
 def test_every_split_and_ring_wrap(steps):
     """Items of 1..32 chunks (split K, and a ring of STAGES slots wrapped within an item)."""
@@ -222,27 +278,19 @@ def test_the_same_bits_on_every_run(n, k, m):
 
 @hopper
 def test_the_op_chooses_it_and_tp_cuts_run_on_it():
-    """`qshard.ops.int4_linear` on Hopper at WGMMA_CHOICE_MIN_M..WGMMA_CHOICE_MAX_M tokens runs
-    the wgmma kernel where K % 128 == 0, else the Triton kernels; a TP shard cut at 64 columns
-    (re-grouped to 64) and a row shard run on it."""
+    """`qshard.ops.int4_linear` on Hopper runs the wgmma kernel where `wgmma_chosen` (on this
+    4M-element weight 9..128 tokens) and K % 128 == 0, else the other kernels; a TP shard cut
+    at 64 columns (re-grouped to 64) and a row shard run on it."""
     import qshard
-    from qshard.kernels.w4a16_triton import (
-        WGMMA_CHOICE_MAX_M,
-        WGMMA_CHOICE_MIN_M,
-        WS_CHOICE_MAX_M,
-        Format,
-        register_choice,
-    )
+    from qshard.kernels.w4a16_triton import WGMMA_CHOICE_MAX_M, Format, register_choice
 
     lin = torch.nn.Linear(4096, 1024, bias=True, device="cuda", dtype=torch.bfloat16)
     qshard.quantize_(lin, qshard.Int4WeightOnlyConfig(group_size=128))
     w = lin.weight
-    for m in (WGMMA_CHOICE_MIN_M - 1, WGMMA_CHOICE_MIN_M, 64, WGMMA_CHOICE_MAX_M,
-              WGMMA_CHOICE_MAX_M + 1):  # fmt: skip
+    for m, want in ((8, "register_ws"), (9, "register_wgmma"), (64, "register_wgmma"),
+                    (WGMMA_CHOICE_MAX_M, "register_wgmma"), (WGMMA_CHOICE_MAX_M + 1, None)):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         kernel = (register_choice(Format.INT4_ASYM, x, w.qdata, 128) or {}).get("KERNEL")
-        want = ("register_wgmma" if WGMMA_CHOICE_MIN_M <= m <= WGMMA_CHOICE_MAX_M
-                else "register_ws" if m <= WS_CHOICE_MAX_M else None)  # fmt: skip
         assert kernel == want, (m, kernel)
         ref = int4.int4_linear_reference(x, w.qdata, w.scale, w.zero, 128, lin.bias)
         assert relative_error(lin(x), ref) <= MAX_RELATIVE_ERROR[torch.bfloat16]
@@ -261,7 +309,13 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
 
 
 @hopper
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_the_op_runs_fp4_on_it(name):
+    assert_the_op_runs_fp4_on("register_wgmma", name, 40)
+
+
+@hopper
 def test_compiled_and_cuda_graphs():
-    """At 20 and 100 tokens compiled, 64 graphed: the permuted x and the descriptors are made
-    per call, inside the op."""
+    """At 20 and 100 tokens compiled, 64 graphed: the codes' descriptor and the split-K
+    buffers are made per call, inside the op."""
     assert_compiled_and_graphed((20, 100), 64)
