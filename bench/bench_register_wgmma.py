@@ -1,7 +1,8 @@
-"""The wgmma register kernel (w4a16_gluon_wgmma.py, v7) against the warp-specialized mma.sync
+"""The wgmma register kernel (w4a16_gluon_wgmma.py, v8) against the warp-specialized mma.sync
 kernel (w4a16_gluon_ws.py, v6, "ws": its default config), the Triton kernel ("triton": the op's
 default config), the op's own choice ("op") and bf16 F.linear, on the Llama-3.1-8B layer; each
-result checked against the reference first. Notes: docs/kernels/w4a16_register.md, "Session 23".
+result checked against the reference first. Notes: docs/kernels/w4a16_register.md, "Session 23"
+and "Session 24" (`--configs=-:-:-:1` copies x as v7 did: permuted beforehand, then by TMA).
 
     PYTHONPATH=$PWD python bench/bench_register_wgmma.py [--ms 16,32,64,128]
         [--shapes qkv,o,gate_up,down] [--format int4|mxfp4|nvfp4]

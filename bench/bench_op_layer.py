@@ -1,0 +1,70 @@
+"""The 4-bit op (`linear_launch` with its own choice of kernel) and the wgmma register kernel
+(w4a16_gluon_wgmma.py, its default config) against bf16 F.linear on the Llama-3.1-8B layer,
+per linear and summed; each result checked against the reference first. Prints which kernel
+the op chose. Notes: docs/kernels/w4a16_register.md, "Session 24".
+
+    PYTHONPATH=$PWD python bench/bench_op_layer.py [--format int4|mxfp4|nvfp4]
+        [--ms 1,2,8,16,32,64,128] [--shapes qkv,o,gate_up,down]
+
+Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated past the L2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_fp8 import versions_line
+from bench_register import FORMATS, add_to_layer, layer_weights, print_layer, timed
+from bench_register_ws import reference
+
+from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+from qshard.kernels.w4a16_triton import linear_launch, register_choice
+
+LAYER_KEYS = ("bf16", "op", "wgmma")
+MAX_RELATIVE_ERROR = 0.03
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--format", default="int4", choices=sorted(FORMATS))
+    parser.add_argument("--ms", default="1,2,8,16,32,64,128")
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down")
+    args = parser.parse_args()
+    print(versions_line([]), args.format)
+    sums: dict[tuple[int, str], float] = {}
+    for name in args.shapes.split(","):
+        n, k, fmt, group, parts, weights, dense = layer_weights(name, args.format)
+        exact = reference(fmt, *parts, group, k)
+        q, s, z, gs = weights[0]
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            want = x.float() @ exact.T
+            chosen = (register_choice(fmt, x, q, group) or {}).get("KERNEL", "triton")
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            for got in (linear_launch(fmt, x, q, s, z, gs, None, group),
+                        wgmma_launch(int(fmt), x, q, s, z, None, out, group, None, gs)):
+                err = ((got.float() - want).norm() / want.norm()).item()
+                assert err < MAX_RELATIVE_ERROR, (name, m, err)
+            row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
+                                 [(d,) for d in dense], x)}  # fmt: skip
+            row["op"] = timed(lambda q, s, z, gs, f=fmt, g=group: (
+                lambda a: linear_launch(f, a, q, s, z, gs, None, g)), weights, x)
+            row["wgmma"] = timed(lambda q, s, z, gs, o=out, f=int(fmt), g=group: (
+                lambda a: wgmma_launch(f, a, q, s, z, None, o, g, None, gs)),
+                weights, x)  # fmt: skip
+            cells = "  ".join(f"{key} {v:.2f}" for key, v in row.items())
+            print(f"{name} {n}x{k} M={m} (op: {chosen}): {cells}", flush=True)
+            add_to_layer(sums, m, row, LAYER_KEYS)
+    print_layer(sums)
+
+
+if __name__ == "__main__":
+    main()
