@@ -15,7 +15,7 @@ box (16 bytes) can make. Below X_BY_TMA_MIN_T tokens (token tiles of 16 and 32) 
 four warps, copies x's chunk by 4-byte cp.async straight into that order (`_copy_x`); from it
 (tiles of 64 and 128) the launcher writes x once in that order (`permute_x`, one M x K copy,
 2.3-5.9 us on the Llama linears) and the producer copies it by TMA boxes: there the producer's
-copies, 4-16 times as many as at 16 tokens, were slower than the copy made beforehand (session
+copies, 4-8 times as many as at 16 tokens, were slower than the copy made beforehand (session
 24: the layer at 64 tokens 128.4 against 116.4 us). Either way the slots are 128-byte-swizzled
 and wgmma reads them as they are.
 
@@ -318,7 +318,8 @@ if GLUON_IMPORT_ERROR is None:
         consumers released its slot, then copy x's chunk into it, either as two 64-column TMA
         boxes of the permuted x (X_BY_TMA) or permuting it (`_copy_x`; each lane's copies
         complete on `ready` by a no-increment cp.async arrival), and the tile's code words by
-        TMA; `ready` also counts the TMA bytes. Rows past N, tokens past M: TMA's zero fill."""
+        TMA; `ready` also counts the TMA bytes. Rows past N: TMA's zero fill; tokens past M:
+        TMA's zero fill, or by cp.async copies of row M - 1 and stale slots (`_copy_x`)."""
         if X_BY_TMA:
             nbytes: gl.constexpr = q_desc.block_type.nbytes + 2 * x_src.block_type.nbytes
         else:
@@ -355,7 +356,7 @@ if GLUON_IMPORT_ERROR is None:
                       BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr,
                       PRODUCER_WARPS: gl.constexpr):  # fmt: skip
         """The ring (STAGES slots of the tile's codes and x's chunk as two 64-column halves)
-        and its barriers, then the two consumer warpgroups and the producer warp."""
+        and its barriers, then the two consumer warpgroups and the producer's warps."""
         codes_ring = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_ROWS, _WORDS],
                                                q_desc.layout)  # fmt: skip
         if X_BY_TMA:  # x_src: the permuted x's descriptor

@@ -27,11 +27,12 @@ kernel with 1): Triton pipelines only loads that feed a dot.
   K % 32 == 0): the register-operand Gluon kernel (`w4a16_gluon.py`; H100, Llama-3.1-8B layer
   at M = 2..12: int4 1.57-1.95x of bf16 where the kernel below gives 1.39x; MXFP4 1.48-1.72x
   against 1.17-1.28x; NVFP4 1.43-1.64x against 0.99-1.03x), except where the next one runs.
-- WS_CHOICE_MIN_M <= M <= WS_CHOICE_MAX_M on Hopper where K % 128 == 0 (the formats as above):
-  the same kernel warp-specialized, a TMA producer feeding the compute warps
-  (`w4a16_gluon_ws.py`; H100, Llama-3.1-8B layer at M = 8 / 16: int4 1.87x / 1.62x of bf16,
-  MXFP4 1.68x / 1.53x, NVFP4 1.57x / 1.42x, where the register kernel gives 1.76x / 1.44x,
-  1.62x / 1.38x, 1.54x / 1.35x and the kernel below 1.35x / 1.37x, 1.18x, 0.97x).
+- WS_CHOICE_MIN_M <= M <= WS_CHOICE_MAX_M on Hopper where K % 128 == 0 (the formats as above),
+  except where the next one runs: the same kernel warp-specialized, a TMA producer feeding the
+  compute warps (`w4a16_gluon_ws.py`; H100, Llama-3.1-8B layer at M = 8 / 16: int4 1.87x /
+  1.62x of bf16, MXFP4 1.68x / 1.53x, NVFP4 1.57x / 1.42x, where the register kernel gives
+  1.76x / 1.44x, 1.62x / 1.38x, 1.54x / 1.35x and the kernel below 1.35x / 1.37x, 1.18x,
+  0.97x).
 - where `wgmma_chosen` on Hopper and K % 128 == 0 (int4 from 9 tokens to 128 on every
   weight and from 2 on weights of >= WGMMA_BIG_WEIGHTS; MXFP4 / NVFP4 from 17 on every weight
   and from 9 on the big ones): the register operand on wgmma, asynchronous

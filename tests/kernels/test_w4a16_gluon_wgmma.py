@@ -118,6 +118,7 @@ def test_compiles_for_sm90_with_async_register_wgmma():
             continue
         assert copies and all(", 0x4," in line for line in copies), title
         assert ptx.count("cp.async.mbarrier.arrive.noinc") == 1, title
+        assert "mbarrier.init.shared::cta.b64" in ptx and ", 129;" in ptx, title  # 1 + 4 x 32
         assert ptx.count("cp.async.bulk.tensor.2d") == 1, title  # the codes
         assert _wgmmas_after_unfenced_waits(ptx) == 0, title
 
@@ -231,18 +232,21 @@ def test_matches_the_reference(name, group, n, k, dtype):
 
 
 @hopper
-def test_x_strided_or_offset_is_copied_first():
-    """The producer copies x's rows in 4-byte pieces from a contiguous, 16-byte aligned x: a
-    column slice (strided) and a view one element in (2 bytes off) are copied first."""
+@pytest.mark.parametrize("by_tma", [0, 1])
+def test_x_strided_or_offset(by_tma):
+    """The producer copies x's rows in 4-byte pieces from a contiguous, 16-byte aligned x (a
+    column slice, strided, and a view one element in, 2 bytes off, are copied first); by TMA
+    from the permuted copy, made from any x."""
     from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
 
     fmt, q, s, z, _, reference = _weight("int4-sym", 128, 520, 1024)
-    wide = torch.randn(40, 1152, device="cuda", dtype=torch.bfloat16)
-    flat = torch.randn(40 * 1024 + 1, device="cuda", dtype=torch.bfloat16)
-    for x in (wide[:, 128:], flat[1:].view(40, 1024)):
+    wide = torch.randn(24, 1152, device="cuda", dtype=torch.bfloat16)
+    flat = torch.randn(24 * 1024 + 1, device="cuda", dtype=torch.bfloat16)
+    config = {**wgmma_config(24, 520, 1024, wide.device), "X_BY_TMA": by_tma}
+    for x in (wide[:, 128:], flat[1:].view(24, 1024)):
         assert not x.is_contiguous() or x.data_ptr() % 16
-        out = torch.empty(40, 520, device="cuda", dtype=torch.bfloat16)
-        got = wgmma_launch(fmt, x, q, s, z, None, out, 128)
+        out = torch.empty(24, 520, device="cuda", dtype=torch.bfloat16)
+        got = wgmma_launch(fmt, x, q, s, z, None, out, 128, config)
         assert relative_error(got, reference(x, None)) <= MAX_RELATIVE_ERROR[torch.bfloat16]
 
 
@@ -262,8 +266,11 @@ def test_every_split_and_ring_wrap(steps):
 
 
 @hopper
-@pytest.mark.parametrize("n,k,m", [(28672, 4096, 64), (4096, 14336, 128)], ids=str)
+@pytest.mark.parametrize("n,k,m", [(28672, 4096, 16), (4096, 14336, 32), (28672, 4096, 64),
+                                   (4096, 14336, 128)], ids=str)  # fmt: skip
 def test_the_same_bits_on_every_run(n, k, m):
+    """20 launches equal the first bit for bit: x copied by the producer's cp.async (16, 32
+    tokens) and by TMA (64, 128), on the Llama shapes that fill the GPU."""
     from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
 
     fmt, q, s, z, _, reference = _weight("int4-asym", 128, n, k)
@@ -316,6 +323,6 @@ def test_the_op_runs_fp4_on_it(name):
 
 @hopper
 def test_compiled_and_cuda_graphs():
-    """At 20 and 100 tokens compiled, 64 graphed: the codes' descriptor and the split-K
-    buffers are made per call, inside the op."""
-    assert_compiled_and_graphed((20, 100), 64)
+    """At 20 and 100 tokens compiled, 24 graphed: the codes' descriptor, the split-K buffers
+    (and from 64 tokens the permuted x) are made per call, inside the op."""
+    assert_compiled_and_graphed((20, 100), 24)

@@ -212,8 +212,8 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     """`qshard.ops.int4_linear` on Hopper at WS_CHOICE_MIN_M..WS_CHOICE_MAX_M tokens runs the
     warp-specialized kernel where K % 128 == 0 and the wgmma kernel is not chosen (int4: 8
     tokens on a small weight), else the other register kernels (up to REGISTER_CHOICE_MAX_M
-    tokens) or the Triton kernels; a TP shard cut at 64 columns (re-grouped to 64) and a row
-    shard run on it."""
+    tokens) or the Triton kernels; a TP shard cut at 64 columns (re-grouped to 64) runs on it
+    and a row shard through the op."""
     import qshard
     from qshard.kernels.w4a16_triton import (
         REGISTER_CHOICE_MAX_M,
