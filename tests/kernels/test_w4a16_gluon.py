@@ -256,8 +256,8 @@ def test_every_config_matches_the_reference():
 @hopper
 def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     """`qshard.ops.int4_linear` on Hopper at 2..7 tokens runs the register kernel (and the
-    Triton kernels where it cannot: group 16, or more tokens); a TP shard of a
-    g128 weight cut at 64 columns (re-grouped to 64) runs on it unchanged."""
+    Triton kernels where it cannot: group 16, or more tokens); TP shards run on it unchanged
+    (`assert_tp_cuts_run_on`)."""
     import qshard
     from qshard.kernels.w4a16_triton import Format, register_choice
 
@@ -276,14 +276,28 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     assert register_choice(Format.NVFP4, x[:, :4080], w.qdata[:, :2040], 16) is None  # K % 32
     want = int4.int4_linear_reference(x, w.qdata, w.scale, w.zero, 128)
     assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
-    shard = w[:, 64:2112]  # cuts a 128-group: re-grouped to 64
-    assert shard.group_size == 64
-    assert register_choice(Format.INT4_ASYM, x[:, 64:2112], shard.qdata, 64) is not None
-    got = torch.nn.functional.linear(x[:, 64:2112].contiguous(), shard)
-    want = int4.int4_linear_reference(x[:, 64:2112], shard.qdata, shard.scale, shard.zero, 64)
-    assert relative_error(got, want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
+    assert_tp_cuts_run_on("register", w, x)
     fine = w[:, 16:2064]  # group 16: the Triton kernels
     assert register_choice(Format.INT4_ASYM, x[:, 16:2064], fine.qdata, 16) is None
+
+
+def assert_tp_cuts_run_on(kernel: str, w, x: torch.Tensor) -> None:
+    """TP shards of the g128 int4 weight `w` [N, 4096] at x's tokens: a column shard cut at 64
+    columns, inside a group (re-grouped to 64; K = 2048), runs on `kernel`; it and a 384-row
+    shard (not a multiple of the 128-row tile) match the reference (shared with the other
+    register kernels' tests)."""
+    from qshard.kernels.w4a16_triton import Format, register_choice
+
+    tolerance = MAX_RELATIVE_ERROR[torch.bfloat16]
+    shard = w[:, 64:2112]
+    assert shard.group_size == 64
+    xs = x[:, 64:2112].contiguous()
+    assert register_choice(Format.INT4_ASYM, xs, shard.qdata, 64)["KERNEL"] == kernel
+    want = int4.int4_linear_reference(xs, shard.qdata, shard.scale, shard.zero, 64)
+    assert relative_error(torch.nn.functional.linear(xs, shard), want) <= tolerance
+    rows = w[136:520]
+    want = int4.int4_linear_reference(x, rows.qdata, rows.scale, rows.zero, 128)
+    assert relative_error(torch.nn.functional.linear(x, rows), want) <= tolerance
 
 
 def assert_compiled_and_graphed(compiled_tokens: tuple[int, ...], graph_tokens: int) -> None:

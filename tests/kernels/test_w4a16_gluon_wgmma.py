@@ -10,7 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import compile_for_sm90, relative_error
-from test_w4a16_gluon import assert_compiled_and_graphed, assert_the_op_runs_fp4_on
+from test_w4a16_gluon import (
+    assert_compiled_and_graphed,
+    assert_the_op_runs_fp4_on,
+    assert_tp_cuts_run_on,
+)
 from test_w4a16_gluon_ws import (  # the same cases and weights as the warp-specialized kernel's
     CASES,
     HOPPER,
@@ -286,8 +290,8 @@ def test_the_same_bits_on_every_run(n, k, m):
 @hopper
 def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     """`qshard.ops.int4_linear` on Hopper runs the wgmma kernel where `wgmma_chosen` (on this
-    4M-element weight 9..128 tokens) and K % 128 == 0, else the other kernels; a TP shard cut
-    at 64 columns (re-grouped to 64) and a row shard run on it."""
+    4M-element weight 9..128 tokens) and K % 128 == 0, else the other kernels; TP shards run on
+    it (`assert_tp_cuts_run_on`)."""
     import qshard
     from qshard.kernels.w4a16_triton import WGMMA_CHOICE_MAX_M, Format, register_choice
 
@@ -304,15 +308,7 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     x = torch.randn(48, 4096, device="cuda", dtype=torch.bfloat16)
     odd = x[:, :4064]  # K % 128 != 0: the Triton kernel
     assert register_choice(Format.INT4_ASYM, odd, w.qdata[:, :2032], 32) is None
-    shard = w[:, 64:2112]  # cuts a 128-group: re-grouped to 64; K = 2048
-    assert shard.group_size == 64
-    xs = x[:, 64:2112].contiguous()
-    assert register_choice(Format.INT4_ASYM, xs, shard.qdata, 64)["KERNEL"] == "register_wgmma"
-    ref = int4.int4_linear_reference(xs, shard.qdata, shard.scale, shard.zero, 64)
-    assert relative_error(torch.nn.functional.linear(xs, shard), ref) <= 8e-3
-    rows = w[136:520]  # a row shard: 384 rows, not a multiple of the 128-row tile
-    ref = int4.int4_linear_reference(x, rows.qdata, rows.scale, rows.zero, 128)
-    assert relative_error(torch.nn.functional.linear(x, rows), ref) <= 8e-3
+    assert_tp_cuts_run_on("register_wgmma", w, x)
 
 
 @hopper

@@ -10,14 +10,19 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import compile_for_sm90, relative_error
-from test_w4a16_gluon import _fp4_weight, assert_compiled_and_graphed, assert_the_op_runs_fp4_on
+from test_w4a16_gluon import (
+    MAX_RELATIVE_ERROR,
+    _fp4_weight,
+    assert_compiled_and_graphed,
+    assert_the_op_runs_fp4_on,
+    assert_tp_cuts_run_on,
+)
 
 from qshard.kernels import int4
 from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
 from qshard.kernels.w4a16_gluon_ws import ws_config
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-MAX_RELATIVE_ERROR = {torch.float16: 1e-3, torch.bfloat16: 8e-3}  # as test_w4a16_gluon.py
 
 COMPILE_FOR_SM90 = """
 import sys
@@ -212,8 +217,7 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     """`qshard.ops.int4_linear` on Hopper at WS_CHOICE_MIN_M..WS_CHOICE_MAX_M tokens runs the
     warp-specialized kernel where K % 128 == 0 and the wgmma kernel is not chosen (int4: 8
     tokens on a small weight), else the other register kernels (up to REGISTER_CHOICE_MAX_M
-    tokens) or the Triton kernels; a TP shard cut at 64 columns (re-grouped to 64) runs on it
-    and a row shard through the op."""
+    tokens) or the Triton kernels; TP shards run on it (`assert_tp_cuts_run_on`, at 8 tokens)."""
     import qshard
     from qshard.kernels.w4a16_triton import (
         REGISTER_CHOICE_MAX_M,
@@ -241,15 +245,7 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     assert register_choice(Format.INT4_ASYM, odd, w.qdata[:, :2032], 32) is None
     kernel = register_choice(Format.INT4_ASYM, odd[:9], w.qdata[:, :2032], 32)["KERNEL"]
     assert kernel == "register"
-    shard = w[:, 64:2112]  # cuts a 128-group: re-grouped to 64; K = 2048
-    assert shard.group_size == 64
-    xs = x[:WS_CHOICE_MIN_M, 64:2112].contiguous()
-    assert register_choice(Format.INT4_ASYM, xs, shard.qdata, 64)["KERNEL"] == "register_ws"
-    want = int4.int4_linear_reference(xs, shard.qdata, shard.scale, shard.zero, 64)
-    assert relative_error(torch.nn.functional.linear(xs, shard), want) <= 8e-3
-    rows = w[136:520]  # a row shard: 384 rows, not a multiple of the 128-row tile
-    want = int4.int4_linear_reference(x, rows.qdata, rows.scale, rows.zero, 128)
-    assert relative_error(torch.nn.functional.linear(x, rows), want) <= 8e-3
+    assert_tp_cuts_run_on("register_ws", w, x[:WS_CHOICE_MIN_M])
 
 
 @hopper
