@@ -44,6 +44,8 @@ K % 128 == 0 (x is permuted per 128-column chunk), 16-byte aligned codes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -109,10 +111,12 @@ def wgmma_config(m: int, n: int, k: int, device: torch.device, sms: int | None =
             "X_BY_TMA": int(block_t >= X_BY_TMA_MIN_T)}  # fmt: skip
 
 
+@functools.lru_cache(maxsize=1024)
 def split_for(tiles: int, chunks: int, programs: int, block_t: int) -> int:
     """The K split count with the shortest modelled time: the busiest program's chunks, plus
     per split item an epilogue of 2 + BLOCK_T / 32 chunks' time (its partial sums out and
-    back); ties go to fewer splits, each split keeps >= 2 chunks."""
+    back); ties go to fewer splits, each split keeps >= 2 chunks. Cached: the search took
+    0.1-0.3 ms of host time per call on the Llama shapes, against a 25 us kernel."""
     best, best_time = 1, None
     for splits in range(1, max(1, chunks // 2) + 1):
         steps = triton.cdiv(chunks, splits)
