@@ -152,14 +152,16 @@ METHODS = {
 
 def measure(build, shapes: dict, m: int, bytes_per_weight: float = 1.0) -> float | str:
     """Summed time (us) over `shapes` at M = m of the callables `build(weight)` returns (one
-    per weight copy, `bytes_per_weight` sizing the copies), or the error that stopped it."""
+    per weight copy, `bytes_per_weight` sizing the copies), or the error that stopped it. x is
+    bf16 unless `build.x_dtype` names another (a baseline that takes fp16 only)."""
+    x_dtype = getattr(build, "x_dtype", torch.bfloat16)
     total = 0.0
     for n, k in shapes.values():
         try:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             count = copies_for(int(n * k * bytes_per_weight), m)
             fns = [build(w if i == 0 else w.clone()) for i in range(count)]
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", dtype=x_dtype)
             total += time_us(lambda fns=fns, x=x: [f(x) for f in fns], count)
             del fns
         except Exception as e:  # reported in the table, e.g. a baseline that cannot run

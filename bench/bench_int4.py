@@ -1,4 +1,4 @@
-"""Int4 weight-only linears (asymmetric, group 128) vs bf16, tinygemm and gemlite; the W4A16
+"""Int4 weight-only linears (asymmetric, group 128) vs bf16, tinygemm, gemlite and Marlin; the W4A16
 kernel sweep (also used by bench_fp4.py).
 
     python bench/bench_int4.py [--sweep] [--methods bf16,qshard-triton,qshard-tinygemm,...]
@@ -78,6 +78,45 @@ def gemlite_method(w):
     return layer
 
 
+def fp16_method(w):
+    """F.linear in fp16: the baseline beside Marlin, which takes fp16 activations only."""
+    w16 = w.half()
+    return lambda x: F.linear(x, w16)
+
+
+fp16_method.x_dtype = torch.half
+
+_last_marlin = {}  # the last weight Marlin packed and its layer: measure() times copies of one
+
+
+def marlin_method(w):
+    """Marlin (IST-DASLab/marlin 0.1.1, built from source on the GPU machine; bench/README.md):
+    symmetric int4 g128 (codes -8..7, scale = group amax / 7), fp16 activations only, so
+    `measure` hands it an fp16 x. Its weight form comes from its own `Layer.pack`."""
+    import marlin
+
+    last = _last_marlin.get("w")
+    if last is not None and last.shape == w.shape and torch.equal(last, w):
+        layer = _last_marlin["layer"]
+        copy = marlin.Layer(w.shape[1], w.shape[0], groupsize=GROUP).cuda()
+        copy.B.copy_(layer.B)
+        copy.s.copy_(layer.s)
+        return copy
+    n, k = w.shape
+    groups = w.float().reshape(n, k // GROUP, GROUP)
+    scale = (groups.abs().amax(-1, keepdim=True) / 7).half()  # the codes from Marlin's scale
+    fake = (torch.clamp(torch.round(groups / scale.float()), -8, 7) * scale.float()).reshape(n, k)
+    linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.half)
+    linear.weight.data.copy_(fake)
+    layer = marlin.Layer(k, n, groupsize=GROUP).cuda()
+    layer.pack(linear, scale[..., 0])
+    _last_marlin.update(w=w, layer=layer)
+    return layer
+
+
+marlin_method.x_dtype = torch.half
+
+
 def layout_method(backend: str):
     """The Int4Tensor layout with `backend`, through F.linear: what a user of the library runs
     (qshard-tinygemm and qshard-gemlite against the bare tinygemm and gemlite rows)."""
@@ -99,6 +138,8 @@ METHODS = {
     "qshard-gemlite": layout_method("gemlite"),
     "tinygemm": tinygemm_method,
     "gemlite": gemlite_method,
+    "fp16": fp16_method,
+    "marlin": marlin_method,
 }
 
 
@@ -129,7 +170,8 @@ def accuracy(methods: dict, names) -> None:
     print("\n### Accuracy (o_proj 4096x4096, M = 16, N(0, 0.02) weights)\n")
     for name in names:
         try:
-            out = methods[name](w)(x).float()
+            build = methods[name]
+            out = build(w)(x.to(getattr(build, "x_dtype", x.dtype))).float()
             error = ((out - expected).norm() / expected.norm()).item()
             print(f"- {name}: output relative error vs float {error:.4f}")
         except Exception as e:
