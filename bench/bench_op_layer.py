@@ -4,7 +4,11 @@ per linear and summed; each result checked against the reference first. Prints w
 the op chose. Notes: docs/kernels/w4a16_register.md, "Session 24".
 
     PYTHONPATH=$PWD python bench/bench_op_layer.py [--format int4|mxfp4|nvfp4]
-        [--ms 1,2,8,16,32,64,128] [--shapes qkv,o,gate_up,down]
+        [--ms 1,2,8,16,32,64,128] [--shapes qkv,o,gate_up,down] [--native] [--marlin]
+
+--native (int4): also the wgmma kernel on codes in its native order (`native_codes`, config
+NATIVE = 1: no permutation of x, which TMA copies as it is). --marlin: also Marlin (fp16 x;
+built by bench/build_marlin.sh, on PYTHONPATH), checked against the float linear.
 
 Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated past the L2).
 """
@@ -25,11 +29,20 @@ from bench_fp8 import versions_line
 from bench_register import FORMATS, add_to_layer, layer_weights, print_layer, timed
 from bench_register_ws import reference
 
-from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+from qshard.kernels.w4a16_gluon_wgmma import native_codes, wgmma_config, wgmma_launch
 from qshard.kernels.w4a16_triton import linear_launch, register_choice
 
-LAYER_KEYS = ("bf16", "op", "wgmma")
+LAYER_KEYS = ("bf16", "op", "wgmma", "native", "marlin")
 MAX_RELATIVE_ERROR = 0.03
+MARLIN_MAX_ERROR = 0.15  # against the float linear: symmetric codes, amax / 7 (bench_int4)
+
+
+def marlin_layers(w, copies: int) -> list:
+    """`copies` Marlin layers of weight w (bench_int4.marlin_method), as many as the 4-bit
+    weights rotated (their bytes, not bf16's, sized past the L2)."""
+    from bench_int4 import marlin_method
+
+    return [marlin_method(w) for _ in range(copies)]
 
 
 def main() -> None:
@@ -37,6 +50,8 @@ def main() -> None:
     parser.add_argument("--format", default="int4", choices=sorted(FORMATS))
     parser.add_argument("--ms", default="1,2,8,16,32,64,128")
     parser.add_argument("--shapes", default="qkv,o,gate_up,down")
+    parser.add_argument("--native", action="store_true")
+    parser.add_argument("--marlin", action="store_true")
     args = parser.parse_args()
     print(versions_line([]), args.format)
     sums: dict[tuple[int, str], float] = {}
@@ -44,6 +59,8 @@ def main() -> None:
         n, k, fmt, group, parts, weights, dense = layer_weights(name, args.format)
         exact = reference(fmt, *parts, group, k)
         q, s, z, gs = weights[0]
+        natives = [(native_codes(w[0]), *w[1:]) for w in weights] if args.native else []
+        marlins = marlin_layers(dense[0], len(weights)) if args.marlin else []
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = x.float() @ exact.T
@@ -60,6 +77,19 @@ def main() -> None:
             row["wgmma"] = timed(lambda q, s, z, gs, o=out, f=int(fmt), g=group: (
                 lambda a: wgmma_launch(f, a, q, s, z, None, o, g, None, gs)),
                 weights, x)  # fmt: skip
+            if natives:
+                config = {**wgmma_config(m, n, k, x.device), "NATIVE": 1}
+                got = wgmma_launch(int(fmt), x, natives[0][0], s, z, None, out, group, config, gs)
+                err = ((got.float() - want).norm() / want.norm()).item()
+                assert err < MAX_RELATIVE_ERROR, (name, m, "native", err)
+                row["native"] = timed(lambda q, s, z, gs, o=out, f=int(fmt), g=group, c=config: (
+                    lambda a: wgmma_launch(f, a, q, s, z, None, o, g, c, gs)), natives, x)
+            if marlins:
+                xh = x.half()
+                err = ((marlins[0](xh).float() - x.float() @ dense[0].float().T).norm()
+                       / (x.float() @ dense[0].float().T).norm()).item()  # fmt: skip
+                assert err < MARLIN_MAX_ERROR, (name, m, "marlin", err)
+                row["marlin"] = timed(lambda layer: layer, [(layer,) for layer in marlins], xh)
             cells = "  ".join(f"{key} {v:.2f}" for key, v in row.items())
             print(f"{name} {n}x{k} M={m} (op: {chosen}): {cells}", flush=True)
             add_to_layer(sums, m, row, LAYER_KEYS)

@@ -175,6 +175,16 @@ if GLUON_IMPORT_ERROR is None:
     fma.rn.bf16x2 v0, v0, one, nz; fma.rn.bf16x2 v1, v1, one, nz;
     fma.rn.bf16x2 v2, v2, one, nz; fma.rn.bf16x2 v3, v3, one, nz;
     """
+    # The native code order (`w4a16_gluon_wgmma.native_codes`): pair b is nibbles b and b + 4
+    # of the word, so one shift and one and-or each (no byte permute): 7 instructions, not 9.
+    _DECODE_PAIRS_NATIVE = """
+    lop3.b32 v0, $8, mask, bias, 0xEA;
+    shr.u32 r, $8, 4; lop3.b32 v1, r, mask, bias, 0xEA;
+    shr.u32 r, $8, 8; lop3.b32 v2, r, mask, bias, 0xEA;
+    shr.u32 r, $8, 12; lop3.b32 v3, r, mask, bias, 0xEA;
+    fma.rn.bf16x2 v0, v0, one, nz; fma.rn.bf16x2 v1, v1, one, nz;
+    fma.rn.bf16x2 v2, v2, one, nz; fma.rn.bf16x2 v3, v3, one, nz;
+    """
     # Word $8 -> bytes b = 0..3 as bf16 pairs (128 + low nibble, 128 + high nibble), then
     # (v - (128 + zero)) exactly ($10 = -(128 + zero), bf16); then * scale ($9, bf16).
     _DECODE_BF16 = gl.constexpr(
@@ -204,6 +214,12 @@ if GLUON_IMPORT_ERROR is None:
     )
     _DECODE_FP32_BF16 = gl.constexpr(_DECODE_FP32.replace("$CVT", "bf16x2"))
     _DECODE_FP32_F16 = gl.constexpr(_DECODE_FP32.replace("$CVT", "f16x2"))
+    _DECODE_BF16_NATIVE = gl.constexpr(_DECODE_BF16.value.replace(_DECODE_PAIRS,
+                                                                  _DECODE_PAIRS_NATIVE))
+    _DECODE_FP32_BF16_NATIVE = gl.constexpr(_DECODE_FP32_BF16.value.replace(
+        _DECODE_PAIRS, _DECODE_PAIRS_NATIVE))
+    _DECODE_FP32_F16_NATIVE = gl.constexpr(_DECODE_FP32_F16.value.replace(
+        _DECODE_PAIRS, _DECODE_PAIRS_NATIVE))
     # MXFP4 (e2m1 codes): byte b's two nibbles as above, each placed as bf16 bits
     # s << 15 | (e1 e0 m) << 6 (sign by a shift of 12, the rest by a shift of 6): the value
     # times 2**-126 exactly (0.5 is bf16's subnormal 2**-127); then times 2**126 and times the
@@ -349,9 +365,10 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _chunk_weights(words, scale, zero, j: gl.constexpr, FORMAT: gl.constexpr,
-                       dtype: gl.constexpr):  # fmt: skip
+                       dtype: gl.constexpr, NATIVE: gl.constexpr = False):  # fmt: skip
         """Word j of each thread's runs decoded: the A operand [rows, 32] (logical columns
-        32j + 8b + 2t + h of the chunk, see the module docstring), in `dtype`."""
+        32j + 8b + 2t + h of the chunk, see the module docstring), in `dtype`. NATIVE: the
+        int4 codes in the native order (`_DECODE_PAIRS_NATIVE`)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         w = gl.reshape(words, [TILE_ROWS, 4, 2, 2])  # word j = 2 j1 + j0, in registers
         w = gl.split(gl.split(w)[j % 2])[j // 2]  # [rows, 4 runs]
@@ -369,11 +386,12 @@ if GLUON_IMPORT_ERROR is None:
                     _DECODE_E2M1_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, scale],
                     dtype=(gl.float16,) * 8, is_pure=True, pack=1)  # fmt: skip
         else:
-            p = _int4_planes(w, scale, zero, FORMAT, dtype)
+            p = _int4_planes(w, scale, zero, FORMAT, dtype, NATIVE)
         return _fragments(p)
 
     @gluon.jit
-    def _int4_planes(w, scale, zero, FORMAT: gl.constexpr, dtype: gl.constexpr):
+    def _int4_planes(w, scale, zero, FORMAT: gl.constexpr, dtype: gl.constexpr,
+                     NATIVE: gl.constexpr):  # fmt: skip
         """The int4 formats' 8 planes of word w (`_DECODE_BF16`, `_DECODE_FP32`)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         if FORMAT == 2:  # float zero point: (u - 8) * s + zero
@@ -382,7 +400,8 @@ if GLUON_IMPORT_ERROR is None:
             neg_c = (-(zero.to(gl.float32) + 128.0)).to(gl.bfloat16)  # exact: 8-bit integers
         if dtype == gl.bfloat16 and FORMAT != 2:
             p = gl.inline_asm_elementwise(
-                _DECODE_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [w, scale, neg_c],
+                _DECODE_BF16_NATIVE if NATIVE else _DECODE_BF16,
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [w, scale, neg_c],
                 dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
             )  # fmt: skip
         else:
@@ -393,11 +412,13 @@ if GLUON_IMPORT_ERROR is None:
             args = [w, scale.to(gl.float32), neg_c, add]
             if dtype == gl.bfloat16:
                 p = gl.inline_asm_elementwise(
-                    _DECODE_FP32_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r", args,
+                    _DECODE_FP32_BF16_NATIVE if NATIVE else _DECODE_FP32_BF16,
+                    "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r", args,
                     dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)  # fmt: skip
             else:
                 p = gl.inline_asm_elementwise(
-                    _DECODE_FP32_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r", args,
+                    _DECODE_FP32_F16_NATIVE if NATIVE else _DECODE_FP32_F16,
+                    "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r", args,
                     dtype=(gl.float16,) * 8, is_pure=True, pack=1)  # fmt: skip
         return p
 

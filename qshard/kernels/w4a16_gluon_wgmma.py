@@ -19,6 +19,15 @@ copies, 4-8 times as many as at 16 tokens, were slower than the copy made before
 24: the layer at 64 tokens 128.4 against 116.4 us). Either way the slots are 128-byte-swizzled
 and wgmma reads them as they are.
 
+**The native code order (config NATIVE = 1; not yet what the op runs).** Codes repacked once
+by `native_codes` (per 128-column chunk, thread t's word j holds the 8 codes of MMA columns
+32 j + 8 b + 2 t + h with pair b as nibbles b and b + 4) decode into x's own columns: x needs
+no permutation and TMA copies it at every tile, and each pair is one shift and one and-or
+(`_DECODE_PAIRS_NATIVE`) instead of a byte permute and an and-or. Measured (session 25, the
+Llama layer, int4 g128): 77.7 / 83.0 / 98.7 us at 16 / 32 / 64 tokens against 85.2 / 94.9 /
+115.2 on the canonical codes (docs/kernels/w4a16_register.md, "Session 25"). The op cannot
+use it until an int4 weight on the GPU holds its codes in that order without a second copy.
+
 The program: a 128-row tile of two 64-row halves, one consumer warpgroup each (wgmma's M is 64
 per warpgroup), and the producer streaming each chunk (the tile's code words, x's chunk as
 two 64-column halves) into a ring of STAGES slots. Per chunk a consumer waits for the slot
@@ -64,10 +73,12 @@ from .gluon_api import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from .packing import pack_nibbles, unpack_nibbles
 from .split_k import _sm_count
 from .w4a16_gluon import MXFP4, NVFP4, register_problem
 
-__all__ = ["WGMMA_BLOCK_T", "permute_x", "wgmma_config", "wgmma_launch", "wgmma_problem"]
+__all__ = ["WGMMA_BLOCK_T", "native_codes", "permute_x", "wgmma_config", "wgmma_launch",
+           "wgmma_problem"]
 
 CHUNK = 128  # columns of K per ring slot
 WORDS = CHUNK // 8  # int32 code words per row and chunk
@@ -86,6 +97,20 @@ def wgmma_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) ->
     if reason is None and x.shape[0] > WGMMA_BLOCK_T[-1]:
         reason = f"it takes up to {WGMMA_BLOCK_T[-1]} tokens, not {x.shape[0]}"
     return reason
+
+
+def native_codes(qdata: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K / 2] (the canonical packing) in the kernel's native order (config
+    NATIVE = 1; int4 formats, groups of 128 or a multiple): in each 128-column chunk, word w
+    (of 16), nibble n holds column 32 (w % 4) + 8 (n % 4) + 2 (w // 4) + n // 4, so that thread
+    t's word j decodes, nibbles b and b + 4 as pair b (`_DECODE_PAIRS_NATIVE`), into MMA
+    columns 32 j + 8 b + 2 t + h: x's own columns, which TMA then copies as they are."""
+    n, k = qdata.shape[0], 2 * qdata.shape[1]
+    codes = unpack_nibbles(qdata.view(torch.uint8), k).view(n, k // CHUNK, CHUNK)
+    d = torch.arange(CHUNK, device=qdata.device)
+    word, nibble = d // 8, d % 8
+    source = 32 * (word % 4) + 8 * (nibble % 4) + 2 * (word // 4) + nibble // 4
+    return pack_nibbles(codes[:, :, source].reshape(n, k)).view(qdata.dtype)
 
 
 def permute_x(x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +168,11 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     block_t, steps = config["BLOCK_T"], config["STEPS"]
     stages = config.get("STAGES") or _stages(block_t)
     group_chunks = config.get("GROUP_CHUNKS", GROUP_CHUNKS)
-    x_by_tma = bool(config.get("X_BY_TMA", block_t >= X_BY_TMA_MIN_T))
+    native = bool(config.get("NATIVE", 0))  # qdata from `native_codes`; x as it is, by TMA
+    x_by_tma = native or bool(config.get("X_BY_TMA", block_t >= X_BY_TMA_MIN_T))
+    if native and (fmt >= MXFP4 or group % CHUNK):
+        raise ValueError(f"the native code order is for int4 formats with groups of 128 or a "
+                         f"multiple: not format {fmt}, group {group}")
     if (block_t not in WGMMA_BLOCK_T or block_t < m or not 2 <= stages <= _stages(block_t)
             or steps < 1 or group_chunks < 1):  # fmt: skip
         raise ValueError(f"wgmma W4A16 config {config} for {m} tokens: BLOCK_T must be one of "
@@ -164,7 +193,10 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
         codes, [TILE_ROWS, WORDS], gl.NVMMASharedLayout(0, 32, rank=2))
     if x_by_tma:
         x_layout = gl.NVMMASharedLayout(128, 16, rank=2)  # 64 columns: one 128-byte swizzle row
-        x_src = TensorDescriptor.from_tensor(permute_x(x), [block_t, CHUNK // 2], x_layout)
+        if native and (not x.is_contiguous() or x.data_ptr() % 16):
+            x = x.clone(memory_format=torch.contiguous_format)
+        x_src = TensorDescriptor.from_tensor(x if native else permute_x(x), [block_t, CHUNK // 2],
+                                             x_layout)  # fmt: skip
     elif not x.is_contiguous() or x.data_ptr() % 16:  # the producer's 4-byte copies of rows
         x_src = x.clone(memory_format=torch.contiguous_format)
     else:
@@ -174,7 +206,7 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
         m, n, k, scale.stride(0), splits, steps,
         FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STAGES=stages,
         GROUP_CHUNKS=group_chunks, BLOCK_T=block_t, X_BY_TMA=x_by_tma,
-        PRODUCER_WARPS=1 if x_by_tma else 4, num_warps=4,
+        PRODUCER_WARPS=1 if x_by_tma else 4, NATIVE=native, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -192,11 +224,11 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _a_operand(words, scale, zero, first: gl.constexpr, A: gl.constexpr,
-                   FORMAT: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+                   FORMAT: gl.constexpr, dtype: gl.constexpr, NATIVE: gl.constexpr):  # fmt: skip
         """Words `first` and `first + 1` of each thread's runs decoded: the A operand [64 rows,
         64 MMA columns 32 jj + c] (c as `_chunk_weights` orders a word's 32)."""
-        lo = _chunk_weights(words, scale, zero, first, FORMAT, dtype)
-        hi = _chunk_weights(words, scale, zero, first + 1, FORMAT, dtype)
+        lo = _chunk_weights(words, scale, zero, first, FORMAT, dtype, NATIVE)
+        hi = _chunk_weights(words, scale, zero, first + 1, FORMAT, dtype, NATIVE)
         a = gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [_HALF_ROWS, 64])
         return gl.convert_layout(a, A, assert_trivial=True)
 
@@ -210,7 +242,8 @@ if GLUON_IMPORT_ERROR is None:
     def _chunk_group(acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st0, chunk, ahead,
                      later, K, stride_sn, half: gl.constexpr, FORMAT: gl.constexpr,
                      GROUP: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
-                     BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr):  # fmt: skip
+                     BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr,
+                     NATIVE: gl.constexpr):  # fmt: skip
         """GROUP_CHUNKS chunks of the item at `at` from its chunk st0 (`chunk`: this consumer's
         running count, which names the ring slot and its phase): per chunk the scales two
         ahead, the wait for its slot, the decode, two asynchronous wgmmas, then the wait for
@@ -235,9 +268,9 @@ if GLUON_IMPORT_ERROR is None:
             words = codes_ring.index(slot).slice(half * _HALF_ROWS, _HALF_ROWS)
             words = gl.convert_layout(gl.reshape(words.load(_codes_2d(4)), [_HALF_ROWS, 4, 4]),
                                       _codes_layout(4), assert_trivial=True)  # fmt: skip
-            a0 = _a_operand(words, scale, zero, 0, A, FORMAT, dtype)
+            a0 = _a_operand(words, scale, zero, 0, A, FORMAT, dtype, NATIVE)
             acc = warpgroup_mma(a0, x_ring.index(2 * slot).permute((1, 0)), acc, is_async=True)
-            a1 = _a_operand(words, scale, zero, 2, A, FORMAT, dtype)
+            a1 = _a_operand(words, scale, zero, 2, A, FORMAT, dtype, NATIVE)
             acc = warpgroup_mma(a1, x_ring.index(2 * slot + 1).permute((1, 0)), acc,
                                 is_async=True)  # fmt: skip
             if j > 0:  # the previous chunk's MMAs done: its A registers and its slot are free
@@ -257,7 +290,8 @@ if GLUON_IMPORT_ERROR is None:
                  cnt_ptr, M, N, K, stride_sn, splits, steps, half: gl.constexpr,
                  FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                  SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
-                 BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr):  # fmt: skip
+                 BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr,
+                 NATIVE: gl.constexpr):  # fmt: skip
         """One consumer warpgroup, rows [64 half, 64 half + 64) of each tile (module
         docstring): each item's chunks in groups of GROUP_CHUNKS (`_chunk_group`), then one at
         a time; then the tile. (Unrolled over all of an item's 16-32 chunks instead, the two
@@ -286,11 +320,12 @@ if GLUON_IMPORT_ERROR is None:
                 acc, chunk, ahead, later = _chunk_group(
                     acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st, chunk, ahead,
                     later, K, stride_sn, half, FORMAT, GROUP, STAGES, GROUP_CHUNKS, BLOCK_T,
-                    X_BY_TMA)
+                    X_BY_TMA, NATIVE)
             for st in range(whole, count):
                 acc, chunk, ahead, later = _chunk_group(
                     acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st, chunk, ahead,
-                    later, K, stride_sn, half, FORMAT, GROUP, STAGES, 1, BLOCK_T, X_BY_TMA)
+                    later, K, stride_sn, half, FORMAT, GROUP, STAGES, 1, BLOCK_T, X_BY_TMA,
+                    NATIVE)
             _finish_half(acc * times, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, item // tiles,
                          splits, half, tiles, M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
 
@@ -358,7 +393,7 @@ if GLUON_IMPORT_ERROR is None:
                       FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                       SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
                       BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr,
-                      PRODUCER_WARPS: gl.constexpr):  # fmt: skip
+                      PRODUCER_WARPS: gl.constexpr, NATIVE: gl.constexpr = False):  # fmt: skip
         """The ring (STAGES slots of the tile's codes and x's chunk as two 64-column halves)
         and its barriers, then the two consumer warpgroups and the producer's warps."""
         codes_ring = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_ROWS, _WORDS],
@@ -381,10 +416,12 @@ if GLUON_IMPORT_ERROR is None:
             [
                 (_consume, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
                             part_ptr, cnt_ptr, M, N, K, stride_sn, splits, steps, 0, FORMAT,
-                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T, X_BY_TMA)),
+                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T, X_BY_TMA,
+                            NATIVE)),
                 (_consume, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
                             part_ptr, cnt_ptr, M, N, K, stride_sn, splits, steps, 1, FORMAT,
-                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T, X_BY_TMA)),
+                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T, X_BY_TMA,
+                            NATIVE)),
                 (_produce, (q_desc, x_src, codes_ring, x_ring, ready, empty, M, N, K, splits,
                             steps, STAGES, BLOCK_T, X_BY_TMA, PRODUCER_WARPS)),
             ],

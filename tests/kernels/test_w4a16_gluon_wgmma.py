@@ -7,6 +7,8 @@ every 4-bit format, group and activation dtype; the same bits on every run."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from helpers import compile_for_sm90, relative_error
@@ -24,9 +26,11 @@ from test_w4a16_gluon_ws import (  # the same cases and weights as the warp-spec
 )
 
 from qshard.kernels import int4
+from qshard.kernels.packing import pack_nibbles
 from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
 from qshard.kernels.w4a16_gluon_wgmma import (
     GROUP_CHUNKS,
+    native_codes,
     permute_x,
     split_for,
     wgmma_config,
@@ -42,28 +46,29 @@ from triton.runtime.jit import mangle_type
 from qshard.kernels.w4a16_gluon_wgmma import X_BY_TMA_MIN_T, TensorDescriptor, _wgmma_kernel, gl
 names = list(_wgmma_kernel.arg_names)
 k = 1024
-for fmt, dtype, block_t, split in ((0, "bf16", 128, True), (1, "fp16", 32, True),
-                                   (2, "bf16", 64, False), (3, "bf16", 16, True),
-                                   (4, "fp16", 64, False)):
+for fmt, dtype, block_t, split, native in (
+        (0, "bf16", 128, True, 0), (1, "fp16", 32, True, 0), (2, "bf16", 64, False, 0),
+        (3, "bf16", 16, True, 0), (4, "fp16", 64, False, 0), (0, "bf16", 16, True, 1)):
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     codes = torch.empty(256, k // 8, dtype=torch.int32)
     q_desc = TensorDescriptor.from_tensor(codes, [128, 16], gl.NVMMASharedLayout(0, 32, rank=2))
-    by_tma = block_t >= X_BY_TMA_MIN_T
+    by_tma = block_t >= X_BY_TMA_MIN_T or native
     x_type = (mangle_type(TensorDescriptor.from_tensor(
         torch.empty(block_t, k, dtype=tdtype), [block_t, 64], gl.NVMMASharedLayout(128, 16,
         rank=2))) if by_tma else f"*{dtype}")
     s_type = "*u8" if fmt >= 3 else "*bf16"
     z_type = "*fp32" if fmt == 4 else s_type
     types = [mangle_type(q_desc), x_type, s_type, z_type, f"*{dtype}", f"*{dtype}",
-             "*fp32", "*i32"] + ["i32"] * 6 + ["constexpr"] * 9
+             "*fp32", "*i32"] + ["i32"] * 6 + ["constexpr"] * 10
     source = GluonASTSource(
         fn=_wgmma_kernel, signature=dict(zip(names, types)),
         constexprs={"FORMAT": fmt, "GROUP": {3: 32, 4: 16}.get(fmt, 128), "HAS_BIAS": True,
                     "SPLIT": split, "STAGES": 4, "GROUP_CHUNKS": 4, "BLOCK_T": block_t,
-                    "X_BY_TMA": by_tma, "PRODUCER_WARPS": 1 if by_tma else 4},
+                    "X_BY_TMA": by_tma, "PRODUCER_WARPS": 1 if by_tma else 4,
+                    "NATIVE": bool(native)},
         attrs={(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4, 5, 6, 7, 10)})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    sys.stdout.write(f"=== {dtype} {block_t} {int(by_tma)}\\n" + compiled.asm["ptx"])
+    sys.stdout.write(f"=== {dtype} {block_t} {int(by_tma)} {native}\\n" + compiled.asm["ptx"])
 """
 
 
@@ -104,11 +109,11 @@ def test_compiles_for_sm90_with_async_register_wgmma():
         assert "Gluon is not available" in wgmma_problem(0, x, x, 128)
         return
     kernels = compile_for_sm90(COMPILE_FOR_SM90).split("=== ")[1:]
-    assert len(kernels) == 5
+    assert len(kernels) == 6
     bodies = 2 * (GROUP_CHUNKS + 1)  # chunk bodies: two consumers, a group and one chunk each
     for kernel in kernels:
         title, ptx = kernel.split("\n", 1)
-        dtype, block_t, by_tma = title.split()
+        dtype, block_t, by_tma, native = title.split()
         kind = {"bf16": "bf16.bf16", "fp16": "f16.f16"}[dtype]
         mma = f"wgmma.mma_async.sync.aligned.m64n{block_t}k16.f32.{kind}"
         assert ptx.count(mma) == 8 * bodies, title
@@ -116,6 +121,8 @@ def test_compiles_for_sm90_with_async_register_wgmma():
         releases, unfenced = _releases_without_fence(ptx)
         assert releases == bodies and unfenced == 0, (title, releases, unfenced)
         copies = [line for line in ptx.splitlines() if "cp.async.ca.shared.global" in line]
+        if native == "1":  # pairs by shifts (`_DECODE_PAIRS_NATIVE`), no byte permutes
+            assert "prmt.b32" not in ptx and ptx.count("shr.u32") >= 3 * 8 * bodies, title
         if by_tma == "1":
             assert not copies and "cp.async.mbarrier" not in ptx, title
             assert ptx.count("cp.async.bulk.tensor.2d") == 3, title  # x's two boxes, the codes
@@ -147,6 +154,19 @@ def test_permuted_x_meets_the_decoded_weight_column_for_column():
     assert torch.equal(permute_x(x), x[:, columns])
     w = torch.randint(-8, 8, (5, k), dtype=torch.float64)
     assert torch.equal(permute_x(x) @ w[:, columns].T, x @ w.T)
+
+
+def test_native_codes_decode_to_x_own_columns():
+    """`native_codes`' order against the kernel's decode (`_DECODE_PAIRS_NATIVE`): thread t's
+    word j (of 4) in a 128-column chunk, nibbles b and b + 4 as pair b, half h, must hold the
+    weight of MMA column 32 j + 8 b + 2 t + h, which with NATIVE is x's own column."""
+    n, k = 5, 384
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    words = native_codes(pack_nibbles(codes)).view(torch.int32).view(n, k // 128, 16)
+    for t, j, b, h in itertools.product(range(4), range(4), range(4), range(2)):
+        nibble = (words[:, :, 4 * t + j] >> (4 * (b + 4 * h))) & 0xF
+        column = torch.arange(k // 128) * 128 + 32 * j + 8 * b + 2 * t + h
+        assert torch.equal(nibble.to(torch.uint8), codes[:, column]), (t, j, b, h)
 
 
 @pytest.mark.parametrize("m,block_t", [(2, 16), (16, 16), (17, 32), (33, 64), (100, 128)])
@@ -232,6 +252,27 @@ def test_matches_the_reference(name, group, n, k, dtype):
         b = bias if m % 2 else None
         got = wgmma_launch(fmt, x, q, s, z, b, out, group, global_scale=g)
         err = relative_error(got, reference(x, b))
+        assert err <= MAX_RELATIVE_ERROR[dtype], f"M={m}: {err:.2e} > {MAX_RELATIVE_ERROR[dtype]}"
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,group,n,k", [("int4-asym", 128, 1000, 4096),
+                                            ("int4-sym", 128, 200, 1024),
+                                            ("int4-fzero", 128, 96, 128),
+                                            ("int4-asym", 256, 4160, 14336)], ids=str)
+def test_native_codes_match_the_reference(name, group, n, k, dtype):
+    """NATIVE = 1: the codes in `native_codes`' order, x unpermuted by TMA at every tile."""
+    from qshard.kernels.w4a16_gluon_wgmma import native_codes, wgmma_launch
+
+    fmt, q, s, z, g, reference = _weight(name, group, n, k)
+    native = native_codes(q)
+    for m in (1, 3, 16, 20, 33, 64, 128):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        config = {**wgmma_config(m, n, k, x.device), "NATIVE": 1}
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        got = wgmma_launch(fmt, x, native, s, z, None, out, group, config, g)
+        err = relative_error(got, reference(x, None))
         assert err <= MAX_RELATIVE_ERROR[dtype], f"M={m}: {err:.2e} > {MAX_RELATIVE_ERROR[dtype]}"
 
 
