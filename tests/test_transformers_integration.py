@@ -120,11 +120,14 @@ def test_qwen3_moe_experts_round_trip_as_fused_3d_entries(tmp_path):
     experts = loaded.model.layers[1].mlp.experts.gate_up_proj
     assert isinstance(experts, qshard.Int4Tensor) and experts.shape == (8, 64, 64)
     assert assert_same_weights(model, loaded) == 2 * (4 + 2)
+    # Under the default experts implementation, as `expected` was made: transformers' eager
+    # and grouped_mm experts differ in the last bits (the float model's logits by 8e-7 with
+    # transformers 5.24.0), so the two are compared only with each other below.
+    assert torch.equal(loaded(ids).logits, expected)
     for implementation in ("grouped_mm", "eager"):
         model.set_experts_implementation(implementation)
         loaded.set_experts_implementation(implementation)
         assert torch.equal(loaded(ids).logits, model(ids).logits)
-    assert torch.equal(loaded(ids).logits, expected)
 
 
 def test_tied_embeddings_stay_tied(tmp_path):
