@@ -176,7 +176,8 @@ if GLUON_IMPORT_ERROR is None:
     fma.rn.bf16x2 v2, v2, one, nz; fma.rn.bf16x2 v3, v3, one, nz;
     """
     # The native code order (`w4a16_gluon_wgmma.native_codes`): pair b is nibbles b and b + 4
-    # of the word, so one shift and one and-or each (no byte permute): 7 instructions, not 9.
+    # of the word, the word shifted right by 4b and one and-or (no byte permute): 3 shifts and
+    # 4 and-ors per word where the canonical order takes a shift, 4 permutes and 4 and-ors.
     _DECODE_PAIRS_NATIVE = """
     lop3.b32 v0, $8, mask, bias, 0xEA;
     shr.u32 r, $8, 4; lop3.b32 v1, r, mask, bias, 0xEA;
@@ -214,12 +215,14 @@ if GLUON_IMPORT_ERROR is None:
     )
     _DECODE_FP32_BF16 = gl.constexpr(_DECODE_FP32.replace("$CVT", "bf16x2"))
     _DECODE_FP32_F16 = gl.constexpr(_DECODE_FP32.replace("$CVT", "f16x2"))
-    _DECODE_BF16_NATIVE = gl.constexpr(_DECODE_BF16.value.replace(_DECODE_PAIRS,
-                                                                  _DECODE_PAIRS_NATIVE))
-    _DECODE_FP32_BF16_NATIVE = gl.constexpr(_DECODE_FP32_BF16.value.replace(
-        _DECODE_PAIRS, _DECODE_PAIRS_NATIVE))
-    _DECODE_FP32_F16_NATIVE = gl.constexpr(_DECODE_FP32_F16.value.replace(
-        _DECODE_PAIRS, _DECODE_PAIRS_NATIVE))
+    def _with_native_pairs(decode: gl.constexpr) -> gl.constexpr:
+        """`decode`'s PTX with the native order's pairs (the rest of it is the same)."""
+        assert _DECODE_PAIRS in decode.value  # a changed template must not pass unchanged
+        return gl.constexpr(decode.value.replace(_DECODE_PAIRS, _DECODE_PAIRS_NATIVE))
+
+    _DECODE_BF16_NATIVE = _with_native_pairs(_DECODE_BF16)
+    _DECODE_FP32_BF16_NATIVE = _with_native_pairs(_DECODE_FP32_BF16)
+    _DECODE_FP32_F16_NATIVE = _with_native_pairs(_DECODE_FP32_F16)
     # MXFP4 (e2m1 codes): byte b's two nibbles as above, each placed as bf16 bits
     # s << 15 | (e1 e0 m) << 6 (sign by a shift of 12, the rest by a shift of 6): the value
     # times 2**-126 exactly (0.5 is bf16's subnormal 2**-127); then times 2**126 and times the

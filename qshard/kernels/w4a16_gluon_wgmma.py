@@ -77,8 +77,8 @@ from .packing import pack_nibbles, unpack_nibbles
 from .split_k import _sm_count
 from .w4a16_gluon import MXFP4, NVFP4, register_problem
 
-__all__ = ["WGMMA_BLOCK_T", "native_codes", "permute_x", "wgmma_config", "wgmma_launch",
-           "wgmma_problem"]
+__all__ = ["WGMMA_BLOCK_T", "native_codes", "permute_x", "tma_ready", "wgmma_config",
+           "wgmma_launch", "wgmma_problem"]
 
 CHUNK = 128  # columns of K per ring slot
 WORDS = CHUNK // 8  # int32 code words per row and chunk
@@ -105,12 +105,26 @@ def native_codes(qdata: torch.Tensor) -> torch.Tensor:
     (of 16), nibble n holds column 32 (w % 4) + 8 (n % 4) + 2 (w // 4) + n // 4, so that thread
     t's word j decodes, nibbles b and b + 4 as pair b (`_DECODE_PAIRS_NATIVE`), into MMA
     columns 32 j + 8 b + 2 t + h: x's own columns, which TMA then copies as they are."""
-    n, k = qdata.shape[0], 2 * qdata.shape[1]
-    codes = unpack_nibbles(qdata.view(torch.uint8), k).view(n, k // CHUNK, CHUNK)
+    packed = qdata.view(torch.uint8)
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    if k % CHUNK:
+        raise ValueError(f"the native code order permutes whole {CHUNK}-column chunks: "
+                         f"K % {CHUNK} == 0, not K = {k}")
+    codes = unpack_nibbles(packed, k).view(n, k // CHUNK, CHUNK)
     d = torch.arange(CHUNK, device=qdata.device)
     word, nibble = d // 8, d % 8
     source = 32 * (word % 4) + 8 * (nibble % 4) + 2 * (word // 4) + nibble // 4
     return pack_nibbles(codes[:, :, source].reshape(n, k)).view(qdata.dtype)
+
+
+def tma_ready(x: torch.Tensor) -> torch.Tensor:
+    """x itself where a TMA descriptor can take it (unit column stride, 16-byte aligned row
+    stride and base), else a contiguous copy: a [1, K] row of a wider tensor counts as
+    contiguous but keeps its parent's row stride."""
+    aligned = x.stride(-1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0
+    if aligned and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def permute_x(x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +185,9 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     native = bool(config.get("NATIVE", 0))  # qdata from `native_codes`; x as it is, by TMA
     x_by_tma = native or bool(config.get("X_BY_TMA", block_t >= X_BY_TMA_MIN_T))
     if native and (fmt >= MXFP4 or group % CHUNK):
+        # The FP4 decodes still take a byte's two codes as a pair; and each consumer loads one
+        # scale per row for its canonical 32-column run, while a native word spans 32 columns
+        # of another run: one scale per chunk (groups of 128 or a multiple) serves both.
         raise ValueError(f"the native code order is for int4 formats with groups of 128 or a "
                          f"multiple: not format {fmt}, group {group}")
     if (block_t not in WGMMA_BLOCK_T or block_t < m or not 2 <= stages <= _stages(block_t)
@@ -193,10 +210,8 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
         codes, [TILE_ROWS, WORDS], gl.NVMMASharedLayout(0, 32, rank=2))
     if x_by_tma:
         x_layout = gl.NVMMASharedLayout(128, 16, rank=2)  # 64 columns: one 128-byte swizzle row
-        if native and (not x.is_contiguous() or x.data_ptr() % 16):
-            x = x.clone(memory_format=torch.contiguous_format)
-        x_src = TensorDescriptor.from_tensor(x if native else permute_x(x), [block_t, CHUNK // 2],
-                                             x_layout)  # fmt: skip
+        x_src = TensorDescriptor.from_tensor(tma_ready(x) if native else permute_x(x),
+                                             [block_t, CHUNK // 2], x_layout)  # fmt: skip
     elif not x.is_contiguous() or x.data_ptr() % 16:  # the producer's 4-byte copies of rows
         x_src = x.clone(memory_format=torch.contiguous_format)
     else:

@@ -8,6 +8,7 @@ every 4-bit format, group and activation dtype; the same bits on every run."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from qshard.kernels.w4a16_gluon_wgmma import (
     native_codes,
     permute_x,
     split_for,
+    tma_ready,
     wgmma_config,
     wgmma_problem,
 )
@@ -48,11 +50,12 @@ names = list(_wgmma_kernel.arg_names)
 k = 1024
 for fmt, dtype, block_t, split, native in (
         (0, "bf16", 128, True, 0), (1, "fp16", 32, True, 0), (2, "bf16", 64, False, 0),
-        (3, "bf16", 16, True, 0), (4, "fp16", 64, False, 0), (0, "bf16", 16, True, 1)):
+        (3, "bf16", 16, True, 0), (4, "fp16", 64, False, 0), (0, "bf16", 16, True, 1),
+        (2, "fp16", 32, True, 1)):
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     codes = torch.empty(256, k // 8, dtype=torch.int32)
     q_desc = TensorDescriptor.from_tensor(codes, [128, 16], gl.NVMMASharedLayout(0, 32, rank=2))
-    by_tma = block_t >= X_BY_TMA_MIN_T or native
+    by_tma = block_t >= X_BY_TMA_MIN_T or bool(native)
     x_type = (mangle_type(TensorDescriptor.from_tensor(
         torch.empty(block_t, k, dtype=tdtype), [block_t, 64], gl.NVMMASharedLayout(128, 16,
         rank=2))) if by_tma else f"*{dtype}")
@@ -109,7 +112,7 @@ def test_compiles_for_sm90_with_async_register_wgmma():
         assert "Gluon is not available" in wgmma_problem(0, x, x, 128)
         return
     kernels = compile_for_sm90(COMPILE_FOR_SM90).split("=== ")[1:]
-    assert len(kernels) == 6
+    assert len(kernels) == 7
     bodies = 2 * (GROUP_CHUNKS + 1)  # chunk bodies: two consumers, a group and one chunk each
     for kernel in kernels:
         title, ptx = kernel.split("\n", 1)
@@ -156,17 +159,44 @@ def test_permuted_x_meets_the_decoded_weight_column_for_column():
     assert torch.equal(permute_x(x) @ w[:, columns].T, x @ w.T)
 
 
+def _native_pairs(word: torch.Tensor) -> list[torch.Tensor]:
+    """`_DECODE_PAIRS_NATIVE`'s and-ors run on int64 `word`s as its PTX says (the shift before
+    each, mask 0x000f000f, bias 0x43004300): pair v0..v3, each as 32-bit values."""
+    from qshard.kernels.w4a16_gluon import _DECODE_PAIRS_NATIVE
+
+    pairs, r = {}, None
+    for statement in (s.strip() for s in _DECODE_PAIRS_NATIVE.split(";")):
+        if shift := re.fullmatch(r"shr\.u32 r, \$8, (\d+)", statement):
+            r = word >> int(shift.group(1))
+        elif lop := re.fullmatch(r"lop3\.b32 v(\d), (\$8|r), mask, bias, 0xEA", statement):
+            source = word if lop.group(2) == "$8" else r
+            pairs[int(lop.group(1))] = (source & 0x000F000F) | 0x43004300
+    return [pairs[b] for b in range(4)]
+
+
+@pytest.mark.skipif(GLUON_IMPORT_ERROR is not None, reason="the decode's PTX needs Gluon")
 def test_native_codes_decode_to_x_own_columns():
-    """`native_codes`' order against the kernel's decode (`_DECODE_PAIRS_NATIVE`): thread t's
-    word j (of 4) in a 128-column chunk, nibbles b and b + 4 as pair b, half h, must hold the
-    weight of MMA column 32 j + 8 b + 2 t + h, which with NATIVE is x's own column."""
+    """`native_codes`' order through the kernel's own decode PTX (`_native_pairs`): thread t's
+    word j (of 4) in a 128-column chunk, its pair b's half h (bf16 128 + code), must be the
+    code of MMA column 32 j + 8 b + 2 t + h, which with NATIVE is x's own column."""
     n, k = 5, 384
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     words = native_codes(pack_nibbles(codes)).view(torch.int32).view(n, k // 128, 16)
-    for t, j, b, h in itertools.product(range(4), range(4), range(4), range(2)):
-        nibble = (words[:, :, 4 * t + j] >> (4 * (b + 4 * h))) & 0xF
-        column = torch.arange(k // 128) * 128 + 32 * j + 8 * b + 2 * t + h
-        assert torch.equal(nibble.to(torch.uint8), codes[:, column]), (t, j, b, h)
+    for t, j in itertools.product(range(4), range(4)):
+        pairs = _native_pairs(words[:, :, 4 * t + j].to(torch.int64) & 0xFFFFFFFF)
+        for b, h in itertools.product(range(4), range(2)):
+            code = (pairs[b] >> (16 * h)) & 0xFFFF
+            assert torch.all(code >> 4 == 0x430), (t, j, b, h)  # bf16 128 + code: 0x4300 | code
+            column = torch.arange(k // 128) * 128 + 32 * j + 8 * b + 2 * t + h
+            assert torch.equal((code & 0xF).to(torch.uint8), codes[:, column]), (t, j, b, h)
+
+
+def test_tma_ready_copies_x_only_where_a_descriptor_cannot_take_it():
+    x = torch.randn(4, 1032, dtype=torch.bfloat16)
+    assert tma_ready(x[:, :1024]).data_ptr() == x.data_ptr()  # row stride 2064 bytes: kept
+    for bad in (x[:1, 1:1025], x.t(), torch.randn(3, 1028, dtype=torch.bfloat16)[:1, :1024]):
+        ready = tma_ready(bad)  # offset 2 bytes; column-major; a [1, K] row of stride 2056 bytes
+        assert ready.stride() == (bad.shape[1], 1) and torch.equal(ready, bad)
 
 
 @pytest.mark.parametrize("m,block_t", [(2, 16), (16, 16), (17, 32), (33, 64), (100, 128)])
@@ -263,7 +293,7 @@ def test_matches_the_reference(name, group, n, k, dtype):
                                             ("int4-asym", 256, 4160, 14336)], ids=str)
 def test_native_codes_match_the_reference(name, group, n, k, dtype):
     """NATIVE = 1: the codes in `native_codes`' order, x unpermuted by TMA at every tile."""
-    from qshard.kernels.w4a16_gluon_wgmma import native_codes, wgmma_launch
+    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
 
     fmt, q, s, z, g, reference = _weight(name, group, n, k)
     native = native_codes(q)
