@@ -90,7 +90,7 @@ _last_marlin = {}  # the last weight Marlin packed and its layer: measure() time
 
 
 def marlin_method(w):
-    """Marlin (IST-DASLab/marlin 0.1.1, built from source on the GPU machine; bench/README.md):
+    """Marlin (IST-DASLab/marlin at 2f6d7c1, its setup.py's 0.1.1; built by build_marlin.sh):
     symmetric int4 g128 (codes -8..7, scale = group amax / 7), fp16 activations only, so
     `measure` hands it an fp16 x. Its weight form comes from its own `Layer.pack`."""
     import marlin
