@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "apply_groups", "expand_groups", "group_reduce", "linear_float64", "pack_nibbles",
-    "unpack_nibbles",
+    "NATIVE_CHUNK", "apply_groups", "expand_groups", "group_reduce", "linear_float64",
+    "native_codes", "pack_nibbles", "unpack_nibbles",
 ]  # fmt: skip
+
+NATIVE_CHUNK = 128  # the columns the native code order permutes within (`native_codes`)
 
 
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
@@ -32,6 +34,24 @@ def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
         shifts = ((channels % 2) * 4).to(torch.uint8)
         return (packed[:, channels // 2] >> shifts) & 0x0F
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(1)[:, :k]
+
+
+def native_codes(qdata: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K / 2] (the canonical packing) in the native order of the register
+    kernels (w4a16_gluon_wgmma.py's config NATIVE = 1, and the word GEMV's): in each 128-column
+    chunk, 32-bit word w (of 16), nibble n holds column 32 (w % 4) + 8 (n % 4) + 2 (w // 4) +
+    n // 4, so that thread t's word j decodes, nibbles b and b + 4 as pair b, into MMA columns
+    32 j + 8 b + 2 t + h: x's own columns, which TMA then copies as they are."""
+    packed = qdata.view(torch.uint8)
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    if k % NATIVE_CHUNK:
+        raise ValueError(f"the native code order permutes whole {NATIVE_CHUNK}-column chunks: "
+                         f"K % {NATIVE_CHUNK} == 0, not K = {k}")
+    codes = unpack_nibbles(packed, k).view(n, k // NATIVE_CHUNK, NATIVE_CHUNK)
+    d = torch.arange(NATIVE_CHUNK, device=qdata.device)
+    word, nibble = d // 8, d % 8
+    source = 32 * (word % 4) + 8 * (nibble % 4) + 2 * (word // 4) + nibble // 4
+    return pack_nibbles(codes[:, :, source].reshape(n, k)).view(qdata.dtype)
 
 
 def group_reduce(weight: torch.Tensor, group: int, reduce) -> torch.Tensor:

@@ -73,7 +73,7 @@ from .gluon_api import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .packing import pack_nibbles, unpack_nibbles
+from .packing import native_codes
 from .split_k import _sm_count
 from .w4a16_gluon import MXFP4, NVFP4, register_problem
 
@@ -97,24 +97,6 @@ def wgmma_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) ->
     if reason is None and x.shape[0] > WGMMA_BLOCK_T[-1]:
         reason = f"it takes up to {WGMMA_BLOCK_T[-1]} tokens, not {x.shape[0]}"
     return reason
-
-
-def native_codes(qdata: torch.Tensor) -> torch.Tensor:
-    """int4 codes [N, K / 2] (the canonical packing) in the kernel's native order (config
-    NATIVE = 1; int4 formats, groups of 128 or a multiple): in each 128-column chunk, word w
-    (of 16), nibble n holds column 32 (w % 4) + 8 (n % 4) + 2 (w // 4) + n // 4, so that thread
-    t's word j decodes, nibbles b and b + 4 as pair b (`_DECODE_PAIRS_NATIVE`), into MMA
-    columns 32 j + 8 b + 2 t + h: x's own columns, which TMA then copies as they are."""
-    packed = qdata.view(torch.uint8)
-    n, k = packed.shape[0], 2 * packed.shape[1]
-    if k % CHUNK:
-        raise ValueError(f"the native code order permutes whole {CHUNK}-column chunks: "
-                         f"K % {CHUNK} == 0, not K = {k}")
-    codes = unpack_nibbles(packed, k).view(n, k // CHUNK, CHUNK)
-    d = torch.arange(CHUNK, device=qdata.device)
-    word, nibble = d // 8, d % 8
-    source = 32 * (word % 4) + 8 * (nibble % 4) + 2 * (word // 4) + nibble // 4
-    return pack_nibbles(codes[:, :, source].reshape(n, k)).view(qdata.dtype)
 
 
 def tma_ready(x: torch.Tensor) -> torch.Tensor:

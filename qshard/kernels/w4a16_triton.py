@@ -74,6 +74,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .packing import NATIVE_CHUNK
 from .split_k import _sm_count, finish_tile, split_count, workspace
 from .tuning import tuned_config
 from .w4a16_gluon import register_config, register_launch, register_problem
@@ -465,11 +466,39 @@ def _int4_exact(words, J: tl.constexpr):
 
 
 @triton.jit
-def _x_planes(x_ptr, word):
+def _x_planes(x_ptr, word, NATIVE: tl.constexpr = False):
     """The activations of the words `word` [W] as eight fp32 planes [W] (plane j: x[8w + j]).
     16-bit activations are loaded as 32-bit pairs (4 loads per word, not 8; x 4-byte aligned,
     which the launcher ensures) and widened in registers: bf16 by a shift or a mask, fp16 by
-    `_halves_to_fp32`."""
+    `_halves_to_fp32`. NATIVE (codes in `packing.native_codes`' order): nibbles j and j + 4 of
+    word w are x's columns c and c + 1, c = 128 (w // 16) + 32 (w % 4) + 2 (w % 16 // 4) + 8 j,
+    so the pair loaded for plane j (from column c) also holds plane j + 4."""
+    if NATIVE:
+        c = 128 * (word // 16) + 32 * (word % 4) + 2 * (word % 16 // 4)
+        if x_ptr.dtype.element_ty == tl.float32:
+            xp = x_ptr + c
+            return (tl.load(xp), tl.load(xp + 8), tl.load(xp + 16), tl.load(xp + 24),
+                    tl.load(xp + 1), tl.load(xp + 9), tl.load(xp + 17),
+                    tl.load(xp + 25))  # fmt: skip
+        xp = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + c // 2
+        p04 = tl.load(xp)
+        p15 = tl.load(xp + 4)
+        p26 = tl.load(xp + 8)
+        p37 = tl.load(xp + 12)
+        if x_ptr.dtype.element_ty == tl.bfloat16:
+            return ((p04 << 16).to(tl.float32, bitcast=True),
+                    (p15 << 16).to(tl.float32, bitcast=True),
+                    (p26 << 16).to(tl.float32, bitcast=True),
+                    (p37 << 16).to(tl.float32, bitcast=True),
+                    (p04 & -65536).to(tl.float32, bitcast=True),
+                    (p15 & -65536).to(tl.float32, bitcast=True),
+                    (p26 & -65536).to(tl.float32, bitcast=True),
+                    (p37 & -65536).to(tl.float32, bitcast=True))  # fmt: skip
+        x0, x4 = _halves_to_fp32(p04)
+        x1, x5 = _halves_to_fp32(p15)
+        x2, x6 = _halves_to_fp32(p26)
+        x3, x7 = _halves_to_fp32(p37)
+        return x0, x1, x2, x3, x4, x5, x6, x7
     if x_ptr.dtype.element_ty == tl.float32:
         xp = x_ptr + word * 8
         return (tl.load(xp), tl.load(xp + 1), tl.load(xp + 2), tl.load(xp + 3),
@@ -497,7 +526,8 @@ def _x_planes(x_ptr, word):
 
 @triton.jit
 def _gemv_words_step(acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, stride_sn,
-                     FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+                     FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_W: tl.constexpr,
+                     NATIVE: tl.constexpr):  # fmt: skip
     """acc [rows, G] + this step's share of each (row, group): the step's words [rows, BLOCK_W]
     from word w0, their activations and their groups' scales. int4: s * (sum (u - 8) x
     - (z - 8) sum x) (a float zero point: s * sum (u - 8) x + zero * sum x; symmetric: no
@@ -505,7 +535,7 @@ def _gemv_words_step(acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, stride_s
     ROWS: tl.constexpr = words.shape[0]
     WG: tl.constexpr = GROUP // 8 if GROUP // 8 < BLOCK_W else BLOCK_W  # words per group
     G: tl.constexpr = BLOCK_W // WG
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, w0 + tl.arange(0, BLOCK_W))
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, w0 + tl.arange(0, BLOCK_W), NATIVE)
     group = (w0 + tl.arange(0, G) * WG) // (GROUP // 8)
     scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
                                n_ok[:, None], FORMAT)  # fmt: skip
@@ -547,6 +577,7 @@ def _gemv_words_kernel(
     M, N, KW, steps_per_split, stride_xm, stride_qw, stride_sn, stride_om,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, EVICT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    NATIVE: tl.constexpr = False,
 ):  # fmt: skip
     """The GEMV on 32-bit words (8 codes each; K a multiple of 8 * BLOCK_W): the codes are
     never split into bytes or put back in K order. Nibble j of every word in the tile is decoded
@@ -589,7 +620,7 @@ def _gemv_words_kernel(
             words1 = tl.load(q_ptrs + w1, mask=(offs_n < N * (w1 < w_end))[:, None], other=0,
                              eviction_policy=POLICY)  # fmt: skip
         acc = _gemv_words_step(acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, stride_sn,
-                               FORMAT, GROUP, BLOCK_W)  # fmt: skip
+                               FORMAT, GROUP, BLOCK_W, NATIVE)  # fmt: skip
         words = words1
         if PREFETCH == 2:
             words1 = words2
@@ -813,8 +844,13 @@ def _gemv_words_launch(config: dict, x, qdata, args, out, common) -> torch.Tenso
     optionally SPLIT_K, PREFETCH, EVICT); `args` as `linear_launch` passes them."""
     m, k = x.shape
     n = qdata.shape[0]
-    config = {"SPLIT_K": 1, "PREFETCH": 1, "EVICT": 0,
+    config = {"SPLIT_K": 1, "PREFETCH": 1, "EVICT": 0, "NATIVE": 0,
               **{key: v for key, v in config.items() if key != "KERNEL"}}  # fmt: skip
+    if config["NATIVE"] and (common["FORMAT"] >= Format.MXFP4 or common["GROUP"] % NATIVE_CHUNK):
+        # (the e2m1 decode takes a byte's codes as a pair; a group must hold whole chunks)
+        raise ValueError(f"the native code order is for int4 formats with groups of "
+                         f"{NATIVE_CHUNK} or a multiple: not {Format(common['FORMAT']).name}, "
+                         f"group {common['GROUP']}")
     assert k % (8 * config["BLOCK_W"]) == 0, "the word GEMV needs K a multiple of its step"
     if config["PREFETCH"] not in (1, 2):
         raise ValueError(

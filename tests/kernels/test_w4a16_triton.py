@@ -209,6 +209,41 @@ def test_the_word_gemv_options_match_the_reference(name, group, n, k, options, m
     check(out, whole, torch.float32 if dtype == torch.float32 else dtype)
 
 
+@pytest.mark.parametrize("dtype", [ACT_DTYPE, torch.float32])
+@pytest.mark.parametrize(("name", "group", "n", "k", "options", "m"), [
+    ("int4-asym", 128, 40, 1024, dict(BLOCK_N=16, BLOCK_W=16, SPLIT_K=3, PREFETCH=2), 1),
+    ("int4-sym", 128, 24, 512, dict(BLOCK_N=8, BLOCK_W=64), 2),
+    ("int4-fzero", 256, 33, 768, dict(BLOCK_N=16, BLOCK_W=32, SPLIT_K=2), 1),
+    ("int4-asym", 256, 17, 2048, dict(BLOCK_N=32, BLOCK_W=128, PREFETCH=2, EVICT=1), 1),
+])  # fmt: skip
+def test_the_word_gemv_reads_native_codes(name, group, n, k, options, m, dtype):
+    """NATIVE = 1 (codes in `native_codes`' order, the wgmma kernel's): each word's nibbles
+    meet x's columns through the permutation (`_x_planes`); steps of 16 words (two chunks per
+    step, and a step inside a chunk) and splits; the same function as the canonical codes."""
+    from qshard.kernels.packing import native_codes
+    from qshard.kernels.w4a16_triton import linear_launch
+
+    load_w4a16_ops()
+    weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
+    q, *rest = weight.inner
+    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
+    config = {"KERNEL": "gemv_words", "num_warps": 4, "NATIVE": 1, **options}
+    got = linear_launch(weight.fmt, x, native_codes(q), *rest, None, group, config)
+    check(got, weight.reference(x, None), dtype)
+
+
+def test_the_word_gemv_refuses_native_codes_it_cannot_read():
+    from qshard.kernels.w4a16_triton import linear_launch
+
+    load_w4a16_ops()
+    config = {"KERNEL": "gemv_words", "BLOCK_N": 8, "BLOCK_W": 16, "num_warps": 4, "NATIVE": 1}
+    for name, group in (("int4-asym", 64), ("mxfp4", 32)):
+        weight = quantized(name, torch.randn(8, 256, device=DEVICE) * 0.02, group)
+        x = torch.randn(1, 256, dtype=ACT_DTYPE, device=DEVICE)
+        with pytest.raises(ValueError, match="groups of 128 or a multiple"):
+            linear_launch(weight.fmt, x, *weight.inner, None, group, config)
+
+
 def test_the_word_gemv_reads_activations_that_start_between_words():
     """16-bit activations are read as 32-bit pairs: a row starting 2 bytes into its storage is
     copied first, not misread."""
@@ -460,16 +495,16 @@ from qshard.kernels.w4a16_triton import _gemv_words_kernel
 names = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "g_ptr", "bias_ptr", "out_ptr", "partials_ptr",
          "arrived_ptr", "M", "N", "KW", "steps_per_split", "stride_xm", "stride_qw", "stride_sn",
          "stride_om", "FORMAT", "GROUP", "HAS_BIAS", "SPLIT", "PREFETCH", "EVICT", "BLOCK_N",
-         "BLOCK_W"]
-for fmt in (0, 1, 2, 3, 4):
+         "BLOCK_W", "NATIVE"]
+for fmt, native in ((0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (0, 1), (2, 1)):
     scale = "*u8" if fmt >= 3 else "*bf16"
     types = ["*bf16", "*i32", scale, "*bf16", "*fp32", "*bf16", "*bf16", "*fp32", "*i32"]
     triton.compile(
         ASTSource(fn=_gemv_words_kernel,
-                  signature=dict(zip(names, types + ["i32"] * 8 + ["constexpr"] * 8)),
+                  signature=dict(zip(names, types + ["i32"] * 8 + ["constexpr"] * 9)),
                   constexprs={"FORMAT": fmt, "GROUP": 128 if fmt < 3 else 16, "HAS_BIAS": True,
                               "SPLIT": True, "PREFETCH": 2, "EVICT": 1, "BLOCK_N": 16,
-                              "BLOCK_W": 128}),
+                              "BLOCK_W": 128, "NATIVE": native}),
         target=GPUTarget("cuda", 80, 32),
     )
 """
