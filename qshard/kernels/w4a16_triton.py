@@ -847,7 +847,8 @@ def _gemv_words_launch(config: dict, x, qdata, args, out, common) -> torch.Tenso
     config = {"SPLIT_K": 1, "PREFETCH": 1, "EVICT": 0, "NATIVE": 0,
               **{key: v for key, v in config.items() if key != "KERNEL"}}  # fmt: skip
     if config["NATIVE"] and (common["FORMAT"] >= Format.MXFP4 or common["GROUP"] % NATIVE_CHUNK):
-        # (the e2m1 decode takes a byte's codes as a pair; a group must hold whole chunks)
+        # (a word's codes span a 128-column chunk, so its group must hold whole chunks: FP4's
+        # groups of 16 and 32, and int4 re-grouped by a TP cut, do not)
         raise ValueError(f"the native code order is for int4 formats with groups of "
                          f"{NATIVE_CHUNK} or a multiple: not {Format(common['FORMAT']).name}, "
                          f"group {common['GROUP']}")
