@@ -466,62 +466,39 @@ def _int4_exact(words, J: tl.constexpr):
 
 
 @triton.jit
-def _x_planes(x_ptr, word, NATIVE: tl.constexpr = False):
-    """The activations of the words `word` [W] as eight fp32 planes [W] (plane j: x[8w + j]).
-    16-bit activations are loaded as 32-bit pairs (4 loads per word, not 8; x 4-byte aligned,
-    which the launcher ensures) and widened in registers: bf16 by a shift or a mask, fp16 by
-    `_halves_to_fp32`. NATIVE (codes in `packing.native_codes`' order): nibbles j and j + 4 of
-    word w are x's columns c and c + 1, c = 128 (w // 16) + 32 (w % 4) + 2 (w % 16 // 4) + 8 j,
-    so the pair loaded for plane j (from column c) also holds plane j + 4."""
-    if NATIVE:
-        c = 128 * (word // 16) + 32 * (word % 4) + 2 * (word % 16 // 4)
-        if x_ptr.dtype.element_ty == tl.float32:
-            xp = x_ptr + c
-            return (tl.load(xp), tl.load(xp + 8), tl.load(xp + 16), tl.load(xp + 24),
-                    tl.load(xp + 1), tl.load(xp + 9), tl.load(xp + 17),
-                    tl.load(xp + 25))  # fmt: skip
-        xp = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + c // 2
-        p04 = tl.load(xp)
-        p15 = tl.load(xp + 4)
-        p26 = tl.load(xp + 8)
-        p37 = tl.load(xp + 12)
-        if x_ptr.dtype.element_ty == tl.bfloat16:
-            return ((p04 << 16).to(tl.float32, bitcast=True),
-                    (p15 << 16).to(tl.float32, bitcast=True),
-                    (p26 << 16).to(tl.float32, bitcast=True),
-                    (p37 << 16).to(tl.float32, bitcast=True),
-                    (p04 & -65536).to(tl.float32, bitcast=True),
-                    (p15 & -65536).to(tl.float32, bitcast=True),
-                    (p26 & -65536).to(tl.float32, bitcast=True),
-                    (p37 & -65536).to(tl.float32, bitcast=True))  # fmt: skip
-        x0, x4 = _halves_to_fp32(p04)
-        x1, x5 = _halves_to_fp32(p15)
-        x2, x6 = _halves_to_fp32(p26)
-        x3, x7 = _halves_to_fp32(p37)
-        return x0, x1, x2, x3, x4, x5, x6, x7
+def _x_pair(x_ptr, pair):
+    """x's 32-bit pairs `pair` (columns 2 pair and 2 pair + 1) as two fp32 tensors: 16-bit
+    activations by one 32-bit load each (x 4-byte aligned, which the launcher ensures), widened
+    in registers: bf16 by a shift and a mask (a bf16 is the top half of its fp32), fp16 by
+    `_halves_to_fp32`."""
     if x_ptr.dtype.element_ty == tl.float32:
-        xp = x_ptr + word * 8
-        return (tl.load(xp), tl.load(xp + 1), tl.load(xp + 2), tl.load(xp + 3),
-                tl.load(xp + 4), tl.load(xp + 5), tl.load(xp + 6), tl.load(xp + 7))  # fmt: skip
-    xp = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + word * 4
-    p01 = tl.load(xp)
-    p23 = tl.load(xp + 1)
-    p45 = tl.load(xp + 2)
-    p67 = tl.load(xp + 3)
-    if x_ptr.dtype.element_ty == tl.bfloat16:  # a bf16 is the top half of its fp32
-        return ((p01 << 16).to(tl.float32, bitcast=True),
-                (p01 & -65536).to(tl.float32, bitcast=True),
-                (p23 << 16).to(tl.float32, bitcast=True),
-                (p23 & -65536).to(tl.float32, bitcast=True),
-                (p45 << 16).to(tl.float32, bitcast=True),
-                (p45 & -65536).to(tl.float32, bitcast=True),
-                (p67 << 16).to(tl.float32, bitcast=True),
-                (p67 & -65536).to(tl.float32, bitcast=True))  # fmt: skip
-    x0, x1 = _halves_to_fp32(p01)
-    x2, x3 = _halves_to_fp32(p23)
-    x4, x5 = _halves_to_fp32(p45)
-    x6, x7 = _halves_to_fp32(p67)
-    return x0, x1, x2, x3, x4, x5, x6, x7
+        return tl.load(x_ptr + 2 * pair), tl.load(x_ptr + 2 * pair + 1)
+    p = tl.load(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pair)
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
+    return _halves_to_fp32(p)
+
+
+@triton.jit
+def _x_planes(x_ptr, word, NATIVE: tl.constexpr = False):
+    """The activations of the words `word` [W] as eight fp32 planes [W] (plane j: x[8w + j]),
+    four pairs (`_x_pair`) per word: pairs 4w .. 4w + 3 holding planes (0, 1) .. (6, 7).
+    NATIVE (codes in `packing.native_codes`' order): nibbles j and j + 4 of word w are x's
+    columns c and c + 1, c = 128 (w // 16) + 32 (w % 4) + 2 (w % 16 // 4) + 8 j, so the pairs
+    c / 2 + 4 j hold planes (j, j + 4)."""
+    if NATIVE:
+        first = 64 * (word // 16) + 16 * (word % 4) + word % 16 // 4
+        STEP: tl.constexpr = 4
+    else:
+        first = 4 * word
+        STEP: tl.constexpr = 1
+    a0, b0 = _x_pair(x_ptr, first)
+    a1, b1 = _x_pair(x_ptr, first + STEP)
+    a2, b2 = _x_pair(x_ptr, first + 2 * STEP)
+    a3, b3 = _x_pair(x_ptr, first + 3 * STEP)
+    if NATIVE:
+        return a0, a1, a2, a3, b0, b1, b2, b3
+    return a0, b0, a1, b1, a2, b2, a3, b3
 
 
 @triton.jit
