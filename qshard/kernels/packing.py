@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "NATIVE_CHUNK", "apply_groups", "expand_groups", "group_reduce", "linear_float64",
-    "native_codes", "pack_nibbles", "unpack_nibbles",
+    "NATIVE_CHUNK", "apply_groups", "check_native_order", "expand_groups", "group_reduce",
+    "linear_float64", "native_codes", "pack_nibbles", "unpack_nibbles",
 ]  # fmt: skip
 
 NATIVE_CHUNK = 128  # the columns the native code order permutes within (`native_codes`)
@@ -52,6 +52,17 @@ def native_codes(qdata: torch.Tensor) -> torch.Tensor:
     word, nibble = d // 8, d % 8
     source = 32 * (word % 4) + 8 * (nibble % 4) + 2 * (word // 4) + nibble // 4
     return pack_nibbles(codes[:, :, source].reshape(n, k)).view(qdata.dtype)
+
+
+def check_native_order(int4: bool, group: int, format_name: str) -> None:
+    """Raises ValueError unless a kernel can read codes of this format and group in
+    `native_codes`' order: int4 codes (the register kernels' e2m1 decode takes a byte's two
+    codes as a pair) in groups of NATIVE_CHUNK or a multiple (a word's codes span a chunk, so
+    its group must hold whole chunks: FP4's groups of 16 and 32, and int4 re-grouped by a TP
+    cut, do not; the wgmma kernel's consumers also load one scale per canonical 32-column run)."""
+    if not int4 or group % NATIVE_CHUNK:
+        raise ValueError(f"the native code order is for int4 formats with groups of "
+                         f"{NATIVE_CHUNK} or a multiple: not {format_name}, group {group}")
 
 
 def group_reduce(weight: torch.Tensor, group: int, reduce) -> torch.Tensor:

@@ -73,7 +73,7 @@ from .gluon_api import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .packing import native_codes
+from .packing import check_native_order, native_codes
 from .split_k import _sm_count
 from .w4a16_gluon import MXFP4, NVFP4, register_problem
 
@@ -166,12 +166,8 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     group_chunks = config.get("GROUP_CHUNKS", GROUP_CHUNKS)
     native = bool(config.get("NATIVE", 0))  # qdata from `native_codes`; x as it is, by TMA
     x_by_tma = native or bool(config.get("X_BY_TMA", block_t >= X_BY_TMA_MIN_T))
-    if native and (fmt >= MXFP4 or group % CHUNK):
-        # The FP4 decodes still take a byte's two codes as a pair; and each consumer loads one
-        # scale per row for its canonical 32-column run, while a native word spans 32 columns
-        # of another run: one scale per chunk (groups of 128 or a multiple) serves both.
-        raise ValueError(f"the native code order is for int4 formats with groups of 128 or a "
-                         f"multiple: not format {fmt}, group {group}")
+    if native:
+        check_native_order(fmt < MXFP4, group, f"format {fmt}")
     if (block_t not in WGMMA_BLOCK_T or block_t < m or not 2 <= stages <= _stages(block_t)
             or steps < 1 or group_chunks < 1):  # fmt: skip
         raise ValueError(f"wgmma W4A16 config {config} for {m} tokens: BLOCK_T must be one of "

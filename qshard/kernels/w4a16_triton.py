@@ -74,7 +74,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .packing import NATIVE_CHUNK
+from .packing import check_native_order
 from .split_k import _sm_count, finish_tile, split_count, workspace
 from .tuning import tuned_config
 from .w4a16_gluon import register_config, register_launch, register_problem
@@ -823,12 +823,9 @@ def _gemv_words_launch(config: dict, x, qdata, args, out, common) -> torch.Tenso
     n = qdata.shape[0]
     config = {"SPLIT_K": 1, "PREFETCH": 1, "EVICT": 0, "NATIVE": 0,
               **{key: v for key, v in config.items() if key != "KERNEL"}}  # fmt: skip
-    if config["NATIVE"] and (common["FORMAT"] >= Format.MXFP4 or common["GROUP"] % NATIVE_CHUNK):
-        # (a word's codes span a 128-column chunk, so its group must hold whole chunks: FP4's
-        # groups of 16 and 32, and int4 re-grouped by a TP cut, do not)
-        raise ValueError(f"the native code order is for int4 formats with groups of "
-                         f"{NATIVE_CHUNK} or a multiple: not {Format(common['FORMAT']).name}, "
-                         f"group {common['GROUP']}")
+    if config["NATIVE"]:
+        fmt = Format(common["FORMAT"])
+        check_native_order(fmt < Format.MXFP4, common["GROUP"], fmt.name)
     assert k % (8 * config["BLOCK_W"]) == 0, "the word GEMV needs K a multiple of its step"
     if config["PREFETCH"] not in (1, 2):
         raise ValueError(
