@@ -46,6 +46,12 @@ def copies_for(bytes_per_weight: int, m: int) -> int:
     return 1 if m >= 2048 else max(1, math.ceil(3 * L2_BYTES / bytes_per_weight))
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||, in fp32."""
+    want = want.float()
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
 def time_us(fn, count: int) -> float:
     fn()
     torch.cuda.synchronize()

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_fp8 import versions_line
+from bench_fp8 import relative_error, versions_line
 from bench_register import FORMATS, add_to_layer, layer_weights, print_layer, timed
 from bench_register_ws import reference
 
@@ -68,7 +68,7 @@ def main() -> None:
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             for got in (linear_launch(fmt, x, q, s, z, gs, None, group),
                         wgmma_launch(int(fmt), x, q, s, z, None, out, group, None, gs)):
-                err = ((got.float() - want).norm() / want.norm()).item()
+                err = relative_error(got, want)
                 assert err < MAX_RELATIVE_ERROR, (name, m, err)
             row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
                                  [(d,) for d in dense], x)}  # fmt: skip
@@ -80,14 +80,13 @@ def main() -> None:
             if natives:
                 config = {**wgmma_config(m, n, k, x.device), "NATIVE": 1}
                 got = wgmma_launch(int(fmt), x, natives[0][0], s, z, None, out, group, config, gs)
-                err = ((got.float() - want).norm() / want.norm()).item()
+                err = relative_error(got, want)
                 assert err < MAX_RELATIVE_ERROR, (name, m, "native", err)
                 row["native"] = timed(lambda q, s, z, gs, o=out, f=int(fmt), g=group, c=config: (
                     lambda a: wgmma_launch(f, a, q, s, z, None, o, g, c, gs)), natives, x)
             if marlins:
-                xh, exact_float = x.half(), x.float() @ dense[0].float().T
-                err = ((marlins[0](xh).float() - exact_float).norm()
-                       / exact_float.norm()).item()  # fmt: skip
+                xh = x.half()
+                err = relative_error(marlins[0](xh), x.float() @ dense[0].float().T)
                 assert err < MARLIN_MAX_ERROR, (name, m, "marlin", err)
                 row["marlin"] = timed(lambda layer: layer, [(layer,) for layer in marlins], xh)
             cells = "  ".join(f"{key} {v:.2f}" for key, v in row.items())

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench_fp8 import relative_error
 from bench_int4 import GROUP, marlin_method, quantized
 
 from qshard.kernels.availability import load_w4a16_ops
@@ -47,7 +48,7 @@ def main() -> None:
         pair = launches(op, x, (packed, scale, zero), marlin_method(w))
         want = x.float() @ w.float().T
         for label, run in zip(("qshard", "marlin"), pair, strict=True):
-            error = ((run().float() - want).norm() / want.norm()).item()
+            error = relative_error(run(), want)
             print(f"{name} M={m} {label}: relative error vs float {error:.4f}")
             assert error < MAX_ERROR, (name, label, error)
         runs.append(pair)
