@@ -48,9 +48,16 @@ def quantized(w):
 
 
 def qshard_triton_method(w):
+    """The op on the codes as an Int4Tensor holds them on this GPU: in the native order on
+    Hopper (layouts/int4.py, `native_order_problem`), else canonical."""
+    from qshard.kernels.availability import native_int4_problem
+    from qshard.kernels.packing import native_codes
+
     packed, scale, zero = quantized(w)
+    native = w.shape[1] % 128 == 0 and native_int4_problem(w.device) is None
+    packed = native_codes(packed) if native else packed
     op = torch.ops.qshard.int4_linear
-    return lambda x: op(x, packed, scale, zero, None, GROUP)
+    return lambda x: op(x, packed, scale, zero, None, GROUP, False, native)
 
 
 def tinygemm_method(w):

@@ -1,14 +1,16 @@
-"""The 4-bit op (`linear_launch` with its own choice of kernel) and the wgmma register kernel
-(w4a16_gluon_wgmma.py, its default config) against bf16 F.linear on the Llama-3.1-8B layer,
-per linear and summed; each result checked against the reference first. Prints which kernel
-the op chose. Notes: docs/kernels/w4a16_register.md, "Session 24".
+"""The 4-bit op (`linear_launch` with its own choice of kernel, on the codes as the layout
+holds them on this GPU) against bf16 F.linear on the Llama-3.1-8B layer, per linear and summed;
+each result checked against the reference first. Prints which kernel the op chose. Notes:
+docs/kernels/w4a16_register.md, "Session 24" and "Session 26".
 
     PYTHONPATH=$PWD python bench/bench_op_layer.py [--format int4|mxfp4|nvfp4]
-        [--ms 1,2,8,16,32,64,128] [--shapes qkv,o,gate_up,down] [--native] [--marlin]
+        [--ms 1,2,8,16,32,64,128] [--shapes qkv,o,gate_up,down] [--canonical] [--marlin]
 
---native (int4): also the wgmma kernel on codes in its native order (`native_codes`, config
-NATIVE = 1: no permutation of x, which TMA copies as it is). --marlin: also Marlin (fp16 x;
-built by bench/build_marlin.sh, on PYTHONPATH), checked against the float linear.
+int4 with groups of 128 on a Hopper GPU: the op reads the codes in the native order
+(`packing.native_codes`, what an Int4Tensor holds there: layouts/int4.py). --canonical: also
+the op and the wgmma kernel on the canonical codes (what the op ran before session 26).
+--marlin: also Marlin (fp16 x; built by bench/build_marlin.sh, on PYTHONPATH), checked against
+the float linear.
 
 Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated past the L2).
 """
@@ -29,10 +31,12 @@ from bench_fp8 import relative_error, versions_line
 from bench_register import FORMATS, add_to_layer, layer_weights, print_layer, timed
 from bench_register_ws import reference
 
-from qshard.kernels.w4a16_gluon_wgmma import native_codes, wgmma_config, wgmma_launch
-from qshard.kernels.w4a16_triton import linear_launch, register_choice
+from qshard.kernels.availability import native_int4_problem
+from qshard.kernels.packing import native_codes
+from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+from qshard.kernels.w4a16_triton import Format, linear_launch, native_choice, register_choice
 
-LAYER_KEYS = ("bf16", "op", "wgmma", "native", "marlin")
+LAYER_KEYS = ("bf16", "op", "canonical", "wgmma", "marlin")
 MAX_RELATIVE_ERROR = 0.03
 MARLIN_MAX_ERROR = 0.15  # against the float linear: symmetric codes, amax / 7 (bench_int4)
 
@@ -50,7 +54,7 @@ def main() -> None:
     parser.add_argument("--format", default="int4", choices=sorted(FORMATS))
     parser.add_argument("--ms", default="1,2,8,16,32,64,128")
     parser.add_argument("--shapes", default="qkv,o,gate_up,down")
-    parser.add_argument("--native", action="store_true")
+    parser.add_argument("--canonical", action="store_true")
     parser.add_argument("--marlin", action="store_true")
     args = parser.parse_args()
     print(versions_line([]), args.format)
@@ -59,31 +63,35 @@ def main() -> None:
         n, k, fmt, group, parts, weights, dense = layer_weights(name, args.format)
         exact = reference(fmt, *parts, group, k)
         q, s, z, gs = weights[0]
-        natives = [(native_codes(w[0]), *w[1:]) for w in weights] if args.native else []
+        # what an Int4Tensor holds on this GPU (layouts/int4.py, `native_order_problem`)
+        native = (fmt < Format.MXFP4 and group % 128 == 0 and k % 128 == 0
+                  and native_int4_problem(q.device) is None)  # fmt: skip
+        held = [(native_codes(w[0]), *w[1:]) for w in weights] if native else weights
         marlins = marlin_layers(dense[0], len(weights)) if args.marlin else []
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = x.float() @ exact.T
-            chosen = (register_choice(fmt, x, q, group) or {}).get("KERNEL", "triton")
+            choice = native_choice(fmt, x, held[0][0], group) if native else register_choice(
+                fmt, x, q, group)  # fmt: skip
+            chosen = (choice or {}).get("KERNEL", "triton") + (" native" if native else "")
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            for got in (linear_launch(fmt, x, q, s, z, gs, None, group),
-                        wgmma_launch(int(fmt), x, q, s, z, None, out, group, None, gs)):
+            checked = [linear_launch(fmt, x, held[0][0], s, z, gs, None, group, native=native)]
+            if args.canonical:
+                checked += [linear_launch(fmt, x, q, s, z, gs, None, group),
+                            wgmma_launch(int(fmt), x, q, s, z, None, out, group, None, gs)]
+            for got in checked:
                 err = relative_error(got, want)
                 assert err < MAX_RELATIVE_ERROR, (name, m, err)
             row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
                                  [(d,) for d in dense], x)}  # fmt: skip
-            row["op"] = timed(lambda q, s, z, gs, f=fmt, g=group: (
-                lambda a: linear_launch(f, a, q, s, z, gs, None, g)), weights, x)
-            row["wgmma"] = timed(lambda q, s, z, gs, o=out, f=int(fmt), g=group: (
-                lambda a: wgmma_launch(f, a, q, s, z, None, o, g, None, gs)),
-                weights, x)  # fmt: skip
-            if natives:
-                config = {**wgmma_config(m, n, k, x.device), "NATIVE": 1}
-                got = wgmma_launch(int(fmt), x, natives[0][0], s, z, None, out, group, config, gs)
-                err = relative_error(got, want)
-                assert err < MAX_RELATIVE_ERROR, (name, m, "native", err)
-                row["native"] = timed(lambda q, s, z, gs, o=out, f=int(fmt), g=group, c=config: (
-                    lambda a: wgmma_launch(f, a, q, s, z, None, o, g, c, gs)), natives, x)
+            row["op"] = timed(lambda q, s, z, gs, f=fmt, g=group, n=native: (
+                lambda a: linear_launch(f, a, q, s, z, gs, None, g, native=n)), held, x)
+            if args.canonical:
+                row["canonical"] = timed(lambda q, s, z, gs, f=fmt, g=group: (
+                    lambda a: linear_launch(f, a, q, s, z, gs, None, g)), weights, x)
+                row["wgmma"] = timed(lambda q, s, z, gs, o=out, f=int(fmt), g=group: (
+                    lambda a: wgmma_launch(f, a, q, s, z, None, o, g, None, gs)),
+                    weights, x)  # fmt: skip
             if marlins:
                 xh = x.half()
                 err = relative_error(marlins[0](xh), x.float() @ dense[0].float().T)

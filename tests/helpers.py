@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import zlib
 
 import torch
 
@@ -66,3 +68,27 @@ def compile_for_sm90(script: str) -> str:
                             text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+def crc_text(text: str) -> str:
+    """The checksum qshard's header keeps of its metadata text (io/format.py)."""
+    return f"{zlib.crc32(text.encode()):08x}"
+
+
+def edit_metadata(path, change, tensors=None) -> None:
+    """Rewrite a qshard file with `change(metadata JSON)` applied (its checksum recomputed) and
+    its tensors, or `tensors` ({name: tensor}) where given."""
+    from safetensors import safe_open
+
+    from qshard.io import saving
+    from qshard.io.checkpoint import read_header
+    from qshard.io.format import CRC_KEY, METADATA_KEY
+
+    data = json.loads(read_header(path).metadata[METADATA_KEY])
+    change(data)
+    if tensors is None:
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118
+    text = json.dumps(data)
+    with open(path, "wb") as f:
+        saving._write_safetensors(tensors, {METADATA_KEY: text, CRC_KEY: crc_text(text)}, f)

@@ -602,7 +602,7 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
         if not isinstance(value, QTensor):
             tensors[key] = value
             continue
-        w = value.t() if value.transposed else value
+        w = (value.t() if value.transposed else value).canonical()
         prefix = key.removesuffix(".weight")
         n, k = w.logical_shape
         if isinstance(w, Fp8BlockwiseTensor | Fp8RowwiseTensor):

@@ -395,6 +395,8 @@ def _file_contents(group: list[_Entry], version: str, save_id: str):
         if entry.alias_of is not None:
             records[entry.key] = {"kind": "alias", "of": entry.alias_of}
             continue
+        if isinstance(entry.value, QTensor):  # files hold the canonical storage
+            entry = dataclasses.replace(entry, value=entry.value.canonical())
         stored = {}  # {inner name (or the key of a plain tensor): StoredTensor}
         for part, (key, tensor) in zip(entry.parts(), entry.stored().items(), strict=True):
             tensors[key] = cpu = tensor.detach().to("cpu").contiguous()

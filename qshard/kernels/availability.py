@@ -15,6 +15,7 @@ __all__ = [
     "load_gpu_ops",
     "load_grouped_ops",
     "load_w4a16_ops",
+    "native_int4_problem",
     "triton_unavailable_reason",
 ]
 
@@ -60,6 +61,25 @@ def cublas_unavailable_reason(
         )
     if k % 128 or n % 128:
         return f"cuBLAS needs N and K multiples of 128 (no partial blocks), got N={n}, K={k}"
+    return None
+
+
+def native_int4_problem(device: torch.device) -> str | None:
+    """Why int4 weights on `device` do not hold their codes in the native order of the Hopper
+    register kernels (`packing.native_codes`; the word GEMV and the wgmma kernel read it), or
+    None where they do: a CUDA device of compute capability 9.0 whose Triton has Gluon. Triton
+    is imported only on such a device."""
+    if device.type != "cuda":
+        return f"the native order is for Hopper GPUs, not {device.type}"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        return f"the native order's kernels run on sm_90 (Hopper), not on {name}"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton)"
+    from .gluon_api import GLUON_IMPORT_ERROR
+
+    if GLUON_IMPORT_ERROR is not None:
+        return f"this Triton has no usable Gluon ({GLUON_IMPORT_ERROR})"
     return None
 
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "NATIVE_CHUNK", "apply_groups", "check_native_order", "expand_groups", "group_reduce",
-    "linear_float64", "native_codes", "pack_nibbles", "unpack_nibbles",
+    "NATIVE_CHUNK", "apply_groups", "canonical_codes", "check_native_order", "expand_groups",
+    "group_reduce", "linear_float64", "native_codes", "pack_nibbles", "unpack_nibbles",
 ]  # fmt: skip
 
 NATIVE_CHUNK = 128  # the columns the native code order permutes within (`native_codes`)
@@ -36,22 +36,40 @@ def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(1)[:, :k]
 
 
+def _native_source(device: torch.device) -> torch.Tensor:
+    """For each code position d of a 128-column chunk in the native order (word d // 8,
+    nibble d % 8), the chunk's column it holds (`native_codes`)."""
+    d = torch.arange(NATIVE_CHUNK, device=device)
+    word, nibble = d // 8, d % 8
+    return 32 * (word % 4) + 8 * (nibble % 4) + 2 * (word // 4) + nibble // 4
+
+
+def _permute_chunks(qdata: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Codes [..., K / 2] with each 128-column chunk's codes gathered by `index`."""
+    packed = qdata.view(torch.uint8)
+    lead, k = packed.shape[:-1], 2 * packed.shape[-1]
+    if k % NATIVE_CHUNK:
+        raise ValueError(f"the native code order permutes whole {NATIVE_CHUNK}-column chunks: "
+                         f"K % {NATIVE_CHUNK} == 0, not K = {k}")
+    rows = packed.reshape(-1, k // 2)
+    codes = unpack_nibbles(rows, k).view(rows.shape[0], k // NATIVE_CHUNK, NATIVE_CHUNK)
+    out = pack_nibbles(codes[:, :, index].reshape(rows.shape[0], k))
+    return out.reshape(*lead, k // 2).view(qdata.dtype)
+
+
 def native_codes(qdata: torch.Tensor) -> torch.Tensor:
-    """int4 codes [N, K / 2] (the canonical packing) in the native order of the register
+    """int4 codes [..., K / 2] (the canonical packing) in the native order of the register
     kernels (w4a16_gluon_wgmma.py's config NATIVE = 1, and the word GEMV's): in each 128-column
     chunk, 32-bit word w (of 16), nibble n holds column 32 (w % 4) + 8 (n % 4) + 2 (w // 4) +
     n // 4, so that thread t's word j decodes, nibbles b and b + 4 as pair b, into MMA columns
     32 j + 8 b + 2 t + h: x's own columns, which TMA then copies as they are."""
-    packed = qdata.view(torch.uint8)
-    n, k = packed.shape[0], 2 * packed.shape[1]
-    if k % NATIVE_CHUNK:
-        raise ValueError(f"the native code order permutes whole {NATIVE_CHUNK}-column chunks: "
-                         f"K % {NATIVE_CHUNK} == 0, not K = {k}")
-    codes = unpack_nibbles(packed, k).view(n, k // NATIVE_CHUNK, NATIVE_CHUNK)
-    d = torch.arange(NATIVE_CHUNK, device=qdata.device)
-    word, nibble = d // 8, d % 8
-    source = 32 * (word % 4) + 8 * (nibble % 4) + 2 * (word // 4) + nibble // 4
-    return pack_nibbles(codes[:, :, source].reshape(n, k)).view(qdata.dtype)
+    return _permute_chunks(qdata, _native_source(qdata.device))
+
+
+def canonical_codes(qdata: torch.Tensor) -> torch.Tensor:
+    """The inverse of `native_codes`: column c of a chunk comes from native position
+    32 ((c // 2) % 4) + 8 (c // 32) + 4 (c % 2) + (c // 8) % 4."""
+    return _permute_chunks(qdata, _native_source(qdata.device).argsort())
 
 
 def check_native_order(int4: bool, group: int, format_name: str) -> None:

@@ -90,6 +90,7 @@ __all__ = [
     "gemv_words_config",
     "kernel_for",
     "linear_launch",
+    "native_choice",
     "small_m_config",
     "tuned_format",
 ]
@@ -687,15 +688,35 @@ def _small_m_kernel(
 
 
 @triton.jit
+def _native_bytes(q_ptr, offs_n, k0, n_ok, stride_qn):
+    """The codes of the 128-column chunk at k0, stored in `packing.native_codes`' order, as the
+    canonical bytes [rows, 64] (byte j: columns 2j and 2j + 1). Column c sits at native
+    position d = 32 ((c // 2) % 4) + 8 (c // 32) + 4 (c % 2) + (c // 8) % 4
+    (`packing.canonical_codes`), so byte j's two codes are the same nibble of native bytes
+    d // 2 and d // 2 + 2 (c = 2j): two byte gathers within the chunk's 64 bytes."""
+    c = 2 * tl.arange(0, 64)
+    d = 32 * ((c // 2) % 4) + 8 * (c // 32) + (c // 8) % 4
+    rows = q_ptr + offs_n[:, None] * stride_qn + k0 // 2
+    low = tl.load(rows + (d // 2)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+    high = tl.load(rows + (d // 2 + 2)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+    shift = (4 * (d % 2))[None, :]
+    return (((low >> shift) & 0xF) | (((high >> shift) & 0xF) << 4)).to(tl.uint8)
+
+
+@triton.jit
 def _dequantize_kernel(
     q_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, KH, stride_qn, stride_sn, stride_wn,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NATIVE: tl.constexpr = False,
 ):  # fmt: skip
-    """W [N, K] in w's dtype, each value rounded once from fp32 (bit-exact vs the reference)."""
+    """W [N, K] in w's dtype, each value rounded once from fp32 (bit-exact vs the reference).
+    NATIVE: the codes in `packing.native_codes`' order (BLOCK_K is its 128-column chunk)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     packed, scale, zero = _step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn,
                                       stride_sn, FORMAT, GROUP, BLOCK_K, False)  # fmt: skip
+    if NATIVE:
+        packed = _native_bytes(q_ptr, offs_n, k0, offs_n < N, stride_qn)
     w = _step_weights(packed, scale, zero, _global_scale(g_ptr, FORMAT), FORMAT, GROUP, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
@@ -794,6 +815,28 @@ def register_choice(fmt: Format, x, qdata, group: int) -> dict | None:
     return {"KERNEL": "register", **register_config(m, qdata.shape[0], k, x.device)}
 
 
+def native_choice(fmt: Format, x, qdata, group: int) -> dict:
+    """The kernel for int4 codes in `packing.native_codes`' order (what an int4 weight holds on
+    Hopper, layouts/int4.py): the word GEMV at one token (its step the largest power of two of
+    words up to its usual one that divides K), the wgmma kernel up to 128 tokens where it runs,
+    else dequantize (un-permuting the codes) + cuBLAS. Measured on the H100: bench/README.md,
+    "Session 26"."""
+    m, k = x.shape
+    n = qdata.shape[0]
+    if m <= GEMV_MAX_M:
+        sms = 4 if x.device.type == "cpu" else _sm_count(x.device.index or 0)
+        config = {**gemv_words_config(fmt, n, k, sms), "NATIVE": 1}
+        while k % (8 * config["BLOCK_W"]):  # K % 128 == 0: a step of 16 words always fits
+            config["BLOCK_W"] //= 2
+        return config
+    if wgmma_problem(int(fmt), x, qdata, group) is None:
+        return {"KERNEL": "register_wgmma", **wgmma_config(m, n, k, x.device), "NATIVE": 1}
+    return DEQUANTIZE
+
+
+NATIVE_KERNELS = ("gemv_words", "register_wgmma", "dequantize")  # the kernels that read it
+
+
 def _scale_arg(scale: torch.Tensor) -> torch.Tensor:
     # FP8 scales (e8m0, e4m3) are read as their bytes and decoded in `_group_scale`.
     fp8 = (torch.float8_e8m0fnu, torch.float8_e4m3fn)
@@ -801,7 +844,10 @@ def _scale_arg(scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_launch(fmt: Format, qdata, scale, zero, global_scale, group: int, k: int,
-                      dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+                      dtype: torch.dtype, native: bool = False) -> torch.Tensor:  # fmt: skip
+    """W [N, K] in `dtype`; `native`: the codes in `packing.native_codes`' order."""
+    if native:
+        check_native_order(fmt < Format.MXFP4, group, fmt.name)
     n = qdata.shape[0]
     w = torch.empty((n, k), dtype=dtype, device=qdata.device)
     if n == 0 or k == 0:
@@ -811,7 +857,8 @@ def dequantize_launch(fmt: Format, qdata, scale, zero, global_scale, group: int,
     _dequantize_kernel[grid](
         qdata, _scale_arg(scale), zero if zero.numel() else qdata, global_scale, w, n, k,
         qdata.shape[1], qdata.stride(0), scale.stride(0), w.stride(0),
-        FORMAT=int(fmt), GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        FORMAT=int(fmt), GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, NATIVE=native,
+        num_warps=4,
     )  # fmt: skip
     return w
 
@@ -849,13 +896,22 @@ def _gemv_words_launch(config: dict, x, qdata, args, out, common) -> torch.Tenso
 
 
 def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group: int,
-                  config: dict | None = None) -> torch.Tensor:  # fmt: skip
+                  config: dict | None = None, native: bool = False) -> torch.Tensor:  # fmt: skip
     """x [M, K] -> x @ W.T + bias [M, N] in x's dtype, by the kernel `kernel_for` picks.
     `zero` and `global_scale` are read only by the formats that have them (pass any tensor).
-    x, qdata, scale, zero and bias must be contiguous (the ops make them so)."""
+    x, qdata, scale, zero and bias must be contiguous (the ops make them so). `native`: the
+    codes are in `packing.native_codes`' order (`native_choice` picks among the kernels that
+    read it)."""
     m, k = x.shape
     n = qdata.shape[0]
     assert all(t is None or t.is_contiguous() for t in (x, qdata, scale, zero, bias)), "strides"
+    if native:
+        check_native_order(fmt < Format.MXFP4, group, fmt.name)
+        config = config or native_choice(fmt, x, qdata, group)
+        if kernel_for(m, config) not in NATIVE_KERNELS or (
+                config.get("KERNEL") != "dequantize" and not config.get("NATIVE")):  # fmt: skip
+            raise ValueError(f"config {config} for codes in the native order: only "
+                             f"{list(NATIVE_KERNELS)} read it, with NATIVE = 1")  # fmt: skip
     if config is None:
         config = register_choice(fmt, x, qdata, group)
     if config is None:
@@ -865,7 +921,8 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     # The reference adds the bias rounded to the activation dtype; the kernels add it in fp32.
     bias = bias.to(x.dtype) if bias is not None else None
     if kernel == "dequantize":
-        weight = dequantize_launch(fmt, qdata, scale, zero, global_scale, group, k, x.dtype)
+        weight = dequantize_launch(fmt, qdata, scale, zero, global_scale, group, k, x.dtype,
+                                   native)  # fmt: skip
         return F.linear(x, weight, bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -914,25 +971,26 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
 # ---- torch.library ops -------------------------------------------------------------------------
 
 
-def _run(fmt: Format, x, qdata, scale, zero, global_scale, bias, group):
+def _run(fmt: Format, x, qdata, scale, zero, global_scale, bias, group, native=False):
     k, n = x.shape[-1], qdata.shape[0]
     x2d = x.reshape(-1, k).contiguous()
     bias = bias.contiguous() if bias is not None else None  # the kernels read it with stride 1
     out = linear_launch(fmt, x2d, qdata.contiguous(), scale.contiguous(), zero.contiguous(),
-                        global_scale, bias, group)  # fmt: skip
+                        global_scale, bias, group, native=native)  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
 
 @torch.library.custom_op("qshard::int4_linear", mutates_args=())
 def int4_linear(
     x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-    bias: torch.Tensor | None, group: int, float_zero: bool = False,
+    bias: torch.Tensor | None, group: int, float_zero: bool = False, native: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """y = x @ W.T + bias for the int4 weight (qdata, scale, zero; an empty zero: symmetric;
-    `float_zero`: zero is a value, W = (u - 8) * scale + zero)."""
+    `float_zero`: zero is a value, W = (u - 8) * scale + zero; `native`: qdata in
+    `packing.native_codes`' order, groups of 128 or a multiple)."""
     fmt = Format.INT4_SYM if zero.numel() == 0 else Format.INT4_ASYM
     fmt = Format.INT4_FZERO if float_zero else fmt
-    return _run(fmt, x, qdata, scale, zero, scale, bias, group)
+    return _run(fmt, x, qdata, scale, zero, scale, bias, group, native)
 
 
 @torch.library.custom_op("qshard::mxfp4_linear", mutates_args=())
@@ -954,7 +1012,7 @@ def nvfp4_linear(
 
 
 @int4_linear.register_fake
-def _(x, qdata, scale, zero, bias, group, float_zero=False):
+def _(x, qdata, scale, zero, bias, group, float_zero=False, native=False):
     return x.new_empty((*x.shape[:-1], qdata.shape[0]))
 
 

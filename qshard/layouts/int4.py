@@ -9,6 +9,9 @@ Inner tensors (logical weight [N, K], G = ceil(K / group_size)):
                                   symmetric (every zero is 8: u = q + 8, q in -8..7)
 Attributes:
     group_size  channels per group along K: 32, 64, 128 or 256 (finer after re-grouping)
+    code_order  CANONICAL (above) or NATIVE: each 128-column chunk's codes permuted as
+                `kernels/packing.native_codes` does, the order the Hopper register kernels
+                read (the word GEMV, the wgmma kernel; docs/kernels/w4a16_register.md, v9)
     symmetric   False: W = (u - zero) * scale, u in 0..15; True: scale only
     zero_point_domain  INT (above) or FLOAT: W = (u - 8) * scale + zero, zero a float (torchao's
                 Int4Tensor, HQQ, tinygemm's own convention); asymmetric only
@@ -18,6 +21,10 @@ Attributes:
 Device form (TINYGEMM, GEMLITE; see qtensor/base.py): the kernel's own arrangement, made from the
 canonical tensors by `repack_for_device()` (kernels/int4_tinygemm.py, kernels/int4_gemlite.py).
 The canonical tensors stay: they are what is sliced and saved (the weight takes its memory twice).
+Native code order (`repack_for_device()` on a Hopper GPU, `native_order_problem`): the weight
+holds only the permuted codes, no second copy; the same values, so slices at multiples of 128
+columns and any rows stay native; any other cut, a finer re-grouping, a cat of mixed orders, a
+checkpoint, a pickle, a gather and every export see the canonical codes (`canonical()`).
 
 Packing for the shape ops: qdata (1, 2), scale and zero (1, group_size). Rows slice anywhere;
 columns at group boundaries. A cut at a multiple of a finer power-of-two group (>= 16) re-groups
@@ -37,7 +44,7 @@ import torch
 
 from ..config import Backend, QuantConfig, parse_backend, parse_enum
 from ..errors import BackendUnavailableError, ConfigError, MisalignedSliceError
-from ..kernels.availability import load_w4a16_ops
+from ..kernels.availability import load_w4a16_ops, native_int4_problem
 from ..kernels.int4 import SCALE_DTYPE, dequantize_int4, int4_linear_reference, quantize_int4
 from ..kernels.int4_gemlite import gemlite_form, gemlite_linear, gemlite_problem
 from ..kernels.int4_tinygemm import (
@@ -46,7 +53,7 @@ from ..kernels.int4_tinygemm import (
     tinygemm_linear,
     tinygemm_problem,
 )
-from ..kernels.packing import linear_in_dtype
+from ..kernels.packing import NATIVE_CHUNK, canonical_codes, linear_in_dtype, native_codes
 from ..qtensor import DeviceForm, QTensor
 from .checks import (
     abs_max,
@@ -60,7 +67,7 @@ from .checks import (
 )
 from .registry import register_layout
 
-__all__ = ["INT4_MIN_SQNR_DB", "Int4Tensor", "Int4WeightOnlyConfig", "ZeroPointDomain"]
+__all__ = ["INT4_MIN_SQNR_DB", "CodeOrder", "Int4Tensor", "Int4WeightOnlyConfig", "ZeroPointDomain"]
 
 GROUP_SIZES = (32, 64, 128, 256)
 MIN_GROUP = 16  # the finest re-grouping of a TP cut
@@ -110,20 +117,34 @@ class Int4WeightOnlyConfig(QuantConfig):
             )
 
 
+class CodeOrder(str, enum.Enum):
+    """How an int4 weight's codes are ordered along K (module docstring)."""
+
+    CANONICAL = "canonical"  # column k at nibble k % 2 of byte k // 2: checkpoints, the CPU
+    NATIVE = "native"  # permuted per 128-column chunk for the Hopper register kernels
+
+
+NATIVE_DTYPES = (torch.bfloat16, torch.float16)  # the wgmma kernel's activations
+
+
 def _bad_zero_codes(zero: torch.Tensor) -> torch.Tensor:
     """A mask of the integer-domain zero points that are not codes 0..15."""
     zero = zero.float()
     return (zero < 0) | (zero > 15) | (zero != zero.round())
 
 
-@register_layout(Int4WeightOnlyConfig, ZeroPointDomain)
+@register_layout(Int4WeightOnlyConfig, ZeroPointDomain, CodeOrder)
 class Int4Tensor(QTensor):
     """A 4-bit weight with per-group bf16 scales (and zeros). See the module docstring."""
 
     inner_names = ("qdata", "scale", "zero")
-    attr_names = ("group_size", "symmetric", "backend", "zero_point_domain")
-    # Checkpoints written before the attribute existed hold integer zero points.
-    attr_defaults: ClassVar[dict] = {"zero_point_domain": ZeroPointDomain.INT}
+    attr_names = ("group_size", "symmetric", "backend", "zero_point_domain", "code_order")
+    # Checkpoints written before the attributes existed hold integer zero points and canonical
+    # codes.
+    attr_defaults: ClassVar[dict] = {
+        "zero_point_domain": ZeroPointDomain.INT, "code_order": CodeOrder.CANONICAL,
+    }  # fmt: skip
+    storage_attrs = ("code_order",)
     min_linear_sqnr_db: ClassVar[float] = INT4_MIN_SQNR_DB
 
     qdata: torch.Tensor
@@ -133,6 +154,7 @@ class Int4Tensor(QTensor):
     symmetric: bool
     backend: Backend
     zero_point_domain: ZeroPointDomain
+    code_order: CodeOrder
 
     @classmethod
     def quantize_matrix(
@@ -188,6 +210,11 @@ class Int4Tensor(QTensor):
         Int4WeightOnlyConfig(
             GROUP_SIZES[0], attrs["symmetric"], attrs["backend"], attrs["zero_point_domain"]
         )
+        if attrs["code_order"] is CodeOrder.NATIVE and group % NATIVE_CHUNK:
+            raise ConfigError(
+                f"Int4Tensor: code_order 'native' permutes codes within groups of whole "
+                f"{NATIVE_CHUNK}-column chunks, not groups of {group}"
+            )
 
     # ---- hooks for the shared shape ops ---------------------------------------------------
 
@@ -206,7 +233,10 @@ class Int4Tensor(QTensor):
         }
 
     def _realign_misaligned(self, dim: int, offsets: list[int]) -> Int4Tensor:
-        """Re-group K to the largest power-of-two group that divides every offset."""
+        """Re-group K to the largest power-of-two group that divides every offset (native
+        codes first become canonical: they are cut at multiples of 128 only)."""
+        if self.code_order is CodeOrder.NATIVE:
+            return self.canonical().realign(dim + self.lead, offsets)
         finer = math.gcd(self.group_size, *offsets) if dim == 1 else 0
         # tinygemm takes groups of 32 and more (kernels/int4_tinygemm.py), and so, to our
         # knowledge, does gemlite: a cut that needs finer groups is refused before any change.
@@ -222,11 +252,17 @@ class Int4Tensor(QTensor):
 
     def regroup(self, group_size: int) -> Int4Tensor:
         """The same weight with finer groups; each scale and zero is repeated, exactly."""
+        if group_size % NATIVE_CHUNK:  # native codes need groups of whole chunks
+            return self.canonical()._regroup(group_size)
+        return self._regroup(group_size)
+
+    def _regroup(self, group_size: int) -> Int4Tensor:
         repeat, k = self.group_size // group_size, self.logical_shape[-1]
         groups = -(-k // group_size)
 
         def finer(t: torch.Tensor) -> torch.Tensor:
-            return t.repeat_interleave(repeat, -1)[..., :groups] if t.numel() else t
+            # (a symmetric weight's zero is [0, 0]; a weight of no rows has [0, G] scales)
+            return t.repeat_interleave(repeat, -1)[..., :groups] if t.shape[-1] else t
 
         out = self.with_changes(
             {"scale": finer(self.scale), "zero": finer(self.zero)}, group_size=group_size
@@ -251,6 +287,10 @@ class Int4Tensor(QTensor):
         return torch.maximum(zero.abs(), (15.0 - zero).abs()) * scale  # (u - zero) * scale
 
     def matrix_value_problem(self) -> str | None:
+        k = self.logical_shape[-1]
+        if self.code_order is CodeOrder.NATIVE and k % NATIVE_CHUNK:
+            return (f"code_order 'native' permutes codes within whole {NATIVE_CHUNK}-column "
+                    f"chunks, and K = {k} is not a multiple of {NATIVE_CHUNK}")  # fmt: skip
         if self.symmetric or self.float_zero or not self.zero.numel():
             return None
         count = rows_max(lambda z: _bad_zero_codes(z).sum().reshape(1), self.zero)
@@ -263,10 +303,60 @@ class Int4Tensor(QTensor):
 
     def dequantize_matrix(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = dequantize_int4(
-            self.qdata, self.scale, self.zero, self.group_size, self.logical_shape[-1],
+            self.canonical().qdata, self.scale, self.zero, self.group_size, self.logical_shape[-1],
             dtype or self.dtype, self.float_zero,
         )  # fmt: skip
         return weight.t() if self.transposed else weight
+
+    # ---- the code order ---------------------------------------------------------------------
+
+    def native_order_problem(self) -> str | None:
+        """Why this weight does not hold its codes in the native order where it is, or None:
+        a weight (not experts: the grouped kernels read the canonical order) run by qshard's
+        kernels (backend auto or triton) in bf16 / fp16, K and the groups whole 128-column
+        chunks, on a Hopper GPU (`native_int4_problem`)."""
+        if self.experts is not None:
+            return "experts: the grouped kernels read the canonical order"
+        if self.backend not in (Backend.AUTO, Backend.TRITON):
+            return f"backend '{self.backend.value}' reads the canonical order"
+        if self.dtype not in NATIVE_DTYPES:
+            return f"the kernels that read it take bf16 / fp16 activations, not {self.dtype}"
+        if self.logical_shape[-1] % NATIVE_CHUNK or self.group_size % NATIVE_CHUNK:
+            return (f"it permutes whole {NATIVE_CHUNK}-column chunks within groups: K = "
+                    f"{self.logical_shape[-1]}, groups of {self.group_size}")  # fmt: skip
+        return native_int4_problem(self.device)
+
+    def with_code_order(self, order: CodeOrder) -> Int4Tensor:
+        """The same weight with its codes in `order` (a new tensor; self where they are)."""
+        order = CodeOrder(order)
+        if order is self.code_order:
+            return self
+        if order is CodeOrder.NATIVE and self.group_size % NATIVE_CHUNK:
+            raise ConfigError(f"Int4Tensor: the native code order needs groups of whole "
+                              f"{NATIVE_CHUNK}-column chunks, not {self.group_size}")  # fmt: skip
+        convert = native_codes if order is CodeOrder.NATIVE else canonical_codes
+        return self.with_changes({"qdata": convert(self.qdata)}, code_order=order, fresh=True)
+
+    def canonical(self) -> Int4Tensor:
+        return self.with_code_order(CodeOrder.CANONICAL)
+
+    def stored_as(self, other: Int4Tensor) -> Int4Tensor:
+        return self.with_code_order(other.code_order)
+
+    def repack_for_device(self) -> Int4Tensor:
+        """Also puts the codes in the order this weight's kernels read here (in place: this
+        tensor, a model's Parameter, holds the converted codes; a view taken before keeps its
+        own): native where `native_order_problem` is None, else canonical."""
+        order = CodeOrder.CANONICAL if self.native_order_problem() else CodeOrder.NATIVE
+        if order is not self.code_order:
+            self.qdata, self.code_order = self.with_code_order(order).qdata, order
+        return super().repack_for_device()
+
+    def slice_granularity(self, dim: int) -> int:
+        step = super().slice_granularity(dim)
+        if self.code_order is CodeOrder.NATIVE and dim == self.lead + 1:
+            return math.lcm(step, NATIVE_CHUNK)  # the permutation stays within a chunk
+        return step
 
     # ---- the device form (tinygemm, gemlite) ------------------------------------------------
 
@@ -281,7 +371,8 @@ class Int4Tensor(QTensor):
     def make_device_form(self) -> DeviceForm | None:
         if self.backend not in DEVICE_FORM_BACKENDS or self.device_form_problem(self.device):
             return None
-        args = (self.qdata, self.scale, self.zero, self.group_size, self.logical_shape[-1])
+        qdata = self.canonical().qdata
+        args = (qdata, self.scale, self.zero, self.group_size, self.logical_shape[-1])
         if self.backend is Backend.TINYGEMM:
             return DeviceForm(*tinygemm_form(*args, self.dtype, self.float_zero))
         return DeviceForm(*gemlite_form(*args, self.dtype))
@@ -313,16 +404,19 @@ class Int4Tensor(QTensor):
             return self._device_form_linear(x, bias)
         if self.select_backend(x) is Backend.TRITON:
             load_w4a16_ops()
+            native = self.code_order is CodeOrder.NATIVE
             return torch.ops.qshard.int4_linear(
-                x, self.qdata, self.scale, self.zero, bias, self.group_size, self.float_zero
-            )
+                x, self.qdata, self.scale, self.zero, bias, self.group_size, self.float_zero,
+                native,
+            )  # fmt: skip
+        qdata = self.canonical().qdata
         if self.backend is Backend.REFERENCE:
             return int4_linear_reference(
-                x, self.qdata, self.scale, self.zero, self.group_size, bias, self.float_zero
+                x, qdata, self.scale, self.zero, self.group_size, bias, self.float_zero
             )
         # auto where no qshard kernel runs (the CPU): the reference's weight, the BLAS's sums.
         k = self.logical_shape[-1]
-        weight = dequantize_int4(self.qdata, self.scale, self.zero, self.group_size, k, x.dtype,
+        weight = dequantize_int4(qdata, self.scale, self.zero, self.group_size, k, x.dtype,
                                  self.float_zero)  # fmt: skip
         return linear_in_dtype(x, weight, bias)
 
@@ -333,7 +427,9 @@ class Int4Tensor(QTensor):
                 f"quantize experts with backend='auto' (qshard's grouped kernel) or 'reference'"
             )
         fmt = "int4_fzero" if self.float_zero else "int4_sym" if self.symmetric else "int4_asym"
-        return weight_only_grouped_linear(self, x, offs, bias, fmt, self.group_size, zero=self.zero)
+        weight = self.canonical()  # (experts are never native: `native_order_problem`)
+        return weight_only_grouped_linear(weight, x, offs, bias, fmt, self.group_size,
+                                          zero=self.zero)  # fmt: skip
 
     def select_backend(self, x: torch.Tensor) -> Backend:
         return weight_only_backend(self, x)

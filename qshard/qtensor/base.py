@@ -96,6 +96,10 @@ class QTensor(torch.Tensor):
     # Values of attributes added after a layout's first release, for checkpoints and pickles
     # written before them.
     attr_defaults: ClassVar[dict[str, Any]] = {}
+    # Attributes that choose how the same values are stored (int4's code order): tensors that
+    # differ only in them are one layout; copy_ and cat convert (`stored_as`, `canonical`), and
+    # checkpoints, pickles and exports hold the canonical form.
+    storage_attrs: ClassVar[tuple[str, ...]] = ()
     # On a view of a part of a weight's (or each expert's) rows or columns: those matrix dims
     # (0 = N, 1 = K). A copy_ into it must not change values the rest of the weight shares.
     cut_dims: frozenset[int] = frozenset()
@@ -356,6 +360,17 @@ class QTensor(torch.Tensor):
         the single-device product up to summation order; design.md invariant 6 holds per part."""
         return False
 
+    def canonical(self) -> QTensor:
+        """This weight in the canonical storage of its layout (what checkpoints, pickles and
+        third-party formats hold): self where it is already (every layout without
+        `storage_attrs`)."""
+        return self
+
+    def stored_as(self, other: QTensor) -> QTensor:
+        """This weight stored as `other` (of the same layout and shape) stores its values (its
+        `storage_attrs`): self where it already is."""
+        return self
+
     def make_device_form(self) -> DeviceForm | None:
         """This weight arranged for its backend's kernels on its device, or None where the
         backend runs on the canonical tensors (or cannot run on this device)."""
@@ -455,9 +470,10 @@ class QTensor(torch.Tensor):
         )
 
     def __getstate__(self):
-        # What torch.save pickles: the device form is left out (it belongs to one device and
-        # is re-made by repack_for_device() after loading; design.md).
-        state = {k: v for k, v in self.__dict__.items() if k not in self.device_names}
+        # What torch.save pickles: the canonical storage, without the device form (it belongs
+        # to one device and is re-made by repack_for_device() after loading; design.md).
+        source = self.canonical()
+        state = {k: v for k, v in source.__dict__.items() if k not in source.device_names}
         state.pop("cut_dims", None)  # a pickle is a whole weight of its own
         state["device_names"], state["device_meta"], state["form_owner"] = (), (), None
         return state
@@ -618,6 +634,7 @@ class QTensor(torch.Tensor):
             ("transposed", self.transposed, other.transposed),
         ]
         pairs += zip(self.attr_names, self.attr_values(), other.attr_values(), strict=True)
+        pairs = [(name, *values) for name, *values in pairs if name not in self.storage_attrs]
         for name, mine, theirs in pairs:
             if mine != theirs:
                 return f"{name} {_short(mine)} vs {_short(theirs)}"

@@ -247,6 +247,7 @@ def _copy_(func, args, kwargs):
     if dst.write_barrier is not None:
         raise UnsupportedOpError(f"copy_ into {type(dst).__name__}: {dst.write_barrier}")
     _check_whole_tensor_values(dst, src)
+    src = src.stored_as(dst)  # (int4: the same codes in dst's order)
     for name in dst.inner_names:
         getattr(dst, name).copy_(getattr(src, name))
     # The device form of the tensor these canonical tensors belong to (dst, or the weight dst
@@ -323,6 +324,10 @@ def _cat(func, args, kwargs):
                 f"cat of {type(first).__name__} pieces: {difference}; every piece must be the "
                 f"same quantized layout (re-block or re-quantize to a common layout first)"
             )
+    stored = {tuple(getattr(t, n) for n in first.storage_attrs) for t in tensors}
+    if len(stored) > 1:  # pieces stored differently (int4 code orders) join canonically
+        tensors = [t.canonical() for t in tensors]
+        first = tensors[0]
     dim = first.logical_dim(dim)
     for t in tensors:
         others = [n for i, n in enumerate(t.logical_shape) if i != dim]

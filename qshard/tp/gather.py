@@ -75,6 +75,7 @@ def _gathered_parts(local: torch.Tensor, outer_dim: int, group) -> list[torch.Te
     if not isinstance(local, QTensor):
         gathered = _gather_bytes(local, [math.prod(s) * local.itemsize for s in shapes], group)
         return [b.view(local.dtype).reshape(s) for b, s in zip(gathered, shapes, strict=True)]
+    local = local.canonical()  # every rank's part in one storage (int4: the code order)
     logical = local.logical_dim(outer_dim)
     attrs = local.attrs()
     specs = [local.inner_specs(shape, attrs) for shape in shapes]

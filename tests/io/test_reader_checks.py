@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_same_qtensor
+from helpers import assert_same_qtensor, crc_text, edit_metadata
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_pretrained_formats import mlp, random_bytes, write_checkpoint
@@ -210,7 +210,7 @@ def test_json_bombs_are_checkpoint_errors_in_every_json_a_reader_parses(tmp_path
         k: v.contiguous() for k, v in qshard.load(path).items() if not isinstance(v, qshard.QTensor)
     }
     with open(path, "wb") as f:
-        save_module._write_safetensors(tensors, {METADATA_KEY: bomb, CRC_KEY: _crc(bomb)}, f)
+        save_module._write_safetensors(tensors, {METADATA_KEY: bomb, CRC_KEY: crc_text(bomb)}, f)
     with pytest.raises(CheckpointError, match="qshard header metadata"):
         qshard.load(path)
     header = b'{"a":' + bomb.encode() + b"}"
@@ -219,25 +219,7 @@ def test_json_bombs_are_checkpoint_errors_in_every_json_a_reader_parses(tmp_path
         qshard.load(path)
 
 
-def _crc(text: str) -> str:
-    import zlib
-
-    return f"{zlib.crc32(text.encode()):08x}"
-
-
 # ---- attributes and dtypes --------------------------------------------------------------------
-
-
-def edit_metadata(path: pathlib.Path, change) -> None:
-    """Rewrite a qshard file with `change(metadata JSON)` applied (its checksum recomputed)."""
-    header = read_header(path)
-    data = json.loads(header.metadata[METADATA_KEY])
-    change(data)
-    with safe_open(str(path), "pt") as f:
-        tensors = {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118
-    text = json.dumps(data)
-    with open(path, "wb") as f:
-        save_module._write_safetensors(tensors, {METADATA_KEY: text, CRC_KEY: _crc(text)}, f)
 
 
 @pytest.mark.parametrize("block", [[2**100, 128], [0, 128], [-128, 128], [100, 100], [8, 8]])

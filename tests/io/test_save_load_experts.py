@@ -11,14 +11,13 @@ import pathlib
 
 import pytest
 import torch
-from helpers import LAYOUT_CASES, LAYOUT_IDS, assert_same_qtensor, gaussian
+from helpers import LAYOUT_CASES, LAYOUT_IDS, assert_same_qtensor, edit_metadata, gaussian
 
 import qshard
 from qshard import CheckpointError
 from qshard.io import Checkpoint
 from qshard.io import checkpoint as checkpoint_module
 from qshard.io import saving as save_module
-from qshard.io.format import CRC_KEY, METADATA_KEY
 from qshard.tp.styles import chunk_bounds, shard_cuts
 
 cases = pytest.mark.parametrize(("cls", "config"), LAYOUT_CASES, ids=LAYOUT_IDS)
@@ -175,22 +174,6 @@ def _header(path: pathlib.Path) -> tuple[bytes, dict]:
     data = path.read_bytes()
     length = int.from_bytes(data[:8], "little")
     return data, json.loads(data[8 : 8 + length])
-
-
-def edit_metadata(path: pathlib.Path, change) -> None:
-    """Change the qshard metadata of a file and re-sign it (so only the change is caught)."""
-    import zlib
-
-    data, header = _header(path)
-    length = int.from_bytes(data[:8], "little")
-    meta = json.loads(header["__metadata__"][METADATA_KEY])
-    change(meta)
-    text = json.dumps(meta)
-    header["__metadata__"][METADATA_KEY] = text
-    header["__metadata__"][CRC_KEY] = f"{zlib.crc32(text.encode()):08x}"
-    encoded = json.dumps(header).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data[8 + length :])
 
 
 def flip_byte(path: pathlib.Path, key: str, offset: int) -> None:
