@@ -263,6 +263,9 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
 
     lin = torch.nn.Linear(4096, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
     qshard.quantize_(lin, qshard.Int4WeightOnlyConfig(group_size=128))
+    # The canonical codes, which these kernels read (int4 weights with groups below 128, TP cuts
+    # re-grouped; on Hopper a g128 weight holds the native order: tests/layouts/test_int4_native.py)
+    lin.weight = torch.nn.Parameter(lin.weight.canonical(), requires_grad=False)
     x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
     w = lin.weight
     assert register_choice(Format.INT4_ASYM, x, w.qdata, 128) is not None

@@ -368,6 +368,9 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
 
     lin = torch.nn.Linear(4096, 1024, bias=True, device="cuda", dtype=torch.bfloat16)
     qshard.quantize_(lin, qshard.Int4WeightOnlyConfig(group_size=128))
+    # The canonical codes, which these kernels read (int4 weights with groups below 128, TP cuts
+    # re-grouped; on Hopper a g128 weight holds the native order: tests/layouts/test_int4_native.py)
+    lin.weight = torch.nn.Parameter(lin.weight.canonical(), requires_grad=False)
     w = lin.weight
     for m, want in ((8, "register_ws"), (9, "register_wgmma"), (64, "register_wgmma"),
                     (WGMMA_CHOICE_MAX_M, "register_wgmma"), (WGMMA_CHOICE_MAX_M + 1, None)):

@@ -230,6 +230,9 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
 
     lin = torch.nn.Linear(4096, 1024, bias=True, device="cuda", dtype=torch.bfloat16)
     qshard.quantize_(lin, qshard.Int4WeightOnlyConfig(group_size=128))
+    # The canonical codes, which these kernels read (int4 weights with groups below 128, TP cuts
+    # re-grouped; on Hopper a g128 weight holds the native order: tests/layouts/test_int4_native.py)
+    lin.weight = torch.nn.Parameter(lin.weight.canonical(), requires_grad=False)
     w = lin.weight
     for m in (WS_CHOICE_MIN_M - 1, WS_CHOICE_MIN_M, WS_CHOICE_MAX_M, WS_CHOICE_MAX_M + 1):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)

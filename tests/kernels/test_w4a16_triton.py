@@ -483,12 +483,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qshard.kernels.w4a16_triton import _dequantize_kernel
 names = ["q_ptr", "s_ptr", "z_ptr", "g_ptr", "w_ptr", "N", "K", "KH", "stride_qn", "stride_sn",
-         "stride_wn", "FORMAT", "GROUP", "BLOCK_N", "BLOCK_K"]
-types = ["*u8", "*u8", "*u8", "*fp32", "*bf16"] + ["i32"] * 6 + ["constexpr"] * 4
-for fmt in (0, 1, 2, 3, 4):
+         "stride_wn", "FORMAT", "GROUP", "BLOCK_N", "BLOCK_K", "NATIVE"]
+types = ["*u8", "*u8", "*u8", "*fp32", "*bf16"] + ["i32"] * 6 + ["constexpr"] * 5
+for fmt, native in ((0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (0, 1), (2, 1)):
     triton.compile(
         ASTSource(fn=_dequantize_kernel, signature=dict(zip(names, types)),
-                  constexprs={"FORMAT": fmt, "GROUP": 16, "BLOCK_N": 32, "BLOCK_K": 128}),
+                  constexprs={"FORMAT": fmt, "GROUP": 128 if native else 16, "BLOCK_N": 32,
+                              "BLOCK_K": 128, "NATIVE": native}),
         target=GPUTarget("cuda", 80, 32),
     )
 from qshard.kernels.w4a16_triton import _gemv_words_kernel

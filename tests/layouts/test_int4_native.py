@@ -291,12 +291,18 @@ def test_on_hopper_quantize_holds_native_codes_and_the_op_reads_them(config):
     assert q.code_order is NATIVE
     cpu = Int4Tensor.from_float(w, config)
     assert_same_qtensor(q.cpu(), cpu)
+    from qshard.kernels.w4a16_triton import Format, native_choice
+
     for m in (1, 2, 3, 16, 33, 64, 128, 129, 300):
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        kernel = native_choice(Format.INT4_ASYM, x, q.qdata, config.group_size)["KERNEL"]
+        assert kernel == ("gemv_words" if m == 1 else "register_wgmma" if m <= 128
+                          else "dequantize"), (m, kernel)  # fmt: skip
         expected = F.linear(x.cpu().float(), cpu.dequantize(torch.float32))
         got = F.linear(x, q).float().cpu()
         assert (got - expected).norm() < 1e-2 * expected.norm(), m
     x = torch.randn(5, 1024, device="cuda")
+    assert native_choice(Format.INT4_ASYM, x, q.qdata, 128)["KERNEL"] == "dequantize"
     torch.testing.assert_close(F.linear(x, q.to(torch.float32)).cpu(),
                                F.linear(x.cpu(), cpu.to(torch.float32)), rtol=1e-4, atol=1e-3)
 
@@ -304,13 +310,13 @@ def test_on_hopper_quantize_holds_native_codes_and_the_op_reads_them(config):
 @pytest.mark.cuda
 @hopper
 def test_on_hopper_a_model_saves_canonical_and_shards_as_on_the_cpu(tmp_path):
-    model = nn.Sequential(nn.Linear(512, 384, bias=True), nn.Linear(384, 256)).bfloat16().cuda()
+    model = nn.Sequential(nn.Linear(512, 320, bias=True), nn.Linear(320, 256)).bfloat16().cuda()
     qshard.quantize_(model, Int4WeightOnlyConfig())
-    assert [m.weight.code_order for m in model] == [NATIVE, CodeOrder.CANONICAL]  # K = 384
+    assert [m.weight.code_order for m in model] == [NATIVE, CodeOrder.CANONICAL]  # K = 320
     x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
     before = model(x)
     qshard.save(model, tmp_path)
-    reference = nn.Sequential(nn.Linear(512, 384), nn.Linear(384, 256)).bfloat16()
+    reference = nn.Sequential(nn.Linear(512, 320), nn.Linear(320, 256)).bfloat16()
     qshard.quantize_(reference, Int4WeightOnlyConfig())
     qshard.load(tmp_path, reference)
     assert reference[0].weight.code_order is CodeOrder.CANONICAL
