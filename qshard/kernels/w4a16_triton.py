@@ -481,17 +481,20 @@ def _x_pair(x_ptr, pair):
 
 
 @triton.jit
-def _x_planes(x_ptr, word, NATIVE: tl.constexpr = False):
-    """The activations of the words `word` [W] as eight fp32 planes [W] (plane j: x[8w + j]),
-    four pairs (`_x_pair`) per word: pairs 4w .. 4w + 3 holding planes (0, 1) .. (6, 7).
+def _x_planes(x_ptr, w0, BLOCK_W: tl.constexpr, NATIVE: tl.constexpr = False):
+    """The activations of the step's words w0 .. w0 + BLOCK_W - 1 (w0 a multiple of 16) as
+    eight fp32 planes [BLOCK_W] (plane j: x[8w + j]), four pairs (`_x_pair`) per word: pairs
+    4w .. 4w + 3 holding planes (0, 1) .. (6, 7).
     NATIVE (codes in `packing.native_codes`' order): nibbles j and j + 4 of word w are x's
     columns c and c + 1, c = 128 (w // 16) + 32 (w % 4) + 2 (w % 16 // 4) + 8 j, so the pairs
-    c / 2 + 4 j hold planes (j, j + 4)."""
+    c / 2 + 4 j hold planes (j, j + 4). Both start at pair 4 w0 plus an offset of the word's
+    place in the step, which the compiler keeps out of the loop."""
+    w = tl.arange(0, BLOCK_W)
     if NATIVE:
-        first = 64 * (word // 16) + 16 * (word % 4) + word % 16 // 4
+        first = 4 * w0 + 64 * (w // 16) + 16 * (w % 4) + w % 16 // 4
         STEP: tl.constexpr = 4
     else:
-        first = 4 * word
+        first = 4 * w0 + 4 * w
         STEP: tl.constexpr = 1
     a0, b0 = _x_pair(x_ptr, first)
     a1, b1 = _x_pair(x_ptr, first + STEP)
@@ -513,7 +516,7 @@ def _gemv_words_step(acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, stride_s
     ROWS: tl.constexpr = words.shape[0]
     WG: tl.constexpr = GROUP // 8 if GROUP // 8 < BLOCK_W else BLOCK_W  # words per group
     G: tl.constexpr = BLOCK_W // WG
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, w0 + tl.arange(0, BLOCK_W), NATIVE)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, w0, BLOCK_W, NATIVE)
     group = (w0 + tl.arange(0, G) * WG) // (GROUP // 8)
     scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
                                n_ok[:, None], FORMAT)  # fmt: skip
@@ -818,17 +821,20 @@ def register_choice(fmt: Format, x, qdata, group: int) -> dict | None:
 def native_choice(fmt: Format, x, qdata, group: int) -> dict:
     """The kernel for int4 codes in `packing.native_codes`' order (what an int4 weight holds on
     Hopper, layouts/int4.py): the word GEMV at one token (its step the largest power of two of
-    words up to its usual one that divides K), the wgmma kernel up to 128 tokens where it runs,
+    words up to 128 or 256 that divides K), the wgmma kernel up to 128 tokens where it runs,
     else dequantize (un-permuting the codes) + cuBLAS. Measured on the H100: bench/README.md,
     "Session 26"."""
     m, k = x.shape
     n = qdata.shape[0]
     if m <= GEMV_MAX_M:
-        sms = 4 if x.device.type == "cpu" else _sm_count(x.device.index or 0)
-        config = {**gemv_words_config(fmt, n, k, sms), "NATIVE": 1}
-        while k % (8 * config["BLOCK_W"]):  # K % 128 == 0: a step of 16 words always fits
-            config["BLOCK_W"] //= 2
-        return config
+        # 16 rows on every Llama-3.1-8B linear (o and down too, where the canonical codes take
+        # 8), 256 words per step on down's long K: the fastest of the H100 sweep of the native
+        # read (bench/bench_gemv.py --native; bench/README.md, "Session 26")
+        block_w = 256 if k >= 8192 and k % 2048 == 0 else 128
+        while k % (8 * block_w):  # K % 128 == 0: a step of 16 words always fits
+            block_w //= 2
+        return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": block_w, "num_warps": 4,
+                "EVICT": 1, "NATIVE": 1}  # fmt: skip
     if wgmma_problem(int(fmt), x, qdata, group) is None:
         return {"KERNEL": "register_wgmma", **wgmma_config(m, n, k, x.device), "NATIVE": 1}
     return DEQUANTIZE
@@ -873,6 +879,9 @@ def _gemv_words_launch(config: dict, x, qdata, args, out, common) -> torch.Tenso
     if config["NATIVE"]:
         fmt = Format(common["FORMAT"])
         check_native_order(fmt < Format.MXFP4, common["GROUP"], fmt.name)
+        if config["BLOCK_W"] % 16:
+            raise ValueError(f"word GEMV config BLOCK_W={config['BLOCK_W']} on native codes: "
+                             f"a step holds whole 128-column chunks (16 words)")  # fmt: skip
     assert k % (8 * config["BLOCK_W"]) == 0, "the word GEMV needs K a multiple of its step"
     if config["PREFETCH"] not in (1, 2):
         raise ValueError(
