@@ -193,6 +193,37 @@ def test_row_parallel_equals_single_device_up_to_summation_order(world):
     spawn(_row_parallel_worker, world)
 
 
+def _native_order_worker(rank, world, mesh):
+    """int4 weights holding the native code order (their form on Hopper, forced here): sharded
+    column- and row-wise they equal the single device, and rank parts in the native order
+    gather to the canonical weight (what qshard.save writes)."""
+    from qshard.tp.gather import full_tensor
+
+    bf16 = {"rtol": 1e-2, "atol": 1e-2}  # the CPU BLAS's bf16 sums of another width
+    styles = ((ColwiseParallel(use_local_output=False), 0),
+              (RowwiseParallel(input_layouts=Shard(-1)), 1))  # fmt: skip
+    for style, dim in styles:
+        linear = nn.Linear(world * 256, world * 96, bias=True, dtype=torch.bfloat16)
+        _quantized(linear, qshard.Int4WeightOnlyConfig())
+        canonical = linear.weight
+        linear.weight = nn.Parameter(canonical.with_code_order("native"), requires_grad=False)
+        x = torch.randn(5, world * 256, dtype=torch.bfloat16)
+        expected = linear(x)
+        qshard.tp.parallelize(linear, mesh, style)
+        if dim == 0:
+            torch.testing.assert_close(linear(x).full_tensor(), expected, **bf16)
+        else:
+            torch.testing.assert_close(linear(x.chunk(world, -1)[rank]), expected, **bf16)
+        local = linear.weight.to_local().with_code_order("native")
+        native = DTensor.from_local(local, mesh, linear.weight.placements, run_check=False)
+        assert_same_qtensor(full_tensor(native), canonical)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_native_int4_codes_shard_and_gather_as_canonical_ones(world):
+    spawn(_native_order_worker, world)
+
+
 # ---- a Llama-style block, aligned and cut through blocks (DeepSeek-like) ----------------------
 
 
