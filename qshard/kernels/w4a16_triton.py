@@ -11,6 +11,11 @@ step's codes and scales are loaded ahead by hand (one step, or two with the smal
 `PREFETCH` = 2), and so are the activations where they are carried (the GEMVs; the small-M
 kernel with 1): Triton pipelines only loads that feed a dot.
 
+- int4 codes in the native order (`native=True`: what an int4 weight with groups of 128 holds on
+  Hopper, layouts/int4.py): `native_choice` picks the word GEMV at one token, the wgmma kernel at
+  2..128 tokens and dequantize + cuBLAS otherwise, each reading that order (H100, Llama-3.1-8B
+  layer at 1 / 16 / 32 / 64 / 128 tokens: 2.92x / 2.15x / 2.02x / 1.72x / 1.26x of bf16;
+  docs/kernels/w4a16_register.md, "Session 26"). The bullets below are the canonical codes'.
 - M = 1 (decode): a GEMV. With K a multiple of its step, `_gemv_words_kernel` (every format),
   which decodes whole 32-bit words in place and never rebuilds the K order: int4 codes as the
   exact u - 8 (`_int4_exact`: one LOP3 and one subtraction), e2m1 pairs as fp16 halves; the
