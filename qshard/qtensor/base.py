@@ -347,11 +347,16 @@ class QTensor(torch.Tensor):
                     f"{list(getattr(w, 'logical_shape', w.shape))}); every expert must be an "
                     f"[N, K] weight of one layout, config and shape"
                 )
+        if len({tuple(getattr(w, n) for n in first.storage_attrs) for w in experts}) > 1:
+            experts = [w.canonical() for w in experts]  # (int4 code orders)
+            first = experts[0]
         inner = {
             name: torch.stack([getattr(w, name) for w in experts]) for name in first.inner_names
         }
         shape = (len(experts), *first.logical_shape)
-        return first.with_changes(inner, shape=shape, fresh=True)
+        # in the storage experts take on this device (int4 on Hopper: each expert quantized
+        # alone holds the native order, the grouped kernels read the canonical one)
+        return first.with_changes(inner, shape=shape, fresh=True).repack_for_device()
 
     def activation_scale_spans_k(self) -> bool:
         """Whether the matmul quantizes activations with scales taken over the whole of K (per-row

@@ -156,6 +156,19 @@ def test_cat_of_mixed_orders_is_canonical_and_of_native_pieces_native():
         torch.cat([native[:, :128], canonical[:, 128:192]], dim=1)
 
 
+def test_experts_stacked_from_native_weights_are_canonical():
+    """Each expert quantized alone on Hopper holds native codes; the grouped kernels read the
+    canonical order, and experts of both orders stack to the same weight."""
+    canonical, native = pair()
+    other, _ = pair()
+    for parts in ([native, native], [native, other], [canonical, native]):
+        experts = torch.stack(parts)
+        assert experts.code_order is CodeOrder.CANONICAL
+        expected = torch.stack([p.canonical() for p in parts])
+        assert_same_qtensor(experts, expected)
+        assert torch.equal(experts[1].dequantize(), parts[1].dequantize())
+
+
 # ---- files, pickles, exports ------------------------------------------------------------------
 
 
