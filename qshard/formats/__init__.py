@@ -139,8 +139,8 @@ def check_state(state: dict, directory: pathlib.Path, name: str) -> None:
     the format did not map to a layout (float8 or integer weights, scale or packed tensors)."""
     for key, value in state.items():
         where = f"{directory}: {key}"
-        if isinstance(value, QTensor):
-            check_qtensor(value, where)
+        if isinstance(value, QTensor):  # (made for its device: checked as stored)
+            check_qtensor(value.canonical(), where)
             continue
         if value.dtype in FLOAT8_DTYPES:
             why = f"a {value.dtype} tensor"

@@ -156,7 +156,8 @@ def _invalid_quantized(state: Mapping[str, torch.Tensor]) -> QShardError | None:
         local = _local(value)
         if isinstance(local, QTensor):
             try:
-                check_qtensor(local, f"qshard.save: {key!r}", QShardError)
+                # (as a reader will see it: canonical storage)
+                check_qtensor(local.canonical(), f"qshard.save: {key!r}", QShardError)
             except QShardError as e:
                 return e
     return None

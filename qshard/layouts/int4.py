@@ -156,6 +156,14 @@ class Int4Tensor(QTensor):
     zero_point_domain: ZeroPointDomain
     code_order: CodeOrder
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        try:  # a string names an order too; the comparisons below are of members
+            self.code_order = CodeOrder(self.code_order)
+        except ValueError:
+            raise ConfigError(f"Int4Tensor: code_order {self.code_order!r} is not one of "
+                              f"{[o.value for o in CodeOrder]}") from None  # fmt: skip
+
     @classmethod
     def quantize_matrix(
         cls, weight: torch.Tensor, config: Int4WeightOnlyConfig | None = None,
@@ -210,10 +218,11 @@ class Int4Tensor(QTensor):
         Int4WeightOnlyConfig(
             GROUP_SIZES[0], attrs["symmetric"], attrs["backend"], attrs["zero_point_domain"]
         )
-        if attrs["code_order"] is CodeOrder.NATIVE and group % NATIVE_CHUNK:
+        if CodeOrder(attrs["code_order"]) is not CodeOrder.CANONICAL:
             raise ConfigError(
-                f"Int4Tensor: code_order 'native' permutes codes within groups of whole "
-                f"{NATIVE_CHUNK}-column chunks, not groups of {group}"
+                "Int4Tensor: code_order 'native' in outside data: checkpoints, pickles and "
+                "formats hold the canonical order (qshard writes nothing else; the native "
+                "order is made on a Hopper GPU by repack_for_device())"
             )
 
     # ---- hooks for the shared shape ops ---------------------------------------------------
@@ -236,7 +245,7 @@ class Int4Tensor(QTensor):
         """Re-group K to the largest power-of-two group that divides every offset (native
         codes first become canonical: they are cut at multiples of 128 only)."""
         if self.code_order is CodeOrder.NATIVE:
-            return self.canonical().realign(dim + self.lead, offsets)
+            return self.canonical().realign(dim + self.lead, offsets)._copy_of_native()
         finer = math.gcd(self.group_size, *offsets) if dim == 1 else 0
         # tinygemm takes groups of 32 and more (kernels/int4_tinygemm.py), and so, to our
         # knowledge, does gemlite: a cut that needs finer groups is refused before any change.
@@ -252,9 +261,19 @@ class Int4Tensor(QTensor):
 
     def regroup(self, group_size: int) -> Int4Tensor:
         """The same weight with finer groups; each scale and zero is repeated, exactly."""
-        if group_size % NATIVE_CHUNK:  # native codes need groups of whole chunks
-            return self.canonical()._regroup(group_size)
+        if group_size % NATIVE_CHUNK and self.code_order is CodeOrder.NATIVE:
+            return self.canonical()._regroup(group_size)._copy_of_native()
         return self._regroup(group_size)
+
+    def _copy_of_native(self) -> Int4Tensor:
+        """Marks a canonical copy made of native codes (a cut off the chunks): a copy_ into it
+        would not reach the weight it came from."""
+        self.write_barrier = (
+            "it is a canonical copy of a native-order weight's codes (cut off its 128-column "
+            "chunks), so a copy would not reach that weight; copy into the original at "
+            "multiples of 128 columns, or clone() this one first"
+        )
+        return self
 
     def _regroup(self, group_size: int) -> Int4Tensor:
         repeat, k = self.group_size // group_size, self.logical_shape[-1]
@@ -287,10 +306,6 @@ class Int4Tensor(QTensor):
         return torch.maximum(zero.abs(), (15.0 - zero).abs()) * scale  # (u - zero) * scale
 
     def matrix_value_problem(self) -> str | None:
-        k = self.logical_shape[-1]
-        if self.code_order is CodeOrder.NATIVE and k % NATIVE_CHUNK:
-            return (f"code_order 'native' permutes codes within whole {NATIVE_CHUNK}-column "
-                    f"chunks, and K = {k} is not a multiple of {NATIVE_CHUNK}")  # fmt: skip
         if self.symmetric or self.float_zero or not self.zero.numel():
             return None
         count = rows_max(lambda z: _bad_zero_codes(z).sum().reshape(1), self.zero)
@@ -331,9 +346,14 @@ class Int4Tensor(QTensor):
         order = CodeOrder(order)
         if order is self.code_order:
             return self
-        if order is CodeOrder.NATIVE and self.group_size % NATIVE_CHUNK:
-            raise ConfigError(f"Int4Tensor: the native code order needs groups of whole "
-                              f"{NATIVE_CHUNK}-column chunks, not {self.group_size}")  # fmt: skip
+        k = self.logical_shape[-1]
+        if order is CodeOrder.NATIVE and (self.group_size % NATIVE_CHUNK or k % NATIVE_CHUNK):
+            raise ConfigError(
+                f"Int4Tensor {list(self.logical_shape)}: the native code order permutes whole "
+                f"{NATIVE_CHUNK}-column chunks within groups; K = {k} with groups of "
+                f"{self.group_size} are not (quantize with group_size 128 or 256 and K a "
+                f"multiple of 128, or keep code_order 'canonical')"
+            )
         convert = native_codes if order is CodeOrder.NATIVE else canonical_codes
         return self.with_changes({"qdata": convert(self.qdata)}, code_order=order, fresh=True)
 
@@ -344,11 +364,14 @@ class Int4Tensor(QTensor):
         return self.with_code_order(other.code_order)
 
     def repack_for_device(self) -> Int4Tensor:
-        """Also puts the codes in the order this weight's kernels read here (in place: this
-        tensor, a model's Parameter, holds the converted codes; a view taken before keeps its
-        own): native where `native_order_problem` is None, else canonical."""
+        """Also puts the codes in the order this weight's kernels read here, native where
+        `native_order_problem` is None, else canonical: in place (this tensor, a model's
+        Parameter, holds the converted codes) for a tensor that owns its inner tensors; a view
+        of part of another weight (a slice, an expert) keeps its order, since its scales stay
+        the other weight's (a copy_ into it must reach both)."""
         order = CodeOrder.CANONICAL if self.native_order_problem() else CodeOrder.NATIVE
-        if order is not self.code_order:
+        owns = not (self.cut_dims or self.expert_view or self.write_barrier)
+        if order is not self.code_order and owns:
             self.qdata, self.code_order = self.with_code_order(order).qdata, order
         return super().repack_for_device()
 

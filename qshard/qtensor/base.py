@@ -103,6 +103,8 @@ class QTensor(torch.Tensor):
     # On a view of a part of a weight's (or each expert's) rows or columns: those matrix dims
     # (0 = N, 1 = K). A copy_ into it must not change values the rest of the weight shares.
     cut_dims: frozenset[int] = frozenset()
+    # On `expert(e)` of experts (and views of it): its inner tensors are parts of theirs.
+    expert_view: bool = False
     # Per-class op tables, filled by `implements` / `implements_torch_function`.
     _aten_ops: ClassVar[dict[Any, Handler]] = {}
     _torch_fn_ops: ClassVar[dict[Any, Handler]] = {}
@@ -329,6 +331,7 @@ class QTensor(torch.Tensor):
         inner = {name: t.select(0, e) for name, t in self.inner_tensors().items()}
         out = self.with_changes(inner, shape=self.matrix_shape)
         out.form_owner = self if self.device_names else self.form_owner
+        out.expert_view = True
         return out
 
     def expert_list(self) -> list[QTensor]:
@@ -477,9 +480,12 @@ class QTensor(torch.Tensor):
     def __getstate__(self):
         # What torch.save pickles: the canonical storage, without the device form (it belongs
         # to one device and is re-made by repack_for_device() after loading; design.md).
+        state = {k: v for k, v in self.__dict__.items() if k not in self.device_names}
         source = self.canonical()
-        state = {k: v for k, v in source.__dict__.items() if k not in source.device_names}
+        if source is not self:
+            state.update({n: getattr(source, n) for n in (*self.inner_names, *self.storage_attrs)})
         state.pop("cut_dims", None)  # a pickle is a whole weight of its own
+        state.pop("expert_view", None)
         state["device_names"], state["device_meta"], state["form_owner"] = (), (), None
         return state
 
@@ -595,6 +601,8 @@ class QTensor(torch.Tensor):
             out.form_owner = self.form_owner
             if self.cut_dims:
                 out.cut_dims = self.cut_dims
+            if self.expert_view:
+                out.expert_view = True
         same_weight = inner is None and shape is None and not attrs
         if same_weight and (dtype is None or dtype == self.dtype):
             # The same packed weight (t, view): a device form may depend on the dtype (gemlite).

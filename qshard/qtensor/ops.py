@@ -305,7 +305,9 @@ def _new_empty(func, args, kwargs):
         name: torch.empty(s, dtype=d, device=device)
         for name, (s, d) in q.inner_specs(shape, q.attrs()).items()
     }
-    return q.with_changes(inner, shape=shape, dtype=dtype, fresh=True)
+    # (in the canonical storage: another shape may not take the other, int4's native order)
+    canonical = {name: q.attr_defaults[name] for name in q.storage_attrs}
+    return q.with_changes(inner, shape=shape, dtype=dtype, fresh=True, **canonical)
 
 
 @QTensor.implements(aten.is_same_size.default)

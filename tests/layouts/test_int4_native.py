@@ -84,9 +84,9 @@ def test_what_holds_the_native_order_and_why_not():
     }  # fmt: skip
     for words, tensor in reasons.items():
         assert words in tensor.native_order_problem(), (words, tensor.native_order_problem())
-    with pytest.raises(ConfigError, match="not 64"):
+    with pytest.raises(ConfigError, match="groups of 64"):
         reasons["groups of 64"].with_code_order(NATIVE)
-    with pytest.raises(ValueError, match="K = 192"):
+    with pytest.raises(ConfigError, match="K = 192"):
         reasons["K = 192"].with_code_order(NATIVE)
 
 
@@ -207,12 +207,12 @@ def set_code_order(order: str):
     return lambda data: data["entries"]["weight"]["attrs"].update(code_order=order)
 
 
-def test_a_checkpoint_that_claims_native_codes_is_checked(tmp_path):
-    """qshard never writes the native order; a reader takes it where it is valid (the same
-    values: dequantized exactly as the canonical codes) and refuses it where it cannot be."""
+def test_a_checkpoint_or_pickle_that_claims_native_codes_is_refused(tmp_path):
+    """qshard writes canonical codes only; a reader refuses the other order (one check for the
+    whole weight, whatever part a rank reads)."""
     canonical, native = pair()
-    qshard.save(linear_of(canonical), tmp_path / "ok")
-    path = tmp_path / "ok" / "model.safetensors"
+    qshard.save(linear_of(canonical), tmp_path)
+    path = tmp_path / "model.safetensors"
     tensors = {k: v.clone() for k, v in load_file(path).items()} | {"weight.qdata": native.qdata}
 
     def claim_native(data):
@@ -222,20 +222,12 @@ def test_a_checkpoint_that_claims_native_codes_is_checked(tmp_path):
         stored["chunk_crc32"] = list(chunks)
 
     edit_metadata(path, claim_native, tensors)
-    loaded = qshard.load(tmp_path / "ok")["weight"]
-    assert loaded.code_order is CodeOrder.CANONICAL  # repacked for the CPU
-    assert_same_qtensor(loaded, canonical)
-    bad_k = Int4Tensor.from_float(gaussian(8, 192, dtype=torch.bfloat16))  # K not whole chunks
-    qshard.save(linear_of(bad_k), tmp_path / "k")
-    edit_metadata(tmp_path / "k" / "model.safetensors", set_code_order("native"))
-    with pytest.raises(CheckpointError, match="K = 192"):
-        qshard.load(tmp_path / "k")
-    bad_group = Int4Tensor.from_float(gaussian(8, 128, dtype=torch.bfloat16),
-                                      Int4WeightOnlyConfig(group_size=64))  # fmt: skip
-    qshard.save(linear_of(bad_group), tmp_path / "g")
-    edit_metadata(tmp_path / "g" / "model.safetensors", set_code_order("native"))
-    with pytest.raises(CheckpointError, match="groups of 64"):
-        qshard.load(tmp_path / "g")
+    with pytest.raises(CheckpointError, match="outside data"):
+        qshard.load(tmp_path)
+    from qshard.layouts.validation import check_qtensor
+
+    with pytest.raises(CheckpointError, match="outside data"):  # what torch.load runs
+        check_qtensor(native, "a pickle")
 
 
 def test_a_checkpoint_without_the_attribute_is_canonical(tmp_path):
@@ -252,6 +244,73 @@ def test_compiled_linear_of_native_codes_matches_eager():
     x = torch.randn(5, 512, dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(x), F.linear(x, canonical), rtol=1e-2, atol=1e-2)
+
+
+# ---- where the order is made (a Hopper GPU, simulated on the CPU) -----------------------------
+
+
+@pytest.fixture
+def hopper_here(monkeypatch):
+    """`native_order_problem` as on a Hopper GPU, for the CPU's tensors."""
+    monkeypatch.setattr("qshard.layouts.int4.native_int4_problem", lambda device: None)
+
+
+def test_quantize_to_and_stack_give_the_order_of_the_device(hopper_here, tmp_path):
+    model = nn.Sequential(nn.Linear(512, 96), nn.Linear(96, 64)).bfloat16()
+    qshard.quantize_(model, Int4WeightOnlyConfig())
+    assert [m.weight.code_order for m in model] == [NATIVE, CodeOrder.CANONICAL]  # K = 96
+    assert model[0].weight.to(torch.float16).code_order is NATIVE
+    expected = model[0].weight.canonical()
+    qshard.save(model, tmp_path)
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["0.weight.qdata"],
+                       model[0].weight.canonical().qdata)  # fmt: skip
+    assert torch.stack([model[0].weight] * 2).code_order is CodeOrder.CANONICAL  # experts
+    loaded = nn.Sequential(nn.Linear(512, 96), nn.Linear(96, 64)).bfloat16()
+    qshard.quantize_(loaded, Int4WeightOnlyConfig())
+    qshard.load(tmp_path, loaded)
+    assert loaded[0].weight.code_order is NATIVE
+    assert torch.equal(loaded[0].weight.dequantize(), expected.dequantize())
+
+
+def test_copies_into_views_reach_the_whole_weight(hopper_here):
+    """A view of part of a weight (an expert, a 256-column part of a K = 320 weight: canonical
+    where the whole is) keeps its order when a copy_ repacks it: its scales are the whole's."""
+    experts = Int4Tensor.from_float(gaussian(2, 16, 256, dtype=torch.bfloat16))
+    wide = Int4Tensor.from_float(gaussian(16, 320, dtype=torch.bfloat16))
+    assert experts.code_order is CodeOrder.CANONICAL and wide.code_order is CodeOrder.CANONICAL
+    for whole, view_of, part in ((experts, lambda w: w[0], (slice(0, 1),)),
+                                 (wide, lambda w: w[:, :256], (slice(None), slice(0, 256)))):
+        for seed in (1, 2):  # twice: a view that had split its codes off would miss the second
+            source = Int4Tensor.from_float(gaussian(16, 256, dtype=torch.bfloat16, seed=seed))
+            view_of(whole).copy_(source)
+            got = whole.dequantize()[part].reshape(16, 256)
+            assert torch.equal(got, source.dequantize()), seed
+
+
+def test_a_pickled_module_keeps_its_parameters(hopper_here):
+    layer = linear_of(pair()[1])
+    assert isinstance(layer.weight, nn.Parameter) and layer.weight.code_order is NATIVE
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert isinstance(loaded.weight, nn.Parameter)
+    assert torch.equal(loaded.weight.dequantize(), layer.weight.dequantize())
+
+
+def test_a_string_names_the_order_and_new_empty_takes_any_shape():
+    canonical, native = pair()
+    inner = {"qdata": native.qdata, "scale": native.scale, "zero": native.zero}
+    attrs = {**native.attrs(), "code_order": "native"}
+    named = Int4Tensor(inner, shape=native.logical_shape, dtype=native.dtype, **attrs)
+    assert named.code_order is NATIVE
+    assert torch.equal(named.dequantize(), canonical.dequantize())
+    with pytest.raises(ConfigError, match="'sideways' is not one of"):
+        Int4Tensor(inner, shape=native.logical_shape, dtype=native.dtype,
+                   **{**attrs, "code_order": "sideways"})  # fmt: skip
+    empty = native.new_empty((16, 192))  # K = 192 cannot hold the native order
+    source = Int4Tensor.from_float(gaussian(16, 192, dtype=torch.bfloat16))
+    empty.copy_(source)
+    assert torch.equal(empty.dequantize(), source.dequantize())
 
 
 # ---- the kernels that read it (the Triton interpreter on the CPU; Hopper on a GPU) -----------
