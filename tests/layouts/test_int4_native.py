@@ -340,6 +340,23 @@ def test_the_op_reads_native_codes(config, m, dtype):
     assert (unread.float() - expected.float()).norm() > 0.3 * expected.float().norm()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's case")
+@pytest.mark.parametrize("block_w", [16, 32])
+def test_the_native_gemv_with_splits_and_prefetch(block_w):
+    """The word GEMV's steps of 16 / 32 words on native codes, K split over 3 programs, codes
+    loaded 2 steps ahead: against the reference (the op's own choices are above)."""
+    from qshard.kernels.w4a16_triton import Format, linear_launch
+
+    canonical, native = pair(n=24, k=768, dtype=torch.float16)
+    x = torch.randn(1, 768, dtype=torch.float16)
+    config = {"KERNEL": "gemv_words", "BLOCK_N": 8, "BLOCK_W": block_w, "SPLIT_K": 3,
+              "PREFETCH": 2, "EVICT": 0, "NATIVE": 1, "num_warps": 4}  # fmt: skip
+    got = linear_launch(Format.INT4_ASYM, x, native.qdata, native.scale, native.zero,
+                        native.scale, None, 128, config, native=True)  # fmt: skip
+    expected = ref.int4_linear_reference(x, canonical.qdata, canonical.scale, canonical.zero, 128)
+    torch.testing.assert_close(got, expected, **KERNEL_TOLERANCE)
+
+
 def test_the_op_refuses_native_codes_it_cannot_read():
     load_w4a16_ops()
     w = Int4Tensor.from_float(gaussian(8, 256, dtype=torch.float16), Int4WeightOnlyConfig(64))
