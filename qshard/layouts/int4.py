@@ -9,15 +9,15 @@ Inner tensors (logical weight [N, K], G = ceil(K / group_size)):
                                   symmetric (every zero is 8: u = q + 8, q in -8..7)
 Attributes:
     group_size  channels per group along K: 32, 64, 128 or 256 (finer after re-grouping)
-    code_order  CANONICAL (above) or NATIVE: each 128-column chunk's codes permuted as
-                `kernels/packing.native_codes` does, the order the Hopper register kernels
-                read (the word GEMV, the wgmma kernel; docs/kernels/w4a16_register.md, v9)
     symmetric   False: W = (u - zero) * scale, u in 0..15; True: scale only
     zero_point_domain  INT (above) or FLOAT: W = (u - 8) * scale + zero, zero a float (torchao's
                 Int4Tensor, HQQ, tinygemm's own convention); asymmetric only
     backend     AUTO (the Triton kernels on a CUDA GPU, dequantize + BLAS elsewhere), REFERENCE,
                 TRITON (forced; BackendUnavailableError where it cannot run), TINYGEMM (torch's
                 int4 kernels, CPU and CUDA) or GEMLITE (CUDA, gemlite installed)
+    code_order  CANONICAL (above) or NATIVE: each 128-column chunk's codes permuted as
+                `kernels/packing.native_codes` does, the order the Hopper register kernels
+                read (the word GEMV, the wgmma kernel; docs/kernels/w4a16_register.md, v9)
 Device form (TINYGEMM, GEMLITE; see qtensor/base.py): the kernel's own arrangement, made from the
 canonical tensors by `repack_for_device()` (kernels/int4_tinygemm.py, kernels/int4_gemlite.py).
 The canonical tensors stay: they are what is sliced and saved (the weight takes its memory twice).
