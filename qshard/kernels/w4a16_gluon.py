@@ -175,7 +175,7 @@ if GLUON_IMPORT_ERROR is None:
     fma.rn.bf16x2 v0, v0, one, nz; fma.rn.bf16x2 v1, v1, one, nz;
     fma.rn.bf16x2 v2, v2, one, nz; fma.rn.bf16x2 v3, v3, one, nz;
     """
-    # The native code order (`w4a16_gluon_wgmma.native_codes`): pair b is nibbles b and b + 4
+    # The native code order (`packing.native_codes`): pair b is nibbles b and b + 4
     # of the word, the word shifted right by 4b and one and-or (no byte permute): 3 shifts and
     # 4 and-ors per word where the canonical order takes a shift, 4 permutes and 4 and-ors.
     _DECODE_PAIRS_NATIVE = """

@@ -19,14 +19,15 @@ copies, 4-8 times as many as at 16 tokens, were slower than the copy made before
 24: the layer at 64 tokens 128.4 against 116.4 us). Either way the slots are 128-byte-swizzled
 and wgmma reads them as they are.
 
-**The native code order (config NATIVE = 1; not yet what the op runs).** Codes repacked once
-by `native_codes` (per 128-column chunk, thread t's word j holds the 8 codes of MMA columns
-32 j + 8 b + 2 t + h with pair b as nibbles b and b + 4) decode into x's own columns: x needs
-no permutation and TMA copies it at every tile, and each pair is one shift and one and-or
+**The native code order (config NATIVE = 1).** Codes repacked once by `packing.native_codes`
+(per 128-column chunk, thread t's word j holds the 8 codes of MMA columns 32 j + 8 b + 2 t + h
+with pair b as nibbles b and b + 4) decode into x's own columns: x needs no permutation and TMA
+copies it at every tile, and each pair is one shift and one and-or
 (`_DECODE_PAIRS_NATIVE`) instead of a byte permute and an and-or. Measured (session 25, the
 Llama layer, int4 g128): 77.7 / 83.0 / 98.7 us at 16 / 32 / 64 tokens against 85.2 / 94.9 /
-115.2 on the canonical codes (docs/kernels/w4a16_register.md, "Session 25"). The op cannot
-use it until an int4 weight on the GPU holds its codes in that order without a second copy.
+115.2 on the canonical codes (docs/kernels/w4a16_register.md, "Session 25"). Since session 26
+an int4 weight with groups of 128 on Hopper holds its codes in that order (layouts/int4.py), and
+the op runs this config on it (`w4a16_triton.native_choice`).
 
 The program: a 128-row tile of two 64-row halves, one consumer warpgroup each (wgmma's M is 64
 per warpgroup), and the producer streaming each chunk (the tile's code words, x's chunk as

@@ -919,8 +919,7 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     m, k = x.shape
     n = qdata.shape[0]
     assert all(t is None or t.is_contiguous() for t in (x, qdata, scale, zero, bias)), "strides"
-    if native:
-        check_native_order(fmt < Format.MXFP4, group, fmt.name)
+    if native:  # (each kernel's launcher checks the format and group: check_native_order)
         config = config or native_choice(fmt, x, qdata, group)
         if kernel_for(m, config) not in NATIVE_KERNELS or (
                 config.get("KERNEL") != "dequantize" and not config.get("NATIVE")):  # fmt: skip

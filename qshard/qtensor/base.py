@@ -350,9 +350,8 @@ class QTensor(torch.Tensor):
                     f"{list(getattr(w, 'logical_shape', w.shape))}); every expert must be an "
                     f"[N, K] weight of one layout, config and shape"
                 )
-        if len({tuple(getattr(w, n) for n in first.storage_attrs) for w in experts}) > 1:
-            experts = [w.canonical() for w in experts]  # (int4 code orders)
-            first = experts[0]
+        experts = first.in_one_storage(experts)
+        first = experts[0]
         inner = {
             name: torch.stack([getattr(w, name) for w in experts]) for name in first.inner_names
         }
@@ -373,6 +372,12 @@ class QTensor(torch.Tensor):
         third-party formats hold): self where it is already (every layout without
         `storage_attrs`)."""
         return self
+
+    def in_one_storage(self, pieces: list[QTensor]) -> list[QTensor]:
+        """`pieces` of this layout (cat, stack), or all of them canonical where their
+        `storage_attrs` differ (int4's code orders): joined, they must be stored alike."""
+        stored = {tuple(getattr(p, n) for n in self.storage_attrs) for p in pieces}
+        return [p.canonical() for p in pieces] if len(stored) > 1 else pieces
 
     def stored_as(self, other: QTensor) -> QTensor:
         """This weight stored as `other` (of the same layout and shape) stores its values (its

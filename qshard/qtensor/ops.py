@@ -326,10 +326,8 @@ def _cat(func, args, kwargs):
                 f"cat of {type(first).__name__} pieces: {difference}; every piece must be the "
                 f"same quantized layout (re-block or re-quantize to a common layout first)"
             )
-    stored = {tuple(getattr(t, n) for n in first.storage_attrs) for t in tensors}
-    if len(stored) > 1:  # pieces stored differently (int4 code orders) join canonically
-        tensors = [t.canonical() for t in tensors]
-        first = tensors[0]
+    tensors = first.in_one_storage(tensors)
+    first = tensors[0]
     dim = first.logical_dim(dim)
     for t in tensors:
         others = [n for i, n in enumerate(t.logical_shape) if i != dim]
