@@ -511,50 +511,81 @@ def _x_planes(x_ptr, w0, BLOCK_W: tl.constexpr, NATIVE: tl.constexpr = False):
 
 
 @triton.jit
-def _gemv_words_step(acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, stride_sn,
-                     FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_W: tl.constexpr,
-                     NATIVE: tl.constexpr):  # fmt: skip
-    """acc [rows, G] + this step's share of each (row, group): the step's words [rows, BLOCK_W]
-    from word w0, their activations and their groups' scales. int4: s * (sum (u - 8) x
-    - (z - 8) sum x) (a float zero point: s * sum (u - 8) x + zero * sum x; symmetric: no
-    sum x); e2m1: s * sum v x, v the value * 2**-14 (`_word_pair`)."""
-    ROWS: tl.constexpr = words.shape[0]
-    WG: tl.constexpr = GROUP // 8 if GROUP // 8 < BLOCK_W else BLOCK_W  # words per group
-    G: tl.constexpr = BLOCK_W // WG
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptr, w0, BLOCK_W, NATIVE)
-    group = (w0 + tl.arange(0, G) * WG) // (GROUP // 8)
-    scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
-                               n_ok[:, None], FORMAT)  # fmt: skip
-    if FORMAT >= _MXFP4:
+def _x_token(x_ptr, m0, t: tl.constexpr, M, stride_xm):
+    """x's row for the program's token t: the last token's where m0 + t is past M (a tile's
+    padding: loaded, never stored), so that no load needs a mask."""
+    return x_ptr + tl.minimum(m0 + t, M - 1) * stride_xm
+
+
+@triton.jit
+def _fma_plane(products, weights, xs, j: tl.constexpr, FIRST: tl.constexpr):
+    """Each token's products + weights * its plane j (one FFMA per weight and token)."""
+    new = ()
+    for t in tl.static_range(len(xs)):
+        if FIRST:
+            new = new + (weights * xs[t][j][None, :],)
+        else:
+            new = new + (products[t] + weights * xs[t][j][None, :],)
+    return new
+
+
+@triton.jit
+def _word_products(words, xs, FORMAT: tl.constexpr):
+    """Per token, the step's products [rows, BLOCK_W] summed over each word's 8 codes: every
+    plane of codes decoded once and multiplied by each token's plane (xs[t], `_x_planes`)."""
+    if FORMAT >= _MXFP4:  # planes (j, j + 4) decoded together, summed in the order 0 4 1 5 ..
         low, high = _halves_to_fp32(_word_pair(words, 0))
-        p = low * x0[None, :]
-        p += high * x4[None, :]  # one FFMA per product (a sum of two products is three ops)
-        low, high = _halves_to_fp32(_word_pair(words, 1))
-        p += low * x1[None, :]
-        p += high * x5[None, :]
-        low, high = _halves_to_fp32(_word_pair(words, 2))
-        p += low * x2[None, :]
-        p += high * x6[None, :]
-        low, high = _halves_to_fp32(_word_pair(words, 3))
-        p += low * x3[None, :]
-        p += high * x7[None, :]
-        return acc + tl.sum(tl.reshape(p, (ROWS, G, WG)), axis=2) * scale
-    p = _int4_exact(words, 0) * x0[None, :]
-    p += _int4_exact(words, 1) * x1[None, :]
-    p += _int4_exact(words, 2) * x2[None, :]
-    p += _int4_exact(words, 3) * x3[None, :]
-    p += _int4_exact(words, 4) * x4[None, :]
-    p += _int4_exact(words, 5) * x5[None, :]
-    p += _int4_exact(words, 6) * x6[None, :]
-    p += _int4_exact(words, 7) * x7[None, :]
-    group_sum = tl.sum(tl.reshape(p, (ROWS, G, WG)), axis=2)
-    if FORMAT == _INT4_SYM:
+        products = _fma_plane((), low, xs, 0, True)
+        products = _fma_plane(products, high, xs, 4, False)
+        for j in tl.static_range(1, 4):
+            low, high = _halves_to_fp32(_word_pair(words, j))
+            products = _fma_plane(products, low, xs, j, False)
+            products = _fma_plane(products, high, xs, j + 4, False)
+        return products
+    products = _fma_plane((), _int4_exact(words, 0), xs, 0, True)
+    for j in tl.static_range(1, 8):
+        products = _fma_plane(products, _int4_exact(words, j), xs, j, False)
+    return products
+
+
+@triton.jit
+def _group_share(acc, products, x, scale, zero, FORMAT: tl.constexpr, G: tl.constexpr,
+                 WG: tl.constexpr):  # fmt: skip
+    """One token's acc [rows, G] + the step's share of each (row, group), from its products
+    (`_word_products`) and its planes x. int4: s * (sum (u - 8) x - (z - 8) sum x) (a float
+    zero point: s * sum (u - 8) x + zero * sum x; symmetric: no sum x); e2m1: s * sum v x, v
+    the value * 2**-14 (`_word_pair`)."""
+    ROWS: tl.constexpr = products.shape[0]
+    group_sum = tl.sum(tl.reshape(products, (ROWS, G, WG)), axis=2)
+    if FORMAT >= _MXFP4 or FORMAT == _INT4_SYM:
         return acc + group_sum * scale
-    x_word = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    x_word = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]))
     x_sum = tl.sum(tl.reshape(x_word, (G, WG)), axis=1)[None, :]
     if FORMAT == _INT4_FZERO:
         return acc + group_sum * scale + zero * x_sum
     return acc + (group_sum - (zero - 8.0) * x_sum) * scale
+
+
+@triton.jit
+def _gemv_words_step(accs, words, x_ptr, m0, M, stride_xm, s_ptr, z_ptr, offs_n, n_ok, w0,
+                     stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_W: tl.constexpr, NATIVE: tl.constexpr):  # fmt: skip
+    """accs (per token of the program: [rows, G]) + this step's share of each (row, group):
+    the step's words [rows, BLOCK_W] from word w0, decoded once for all the tokens, their
+    activations and their groups' scales."""
+    WG: tl.constexpr = GROUP // 8 if GROUP // 8 < BLOCK_W else BLOCK_W  # words per group
+    G: tl.constexpr = BLOCK_W // WG
+    xs = ()
+    for t in tl.static_range(len(accs)):
+        xs = xs + (_x_planes(_x_token(x_ptr, m0, t, M, stride_xm), w0, BLOCK_W, NATIVE),)
+    group = (w0 + tl.arange(0, G) * WG) // (GROUP // 8)
+    scale, zero = _group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
+                               n_ok[:, None], FORMAT)  # fmt: skip
+    products = _word_products(words, xs, FORMAT)
+    new = ()
+    for t in tl.static_range(len(accs)):
+        new = new + (_group_share(accs[t], products[t], xs[t], scale, zero, FORMAT, G, WG),)
+    return new
 
 
 @triton.jit
@@ -563,31 +594,35 @@ def _gemv_words_kernel(
     M, N, KW, steps_per_split, stride_xm, stride_qw, stride_sn, stride_om,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, EVICT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    NATIVE: tl.constexpr = False,
+    NATIVE: tl.constexpr = False, BLOCK_M: tl.constexpr = 1,
 ):  # fmt: skip
     """The GEMV on 32-bit words (8 codes each; K a multiple of 8 * BLOCK_W): the codes are
     never split into bytes or put back in K order. Nibble j of every word in the tile is decoded
-    in place and multiplies the activations x[8w + j] (`_x_planes`, shared by the tile's rows);
-    each (row, group) keeps its own scaled sum across the steps, summed over the groups once at
-    the end. int4 (`_int4_exact`): one LOP3 and one subtraction per code, the exact u - 8;
-    e2m1 (`_word_pair`): nibbles j and j + 4 placed as the fp16 halves of one register by two
-    shifts and two masks, each half read as fp32 by one conversion.
-    Grid (row bands x tokens, splits of K): with SPLIT, each program takes steps_per_split steps
-    and the last of a band's splits to finish sums their partial sums (`finish_tile`), so that
-    a layer with few rows (o, down) still fills the GPU. The codes are loaded PREFETCH (1 or 2)
-    steps ahead of their use; EVICT loads them evict-first (each is read once)."""
+    in place and multiplies the activations x[8w + j] (`_x_planes`, shared by the tile's rows)
+    of each of the program's BLOCK_M tokens (the decode shared by them: a few tokens cost one
+    FFMA per weight and token more, not a decode each); each (row, group) keeps its own scaled
+    sum across the steps, summed over the groups once at the end. int4 (`_int4_exact`): one
+    LOP3 and one subtraction per code, the exact u - 8; e2m1 (`_word_pair`): nibbles j and
+    j + 4 placed as the fp16 halves of one register by two shifts and two masks, each half read
+    as fp32 by one conversion.
+    Grid (row bands x token tiles, splits of K): with SPLIT, each program takes steps_per_split
+    steps and the last of a band's splits to finish sums their partial sums (`finish_tile`), so
+    that a layer with few rows (o, down) still fills the GPU. The codes are loaded PREFETCH (1
+    or 2) steps ahead of their use; EVICT loads them evict-first (each is read once)."""
     pid = tl.program_id(0)
-    m = pid % M  # the programs of one weight band run together and share it through L2
-    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token_tiles = tl.cdiv(M, BLOCK_M)
+    m0 = (pid % token_tiles) * BLOCK_M  # a band's programs run together, sharing it through L2
+    offs_n = (pid // token_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     WG: tl.constexpr = GROUP // 8 if GROUP // 8 < BLOCK_W else BLOCK_W  # words per group
     G: tl.constexpr = BLOCK_W // WG  # groups per step
     POLICY: tl.constexpr = "evict_first" if EVICT else ""
     first_step = tl.program_id(1) * steps_per_split
     w_end = tl.minimum(first_step + steps_per_split, KW // BLOCK_W) * BLOCK_W
-    x_ptr += m * stride_xm
     q_ptrs = q_ptr + offs_n[:, None] * stride_qw + tl.arange(0, BLOCK_W)[None, :]
-    acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    accs = ()
+    for _ in tl.static_range(BLOCK_M):
+        accs = accs + (tl.zeros((BLOCK_N, G), dtype=tl.float32),)
     w0 = first_step * BLOCK_W
     # (`N * (w < w_end)` rows: nothing is loaded past this program's last step)
     words = tl.load(q_ptrs + w0, mask=(offs_n < N * (w0 < w_end))[:, None], other=0,
@@ -605,17 +640,20 @@ def _gemv_words_kernel(
             w1 = w0 + BLOCK_W
             words1 = tl.load(q_ptrs + w1, mask=(offs_n < N * (w1 < w_end))[:, None], other=0,
                              eviction_policy=POLICY)  # fmt: skip
-        acc = _gemv_words_step(acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, stride_sn,
-                               FORMAT, GROUP, BLOCK_W, NATIVE)  # fmt: skip
+        accs = _gemv_words_step(accs, words, x_ptr, m0, M, stride_xm, s_ptr, z_ptr, offs_n,
+                                n_ok, w0, stride_sn, FORMAT, GROUP, BLOCK_W, NATIVE)  # fmt: skip
         words = words1
         if PREFETCH == 2:
             words1 = words2
-    total = tl.sum(acc, axis=1)
+    token = tl.arange(0, BLOCK_M)
+    tile = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for t in tl.static_range(BLOCK_M):
+        tile = tl.where(token[None, :] == t, tl.sum(accs[t], axis=1)[:, None], tile)
     if FORMAT >= _MXFP4:  # the decoded e2m1 values are value * 2**-14
-        total = total * (_global_scale(g_ptr, FORMAT) * 16384.0)
-    offs_m = m + tl.arange(0, 1)
-    finish_tile(total[:, None], partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m,
-                n_ok, offs_m < M, M, N, stride_om, HAS_BIAS, SPLIT)  # fmt: skip
+        tile = tile * (_global_scale(g_ptr, FORMAT) * 16384.0)
+    offs_m = m0 + token
+    finish_tile(tile, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok,
+                offs_m < M, M, N, stride_om, HAS_BIAS, SPLIT)  # fmt: skip
 
 
 @triton.jit
@@ -806,6 +844,26 @@ def kernel_for(m: int, config: dict | None) -> str:
     return "small_m" if m <= FUSED_MAX_M else "dequantize"
 
 
+# Two tokens on a small weight: the word GEMV with both tokens in each program (the codes
+# decoded once for both) beat the kernels the op ran there, measured on the H100 on the
+# Llama-3.1-8B linears (bench/README.md, "Session 27"): int4 (native codes) on o (N x K = 17M;
+# not on qkv, 25M), MXFP4 and NVFP4 (canonical) on qkv and o. On larger weights, and from 3
+# tokens, the decode's cost per token makes it the slower.
+PAIR_GEMV_MAX_WEIGHTS = {"int4": 20_000_000, "fp4": 30_000_000}
+
+
+def pair_gemv_choice(fmt: Format, m: int, n: int, k: int, native: bool) -> dict | None:
+    """The word GEMV's config for M = 2 where it is the faster (above), else None: 16 rows,
+    both tokens per program, 128 words per step (K a multiple of 1024)."""
+    family = "fp4" if fmt >= Format.MXFP4 else "int4"
+    if m != 2 or n * k > PAIR_GEMV_MAX_WEIGHTS[family] or k % 1024:
+        return None
+    if family == "int4" and not native:  # measured on the native codes only
+        return None
+    return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": 128, "BLOCK_M": 2,
+            "num_warps": 4, "EVICT": 1, "NATIVE": int(native)}  # fmt: skip
+
+
 def register_choice(fmt: Format, x, qdata, group: int) -> dict | None:
     """The config of a register kernel where one runs this matmul and is the faster kernel for
     its token count on this GPU (the wgmma one, w4a16_gluon_wgmma.py, where `wgmma_chosen`;
@@ -840,6 +898,9 @@ def native_choice(fmt: Format, x, qdata, group: int) -> dict:
             block_w //= 2
         return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": block_w, "num_warps": 4,
                 "EVICT": 1, "NATIVE": 1}  # fmt: skip
+    pair = pair_gemv_choice(fmt, m, n, k, native=True)
+    if pair is not None:
+        return pair
     if wgmma_problem(int(fmt), x, qdata, group) is None:
         return {"KERNEL": "register_wgmma", **wgmma_config(m, n, k, x.device), "NATIVE": 1}
     return DEQUANTIZE
@@ -879,7 +940,7 @@ def _gemv_words_launch(config: dict, x, qdata, args, out, common) -> torch.Tenso
     optionally SPLIT_K, PREFETCH, EVICT); `args` as `linear_launch` passes them."""
     m, k = x.shape
     n = qdata.shape[0]
-    config = {"SPLIT_K": 1, "PREFETCH": 1, "EVICT": 0, "NATIVE": 0,
+    config = {"SPLIT_K": 1, "PREFETCH": 1, "EVICT": 0, "NATIVE": 0, "BLOCK_M": 1,
               **{key: v for key, v in config.items() if key != "KERNEL"}}  # fmt: skip
     if config["NATIVE"]:
         fmt = Format(common["FORMAT"])
@@ -893,13 +954,16 @@ def _gemv_words_launch(config: dict, x, qdata, args, out, common) -> torch.Tenso
             f"word GEMV config PREFETCH={config['PREFETCH']!r}: the codes are "
             "loaded 1 or 2 steps ahead; give 1 or 2 (or leave it out for 1)"
         )
+    if config["BLOCK_M"] not in (1, 2, 4, 8):
+        raise ValueError(f"word GEMV config BLOCK_M={config['BLOCK_M']!r}: the tokens per "
+                         "program are 1, 2, 4 or 8 (or leave it out for 1)")  # fmt: skip
     if x.dtype != torch.float32 and x.data_ptr() % 4:
         x = x.clone()  # 16-bit activations are read as 32-bit pairs (`_x_planes`)
     words = qdata.view(torch.int32)  # 8 codes per word, element 8w + j at bits 4j
     steps = words.shape[1] // config["BLOCK_W"]
     steps_per_split = triton.cdiv(steps, min(config.pop("SPLIT_K"), max(steps, 1)))
     split = triton.cdiv(steps, steps_per_split) if steps else 1
-    grid = (triton.cdiv(n, config["BLOCK_N"]) * m, split)
+    grid = (triton.cdiv(n, config["BLOCK_N"]) * triton.cdiv(m, config["BLOCK_M"]), split)
     partials, arrived = workspace(m, n, split, grid[0], x.device) if split > 1 else (out, out)
     _gemv_words_kernel[grid](
         x, words, *args[2:], partials, arrived, m, n, words.shape[1], steps_per_split,
@@ -925,6 +989,8 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
                 config.get("KERNEL") != "dequantize" and not config.get("NATIVE")):  # fmt: skip
             raise ValueError(f"config {config} for codes in the native order: only "
                              f"{list(NATIVE_KERNELS)} read it, with NATIVE = 1")  # fmt: skip
+    if config is None and fmt >= Format.MXFP4:
+        config = pair_gemv_choice(fmt, m, n, k, native=False)
     if config is None:
         config = register_choice(fmt, x, qdata, group)
     if config is None:

@@ -209,12 +209,45 @@ def test_the_word_gemv_options_match_the_reference(name, group, n, k, options, m
     check(out, whole, torch.float32 if dtype == torch.float32 else dtype)
 
 
+# Several tokens per program (BLOCK_M: the codes decoded once for all of them), a last tile
+# with fewer tokens than BLOCK_M, split and not, every format.
+WORD_GEMV_TOKENS = [
+    ("int4-asym", 128, 40, 1024, dict(BLOCK_N=16, BLOCK_W=32, BLOCK_M=2), 3),
+    ("int4-asym", 64, 33, 768, dict(BLOCK_N=8, BLOCK_W=32, BLOCK_M=4), 6),
+    ("int4-sym", 128, 24, 2048, dict(BLOCK_N=16, BLOCK_W=64, BLOCK_M=4, SPLIT_K=3), 4),
+    ("int4-fzero", 32, 17, 512, dict(BLOCK_N=16, BLOCK_W=16, BLOCK_M=2, SPLIT_K=2), 2),
+    ("int4-asym", 256, 24, 1024, dict(BLOCK_N=8, BLOCK_W=32, BLOCK_M=8), 9),
+    ("int4-sym", 16, 24, 768, dict(BLOCK_N=8, BLOCK_W=32, BLOCK_M=2), 5),
+    ("mxfp4", 32, 40, 1024, dict(BLOCK_N=16, BLOCK_W=32, BLOCK_M=2, PREFETCH=2), 3),
+    ("mxfp4", 16, 24, 512, dict(BLOCK_N=8, BLOCK_W=64, BLOCK_M=4), 4),
+    ("nvfp4", 16, 33, 768, dict(BLOCK_N=16, BLOCK_W=16, BLOCK_M=2, SPLIT_K=2), 3),
+    ("nvfp4", 16, 16, 1024, dict(BLOCK_N=8, BLOCK_W=32, BLOCK_M=4), 7),
+]
+
+
+@pytest.mark.parametrize("dtype", [ACT_DTYPE, torch.float32])
+@pytest.mark.parametrize(("name", "group", "n", "k", "options", "m"), WORD_GEMV_TOKENS)
+def test_the_word_gemv_takes_several_tokens_per_program(name, group, n, k, options, m, dtype):
+    load_w4a16_ops()
+    weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
+    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
+    bias = torch.randn(n, dtype=dtype, device=DEVICE)
+    config = {"KERNEL": "gemv_words", "num_warps": 4, **options}
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    out.copy_(weight.launch(x, bias, config))  # every element written (nan otherwise)
+    check(out, weight.reference(x, bias), dtype)
+    # Each token's sums are those of a program that takes it alone.
+    alone = weight.launch(x, bias, {**config, "BLOCK_M": 1, "SPLIT_K": 1})
+    check(out, alone, torch.float32 if dtype == torch.float32 else dtype)
+
+
 @pytest.mark.parametrize("dtype", [ACT_DTYPE, torch.float32])
 @pytest.mark.parametrize(("name", "group", "n", "k", "options", "m"), [
     ("int4-asym", 128, 40, 1024, dict(BLOCK_N=16, BLOCK_W=16, SPLIT_K=3, PREFETCH=2), 1),
     ("int4-sym", 128, 24, 512, dict(BLOCK_N=8, BLOCK_W=64), 2),
     ("int4-fzero", 256, 33, 768, dict(BLOCK_N=16, BLOCK_W=32, SPLIT_K=2), 1),
     ("int4-asym", 256, 17, 2048, dict(BLOCK_N=32, BLOCK_W=128, PREFETCH=2, EVICT=1), 1),
+    ("int4-asym", 128, 33, 1024, dict(BLOCK_N=16, BLOCK_W=64, BLOCK_M=2), 3),
 ])  # fmt: skip
 def test_the_word_gemv_reads_native_codes(name, group, n, k, options, m, dtype):
     """NATIVE = 1 (codes in `native_codes`' order, the wgmma kernel's): each word's nibbles
@@ -477,6 +510,37 @@ def test_the_kernel_is_chosen_by_the_number_of_tokens():
     assert kernel_for(300, CONFIGS["gemv-wide"]) == "gemv"
 
 
+def test_two_tokens_on_a_small_weight_run_the_word_gemv_with_both_tokens_per_program():
+    """The rule measured on the H100 (PAIR_GEMV_MAX_WEIGHTS): M = 2 only, weights up to 20M
+    (int4, native codes) or 30M (FP4) elements, K a multiple of a 1024-column step."""
+    from qshard.kernels.w4a16_triton import Format, pair_gemv_choice
+
+    config = pair_gemv_choice(Format.MXFP4, 2, 6144, 4096, native=False)
+    assert config["KERNEL"] == "gemv_words" and config["BLOCK_M"] == 2 and not config["NATIVE"]
+    assert pair_gemv_choice(Format.NVFP4, 2, 4096, 4096, native=False) is not None
+    assert pair_gemv_choice(Format.NVFP4, 3, 4096, 4096, native=False) is None  # 3 tokens
+    assert pair_gemv_choice(Format.MXFP4, 2, 28672, 4096, native=False) is None  # gate_up
+    assert pair_gemv_choice(Format.MXFP4, 2, 4096, 4096 + 512, native=False) is None  # K
+    assert pair_gemv_choice(Format.INT4_ASYM, 2, 4096, 4096, native=True)["NATIVE"] == 1
+    assert pair_gemv_choice(Format.INT4_ASYM, 2, 6144, 4096, native=True) is None  # qkv
+    assert pair_gemv_choice(Format.INT4_SYM, 2, 4096, 4096, native=False) is None  # unmeasured
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_the_op_runs_two_fp4_tokens_on_the_pair_gemv(name):
+    """FP4 at two tokens through the op's own choice (no config): the word GEMV, both tokens
+    in each program, against the reference."""
+    from qshard.kernels.w4a16_triton import pair_gemv_choice
+
+    load_w4a16_ops()
+    group = 32 if name == "mxfp4" else 16
+    weight = quantized(name, torch.randn(40, 1024, device=DEVICE) * 0.02, group)
+    assert pair_gemv_choice(weight.fmt, 2, 40, 1024, native=False) is not None
+    x = torch.randn(2, 1024, dtype=ACT_DTYPE, device=DEVICE)
+    bias = torch.randn(40, dtype=ACT_DTYPE, device=DEVICE)
+    check(weight.launch(x, bias, None), weight.reference(x, bias), ACT_DTYPE)
+
+
 COMPILE_FOR_SM80 = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -496,16 +560,17 @@ from qshard.kernels.w4a16_triton import _gemv_words_kernel
 names = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "g_ptr", "bias_ptr", "out_ptr", "partials_ptr",
          "arrived_ptr", "M", "N", "KW", "steps_per_split", "stride_xm", "stride_qw", "stride_sn",
          "stride_om", "FORMAT", "GROUP", "HAS_BIAS", "SPLIT", "PREFETCH", "EVICT", "BLOCK_N",
-         "BLOCK_W", "NATIVE"]
-for fmt, native in ((0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (0, 1), (2, 1)):
+         "BLOCK_W", "NATIVE", "BLOCK_M"]
+for fmt, native, tokens in ((0, 0, 1), (1, 0, 2), (2, 0, 1), (3, 0, 2), (4, 0, 1), (0, 1, 2),
+                            (2, 1, 1)):
     scale = "*u8" if fmt >= 3 else "*bf16"
     types = ["*bf16", "*i32", scale, "*bf16", "*fp32", "*bf16", "*bf16", "*fp32", "*i32"]
     triton.compile(
         ASTSource(fn=_gemv_words_kernel,
-                  signature=dict(zip(names, types + ["i32"] * 8 + ["constexpr"] * 9)),
+                  signature=dict(zip(names, types + ["i32"] * 8 + ["constexpr"] * 10)),
                   constexprs={"FORMAT": fmt, "GROUP": 128 if fmt < 3 else 16, "HAS_BIAS": True,
                               "SPLIT": True, "PREFETCH": 2, "EVICT": 1, "BLOCK_N": 16,
-                              "BLOCK_W": 128, "NATIVE": native}),
+                              "BLOCK_W": 128, "NATIVE": native, "BLOCK_M": tokens}),
         target=GPUTarget("cuda", 80, 32),
     )
 """
