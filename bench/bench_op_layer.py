@@ -34,7 +34,7 @@ from bench_register_ws import reference
 from qshard.kernels.availability import native_int4_problem
 from qshard.kernels.packing import native_codes
 from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
-from qshard.kernels.w4a16_triton import Format, linear_launch, native_choice, register_choice
+from qshard.kernels.w4a16_triton import Format, linear_launch, op_choice
 
 LAYER_KEYS = ("bf16", "op", "canonical", "wgmma", "marlin")
 MAX_RELATIVE_ERROR = 0.03
@@ -71,8 +71,7 @@ def main() -> None:
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = x.float() @ exact.T
-            choice = native_choice(fmt, x, held[0][0], group) if native else register_choice(
-                fmt, x, q, group)  # fmt: skip
+            choice = op_choice(fmt, x, held[0][0], group, native)
             chosen = (choice or {}).get("KERNEL", "triton") + (" native" if native else "")
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             checked = [linear_launch(fmt, x, held[0][0], s, z, gs, None, group, native=native)]

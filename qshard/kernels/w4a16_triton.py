@@ -96,6 +96,8 @@ __all__ = [
     "kernel_for",
     "linear_launch",
     "native_choice",
+    "op_choice",
+    "pair_gemv_choice",
     "small_m_config",
     "tuned_format",
 ]
@@ -909,6 +911,20 @@ def native_choice(fmt: Format, x, qdata, group: int) -> dict:
 NATIVE_KERNELS = ("gemv_words", "register_wgmma", "dequantize")  # the kernels that read it
 
 
+def op_choice(fmt: Format, x, qdata, group: int, native: bool = False) -> dict | None:
+    """The config the op picks by measurement for this matmul, if any (else `linear_launch`
+    takes a tuned config or the built-in default): `native_choice` for native codes; else the
+    word GEMV for two FP4 tokens on a small weight (`pair_gemv_choice`), else a register
+    kernel's (`register_choice`)."""
+    if native:
+        return native_choice(fmt, x, qdata, group)
+    if fmt >= Format.MXFP4:
+        pair = pair_gemv_choice(fmt, x.shape[0], qdata.shape[0], x.shape[1], native=False)
+        if pair is not None:
+            return pair
+    return register_choice(fmt, x, qdata, group)
+
+
 def _scale_arg(scale: torch.Tensor) -> torch.Tensor:
     # FP8 scales (e8m0, e4m3) are read as their bytes and decoded in `_group_scale`.
     fp8 = (torch.float8_e8m0fnu, torch.float8_e4m3fn)
@@ -989,10 +1005,8 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
                 config.get("KERNEL") != "dequantize" and not config.get("NATIVE")):  # fmt: skip
             raise ValueError(f"config {config} for codes in the native order: only "
                              f"{list(NATIVE_KERNELS)} read it, with NATIVE = 1")  # fmt: skip
-    if config is None and fmt >= Format.MXFP4:
-        config = pair_gemv_choice(fmt, m, n, k, native=False)
     if config is None:
-        config = register_choice(fmt, x, qdata, group)
+        config = op_choice(fmt, x, qdata, group)
     if config is None:
         config = tuned_config("w4a16", tuned_format(fmt, group), n, k, m, x.device)
         config = config or default_config(fmt, m, n, k, x.device)
