@@ -886,9 +886,10 @@ def register_choice(fmt: Format, x, qdata, group: int) -> dict | None:
 def native_choice(fmt: Format, x, qdata, group: int) -> dict:
     """The kernel for int4 codes in `packing.native_codes`' order (what an int4 weight holds on
     Hopper, layouts/int4.py): the word GEMV at one token (its step the largest power of two of
-    words up to 128 or 256 that divides K), the wgmma kernel up to 128 tokens where it runs,
+    words up to 128 or 256 that divides K) and at two on a small weight (`pair_gemv_choice`),
+    the wgmma kernel up to 128 tokens where it runs,
     else dequantize (un-permuting the codes) + cuBLAS. Measured on the H100: bench/README.md,
-    "Session 26"."""
+    "Session 26" and "Session 27"."""
     m, k = x.shape
     n = qdata.shape[0]
     if m <= GEMV_MAX_M:
