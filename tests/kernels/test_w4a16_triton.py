@@ -193,22 +193,6 @@ WORD_GEMV_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [ACT_DTYPE, torch.float32])
-@pytest.mark.parametrize(("name", "group", "n", "k", "options", "m"), WORD_GEMV_OPTIONS)
-def test_the_word_gemv_options_match_the_reference(name, group, n, k, options, m, dtype):
-    load_w4a16_ops()
-    weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
-    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
-    bias = torch.randn(n, dtype=dtype, device=DEVICE)
-    config = {"KERNEL": "gemv_words", "num_warps": 4, **options}
-    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
-    out.copy_(weight.launch(x, bias, config))  # every element written (nan otherwise)
-    check(out, weight.reference(x, bias), dtype)
-    # The same sums, however K is split: equal up to fp32 summation order.
-    whole = weight.launch(x, bias, {**config, "SPLIT_K": 1})
-    check(out, whole, torch.float32 if dtype == torch.float32 else dtype)
-
-
 # Several tokens per program (BLOCK_M: the codes decoded once for all of them), a last tile
 # with fewer tokens than BLOCK_M, split and not, every format.
 WORD_GEMV_TOKENS = [
@@ -226,8 +210,9 @@ WORD_GEMV_TOKENS = [
 
 
 @pytest.mark.parametrize("dtype", [ACT_DTYPE, torch.float32])
-@pytest.mark.parametrize(("name", "group", "n", "k", "options", "m"), WORD_GEMV_TOKENS)
-def test_the_word_gemv_takes_several_tokens_per_program(name, group, n, k, options, m, dtype):
+@pytest.mark.parametrize(("name", "group", "n", "k", "options", "m"),
+                         WORD_GEMV_OPTIONS + WORD_GEMV_TOKENS)  # fmt: skip
+def test_the_word_gemv_options_match_the_reference(name, group, n, k, options, m, dtype):
     load_w4a16_ops()
     weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
     x = torch.randn(m, k, dtype=dtype, device=DEVICE)
@@ -236,7 +221,8 @@ def test_the_word_gemv_takes_several_tokens_per_program(name, group, n, k, optio
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     out.copy_(weight.launch(x, bias, config))  # every element written (nan otherwise)
     check(out, weight.reference(x, bias), dtype)
-    # Each token's sums are those of a program that takes it alone.
+    # The same sums however K is split and however many tokens a program takes: equal to
+    # one program per token over all of K, up to fp32 summation order.
     alone = weight.launch(x, bias, {**config, "BLOCK_M": 1, "SPLIT_K": 1})
     check(out, alone, torch.float32 if dtype == torch.float32 else dtype)
 
