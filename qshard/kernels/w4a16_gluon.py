@@ -198,6 +198,16 @@ if GLUON_IMPORT_ERROR is None:
         "mov.b32 {$0, $1}, v0; mov.b32 {$2, $3}, v1; mov.b32 {$4, $5}, v2; mov.b32 {$6, $7}, v3;\n"
         "}"
     )
+    # The pairs (u - z) alone, exact, unscaled ($9 = -(128 + zero), bf16): the wgmma kernel's
+    # PROMOTE config multiplies the chunk's fp32 sums by the scale instead (one group a chunk).
+    _DECODE_BF16_UNSCALED = gl.constexpr(
+        "{\n.reg .b32 r, v0, v1, v2, v3, mask, bias, one, nz;\n"
+        "mov.b32 mask, 0x000f000f; mov.b32 bias, 0x43004300; mov.b32 one, 0x3f803f80;\n"
+        "mov.b32 nz, {$9, $9};\n"
+        + _DECODE_PAIRS
+        + "mov.b32 {$0, $1}, v0; mov.b32 {$2, $3}, v1;\n"
+        "mov.b32 {$4, $5}, v2; mov.b32 {$6, $7}, v3;\n}"
+    )
     # The same pairs (u - z) exact, then in fp32: (u - z) * scale + zero ($9 scale, $11 zero,
     # fp32; zero -0.0 for the integer formats), rounded once, converted by cvt.rn to `$CVT`.
     _DECODE_FP32 = (
@@ -221,6 +231,7 @@ if GLUON_IMPORT_ERROR is None:
         return gl.constexpr(decode.value.replace(_DECODE_PAIRS, _DECODE_PAIRS_NATIVE))
 
     _DECODE_BF16_NATIVE = _with_native_pairs(_DECODE_BF16)
+    _DECODE_BF16_UNSCALED_NATIVE = _with_native_pairs(_DECODE_BF16_UNSCALED)
     _DECODE_FP32_BF16_NATIVE = _with_native_pairs(_DECODE_FP32_BF16)
     _DECODE_FP32_F16_NATIVE = _with_native_pairs(_DECODE_FP32_F16)
     # MXFP4 (e2m1 codes): byte b's two nibbles as above, each placed as bf16 bits
@@ -368,10 +379,12 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _chunk_weights(words, scale, zero, j: gl.constexpr, FORMAT: gl.constexpr,
-                       dtype: gl.constexpr, NATIVE: gl.constexpr = False):  # fmt: skip
+                       dtype: gl.constexpr, NATIVE: gl.constexpr = False,
+                       UNSCALED: gl.constexpr = False):  # fmt: skip
         """Word j of each thread's runs decoded: the A operand [rows, 32] (logical columns
         32j + 8b + 2t + h of the chunk, see the module docstring), in `dtype`. NATIVE: the
-        int4 codes in the native order (`_DECODE_PAIRS_NATIVE`)."""
+        int4 codes in the native order (`_DECODE_PAIRS_NATIVE`). UNSCALED (int4 / symmetric
+        int4, bf16): u - z only, the scale left to the caller (`_DECODE_BF16_UNSCALED`)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         w = gl.reshape(words, [TILE_ROWS, 4, 2, 2])  # word j = 2 j1 + j0, in registers
         w = gl.split(gl.split(w)[j % 2])[j // 2]  # [rows, 4 runs]
@@ -389,19 +402,28 @@ if GLUON_IMPORT_ERROR is None:
                     _DECODE_E2M1_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, scale],
                     dtype=(gl.float16,) * 8, is_pure=True, pack=1)  # fmt: skip
         else:
-            p = _int4_planes(w, scale, zero, FORMAT, dtype, NATIVE)
+            p = _int4_planes(w, scale, zero, FORMAT, dtype, NATIVE, UNSCALED)
         return _fragments(p)
 
     @gluon.jit
     def _int4_planes(w, scale, zero, FORMAT: gl.constexpr, dtype: gl.constexpr,
-                     NATIVE: gl.constexpr):  # fmt: skip
-        """The int4 formats' 8 planes of word w (`_DECODE_BF16`, `_DECODE_FP32`)."""
+                     NATIVE: gl.constexpr, UNSCALED: gl.constexpr = False):  # fmt: skip
+        """The int4 formats' 8 planes of word w (`_DECODE_BF16`, `_DECODE_FP32`; UNSCALED:
+        `_DECODE_BF16_UNSCALED`)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         if FORMAT == 2:  # float zero point: (u - 8) * s + zero
             neg_c = gl.full([TILE_ROWS, 4], -136.0, gl.bfloat16, w.type.layout)
         else:
             neg_c = (-(zero.to(gl.float32) + 128.0)).to(gl.bfloat16)  # exact: 8-bit integers
-        if dtype == gl.bfloat16 and FORMAT != 2:
+        if UNSCALED:
+            gl.static_assert(dtype == gl.bfloat16 and FORMAT != 2,
+                             "unscaled planes: the integer int4 formats, bf16")
+            p = gl.inline_asm_elementwise(
+                _DECODE_BF16_UNSCALED_NATIVE if NATIVE else _DECODE_BF16_UNSCALED,
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, neg_c],
+                dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
+            )  # fmt: skip
+        elif dtype == gl.bfloat16 and FORMAT != 2:
             p = gl.inline_asm_elementwise(
                 _DECODE_BF16_NATIVE if NATIVE else _DECODE_BF16,
                 "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [w, scale, neg_c],

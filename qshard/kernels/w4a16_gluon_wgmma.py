@@ -78,8 +78,8 @@ from .packing import check_native_order, native_codes
 from .split_k import _sm_count
 from .w4a16_gluon import MXFP4, NVFP4, register_problem
 
-__all__ = ["WGMMA_BLOCK_T", "native_codes", "permute_x", "tma_ready", "wgmma_config",
-           "wgmma_launch", "wgmma_problem"]
+__all__ = ["WGMMA_BLOCK_T", "native_codes", "permute_x", "promote_config", "tma_ready",
+           "wgmma_config", "wgmma_launch", "wgmma_problem"]
 
 CHUNK = 128  # columns of K per ring slot
 WORDS = CHUNK // 8  # int32 code words per row and chunk
@@ -88,6 +88,8 @@ SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the
 WGMMA_BLOCK_T = (16, 32, 64, 128)  # token tiles (wgmma's N); 128: 64 accumulator registers
 X_BY_TMA_MIN_T = 64  # token tiles from which x is permuted beforehand and copied by TMA
 GROUP_CHUNKS = 4  # chunks per unrolled group (`_chunk_group`); the MMAs drain between groups
+PROMOTE_FORMATS = (0, 1)  # int4 asymmetric, symmetric: u - z is exact in bf16
+PROMOTE_MAX_T = 32  # a fresh accumulator per chunk: at BLOCK_T 64 the consumers spill (sm_90 SASS)
 
 
 def wgmma_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
@@ -98,6 +100,16 @@ def wgmma_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) ->
     if reason is None and x.shape[0] > WGMMA_BLOCK_T[-1]:
         reason = f"it takes up to {WGMMA_BLOCK_T[-1]} tokens, not {x.shape[0]}"
     return reason
+
+
+def promote_config(fmt: int, x: torch.Tensor, group: int, block_t: int) -> dict:
+    """PROMOTE (module docstring) where it runs, with the unrolled groups of 2 chunks measured
+    fastest with it (H100, native int4 codes, the Llama layer at 2-32 tokens: 77.3 -> 73.4 us at
+    16; docs/kernels/w4a16_register.md, "Session 28"); else nothing."""
+    if (fmt in PROMOTE_FORMATS and group % CHUNK == 0 and x.dtype == torch.bfloat16
+            and block_t <= PROMOTE_MAX_T):  # fmt: skip
+        return {"PROMOTE": 1, "GROUP_CHUNKS": 2}
+    return {}
 
 
 def tma_ready(x: torch.Tensor) -> torch.Tensor:
@@ -169,6 +181,13 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     x_by_tma = native or bool(config.get("X_BY_TMA", block_t >= X_BY_TMA_MIN_T))
     if native:
         check_native_order(fmt < MXFP4, group, f"format {fmt}")
+    promote = bool(config.get("PROMOTE", 0))
+    if promote and (fmt not in PROMOTE_FORMATS or group % CHUNK or x.dtype != torch.bfloat16
+                    or block_t > PROMOTE_MAX_T):  # fmt: skip
+        raise ValueError(
+            f"wgmma W4A16 config {config} (format {fmt}, group {group}, {x.dtype}): PROMOTE "
+            f"scales each chunk's sums, so it needs int4 (asymmetric or symmetric) with groups "
+            f"of a multiple of 128, bf16 x and BLOCK_T <= {PROMOTE_MAX_T}; drop PROMOTE")
     if (block_t not in WGMMA_BLOCK_T or block_t < m or not 2 <= stages <= _stages(block_t)
             or steps < 1 or group_chunks < 1):  # fmt: skip
         raise ValueError(f"wgmma W4A16 config {config} for {m} tokens: BLOCK_T must be one of "
@@ -200,7 +219,7 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
         m, n, k, scale.stride(0), splits, steps,
         FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STAGES=stages,
         GROUP_CHUNKS=group_chunks, BLOCK_T=block_t, X_BY_TMA=x_by_tma,
-        PRODUCER_WARPS=1 if x_by_tma else 4, NATIVE=native, num_warps=4,
+        PRODUCER_WARPS=1 if x_by_tma else 4, NATIVE=native, PROMOTE=promote, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -210,6 +229,8 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
 if GLUON_IMPORT_ERROR is None:
     from .fp8_blockwise_gluon import _finish_half
     from .w4a16_gluon import _chunk_scales, _chunk_weights, _codes_layout
+
+    _CHUNK = gl.constexpr(CHUNK)
     from .w4a16_gluon_ws import _codes_2d
 
     _WORDS = gl.constexpr(WORDS)
@@ -218,13 +239,31 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _a_operand(words, scale, zero, first: gl.constexpr, A: gl.constexpr,
-                   FORMAT: gl.constexpr, dtype: gl.constexpr, NATIVE: gl.constexpr):  # fmt: skip
+                   FORMAT: gl.constexpr, dtype: gl.constexpr, NATIVE: gl.constexpr,
+                   UNSCALED: gl.constexpr = False):  # fmt: skip
         """Words `first` and `first + 1` of each thread's runs decoded: the A operand [64 rows,
         64 MMA columns 32 jj + c] (c as `_chunk_weights` orders a word's 32)."""
-        lo = _chunk_weights(words, scale, zero, first, FORMAT, dtype, NATIVE)
-        hi = _chunk_weights(words, scale, zero, first + 1, FORMAT, dtype, NATIVE)
+        lo = _chunk_weights(words, scale, zero, first, FORMAT, dtype, NATIVE, UNSCALED)
+        hi = _chunk_weights(words, scale, zero, first + 1, FORMAT, dtype, NATIVE, UNSCALED)
         a = gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [_HALF_ROWS, 64])
         return gl.convert_layout(a, A, assert_trivial=True)
+
+    @gluon.jit
+    def _scales_of(s_ptr, z_ptr, at, step, K, stride_sn, FORMAT: gl.constexpr,
+                   GROUP: gl.constexpr, dtype: gl.constexpr, MMA: gl.constexpr,
+                   PROMOTE: gl.constexpr):  # fmt: skip
+        """Chunk `step`'s scales and zeros in the decode's layout (`_chunk_scales`); PROMOTE:
+        also the scale of each of the half's 64 rows in the accumulator's layout (fp32), by
+        which the chunk's sums are multiplied (one group a chunk: GROUP % 128 == 0)."""
+        scales = _chunk_scales(s_ptr, z_ptr, at, step, K, stride_sn, FORMAT, GROUP, dtype)
+        if PROMOTE:
+            row0, chunk0, n_live, _ = at
+            rows = row0 + gl.arange(0, _HALF_ROWS, layout=gl.SliceLayout(1, MMA))
+            col = (chunk0 + step) * _CHUNK
+            ok = (rows < n_live) & (col < K)
+            rows_scale = gl.load(s_ptr + rows * stride_sn + col // GROUP, mask=ok, other=0)
+            scales = (scales[0], scales[1], rows_scale.to(gl.float32))
+        return scales
 
     @gluon.jit
     def _item_chunks(item, tiles, chunks, steps):
@@ -236,8 +275,8 @@ if GLUON_IMPORT_ERROR is None:
     def _chunk_group(acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st0, chunk, ahead,
                      later, K, stride_sn, half: gl.constexpr, FORMAT: gl.constexpr,
                      GROUP: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
-                     BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr,
-                     NATIVE: gl.constexpr):  # fmt: skip
+                     BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr, NATIVE: gl.constexpr,
+                     PROMOTE: gl.constexpr):  # fmt: skip
         """GROUP_CHUNKS chunks of the item at `at` from its chunk st0 (`chunk`: this consumer's
         running count, which names the ring slot and its phase): per chunk the scales two
         ahead, the wait for its slot, the decode, two asynchronous wgmmas, then the wait for
@@ -245,16 +284,18 @@ if GLUON_IMPORT_ERROR is None:
         chunk's slot released; at the group's end every MMA is waited for. ptxas serializes
         every wgmma of the kernel if one with a register operand is in flight across a loop's
         back edge ("insufficient register resources", C7512), so the groups are the unrolled
-        body of the chunk loop and none crosses it."""
+        body of the chunk loop and none crosses it. PROMOTE: the weights decoded unscaled
+        (u - z, exact in bf16), each chunk's MMAs into a fresh accumulator, added to `acc`
+        times its rows' scales once they are done (the previous chunk's, after the wait)."""
         MMA: gl.constexpr = acc.type.layout
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         dtype: gl.constexpr = x_ring.dtype
         for j in gl.static_range(GROUP_CHUNKS):
-            scale, zero = ahead
+            scales = ahead
             ahead = later
             # (chunks past the item: loaded, not used; past K: masked)
-            later = _chunk_scales(s_ptr, z_ptr, at, st0 + j + 2, K, stride_sn, FORMAT, GROUP,
-                                  dtype)  # fmt: skip
+            later = _scales_of(s_ptr, z_ptr, at, st0 + j + 2, K, stride_sn, FORMAT, GROUP, dtype,
+                               MMA, PROMOTE)  # fmt: skip
             slot = chunk % STAGES
             mbarrier.wait(ready.index(slot), (chunk // STAGES) & 1)
             if not X_BY_TMA:  # x came by cp.async (the generic proxy); wgmma reads it async
@@ -262,19 +303,39 @@ if GLUON_IMPORT_ERROR is None:
             words = codes_ring.index(slot).slice(half * _HALF_ROWS, _HALF_ROWS)
             words = gl.convert_layout(gl.reshape(words.load(_codes_2d(4)), [_HALF_ROWS, 4, 4]),
                                       _codes_layout(4), assert_trivial=True)  # fmt: skip
-            a0 = _a_operand(words, scale, zero, 0, A, FORMAT, dtype, NATIVE)
-            acc = warpgroup_mma(a0, x_ring.index(2 * slot).permute((1, 0)), acc, is_async=True)
-            a1 = _a_operand(words, scale, zero, 2, A, FORMAT, dtype, NATIVE)
-            acc = warpgroup_mma(a1, x_ring.index(2 * slot + 1).permute((1, 0)), acc,
-                                is_async=True)  # fmt: skip
+            a0 = _a_operand(words, scales[0], scales[1], 0, A, FORMAT, dtype, NATIVE, PROMOTE)
+            if PROMOTE:
+                part = warpgroup_mma(a0, x_ring.index(2 * slot).permute((1, 0)),
+                                     gl.zeros_like(acc), use_acc=False, is_async=True)
+            else:
+                acc = warpgroup_mma(a0, x_ring.index(2 * slot).permute((1, 0)), acc,
+                                    is_async=True)  # fmt: skip
+            a1 = _a_operand(words, scales[0], scales[1], 2, A, FORMAT, dtype, NATIVE, PROMOTE)
+            if PROMOTE:
+                part = warpgroup_mma(a1, x_ring.index(2 * slot + 1).permute((1, 0)), part,
+                                     is_async=True)  # fmt: skip
+            else:
+                acc = warpgroup_mma(a1, x_ring.index(2 * slot + 1).permute((1, 0)), acc,
+                                    is_async=True)  # fmt: skip
             if j > 0:  # the previous chunk's MMAs done: its A registers and its slot are free
-                acc, _, _ = warpgroup_mma_wait(
-                    num_outstanding=2, deps=(acc, last0, last1))  # noqa: F821 (unrolled: j - 1)
+                if PROMOTE:
+                    done, _, _ = warpgroup_mma_wait(
+                        num_outstanding=2, deps=(last_part, last0, last1))  # noqa: F821
+                    acc += done * last_scales[2][:, None]  # noqa: F821
+                else:
+                    acc, _, _ = warpgroup_mma_wait(
+                        num_outstanding=2, deps=(acc, last0, last1))  # noqa: F821 (j - 1)
                 fence_async_shared()  # its codes were read by LDS; TMA refills the slot
                 mbarrier.arrive(empty.index(last_slot), count=1)  # noqa: F821
+            if PROMOTE:
+                last_part, last_scales = part, scales
             last0, last1, last_slot = a0, a1, slot
             chunk += 1
-        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, last0, last1))
+        if PROMOTE:
+            done, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(last_part, last0, last1))
+            acc += done * last_scales[2][:, None]
+        else:
+            acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, last0, last1))
         fence_async_shared()
         mbarrier.arrive(empty.index(last_slot), count=1)
         return acc, chunk, ahead, later
@@ -284,8 +345,8 @@ if GLUON_IMPORT_ERROR is None:
                  cnt_ptr, M, N, K, stride_sn, splits, steps, half: gl.constexpr,
                  FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                  SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
-                 BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr,
-                 NATIVE: gl.constexpr):  # fmt: skip
+                 BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr, NATIVE: gl.constexpr,
+                 PROMOTE: gl.constexpr):  # fmt: skip
         """One consumer warpgroup, rows [64 half, 64 half + 64) of each tile (module
         docstring): each item's chunks in groups of GROUP_CHUNKS (`_chunk_group`), then one at
         a time; then the tile. (Unrolled over all of an item's 16-32 chunks instead, the two
@@ -306,20 +367,22 @@ if GLUON_IMPORT_ERROR is None:
             tile = item % tiles
             first, count = _item_chunks(item, tiles, chunks, steps)
             at = (tile * _TILE_ROWS + half * _HALF_ROWS, first, N, M)
-            ahead = _chunk_scales(s_ptr, z_ptr, at, 0, K, stride_sn, FORMAT, GROUP, dtype)
-            later = _chunk_scales(s_ptr, z_ptr, at, 1, K, stride_sn, FORMAT, GROUP, dtype)
+            ahead = _scales_of(s_ptr, z_ptr, at, 0, K, stride_sn, FORMAT, GROUP, dtype, MMA,
+                               PROMOTE)  # fmt: skip
+            later = _scales_of(s_ptr, z_ptr, at, 1, K, stride_sn, FORMAT, GROUP, dtype, MMA,
+                               PROMOTE)  # fmt: skip
             acc = gl.zeros([_HALF_ROWS, BLOCK_T], gl.float32, MMA)
             whole = count // GROUP_CHUNKS * GROUP_CHUNKS
             for st in range(0, whole, GROUP_CHUNKS):
                 acc, chunk, ahead, later = _chunk_group(
                     acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st, chunk, ahead,
                     later, K, stride_sn, half, FORMAT, GROUP, STAGES, GROUP_CHUNKS, BLOCK_T,
-                    X_BY_TMA, NATIVE)
+                    X_BY_TMA, NATIVE, PROMOTE)
             for st in range(whole, count):
                 acc, chunk, ahead, later = _chunk_group(
                     acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st, chunk, ahead,
                     later, K, stride_sn, half, FORMAT, GROUP, STAGES, 1, BLOCK_T, X_BY_TMA,
-                    NATIVE)
+                    NATIVE, PROMOTE)
             _finish_half(acc * times, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, item // tiles,
                          splits, half, tiles, M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
 
@@ -387,7 +450,8 @@ if GLUON_IMPORT_ERROR is None:
                       FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
                       SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
                       BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr,
-                      PRODUCER_WARPS: gl.constexpr, NATIVE: gl.constexpr = False):  # fmt: skip
+                      PRODUCER_WARPS: gl.constexpr, NATIVE: gl.constexpr = False,
+                      PROMOTE: gl.constexpr = False):  # fmt: skip
         """The ring (STAGES slots of the tile's codes and x's chunk as two 64-column halves)
         and its barriers, then the two consumer warpgroups and the producer's warps."""
         codes_ring = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_ROWS, _WORDS],
@@ -411,11 +475,11 @@ if GLUON_IMPORT_ERROR is None:
                 (_consume, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
                             part_ptr, cnt_ptr, M, N, K, stride_sn, splits, steps, 0, FORMAT,
                             GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T, X_BY_TMA,
-                            NATIVE)),
+                            NATIVE, PROMOTE)),
                 (_consume, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
                             part_ptr, cnt_ptr, M, N, K, stride_sn, splits, steps, 1, FORMAT,
                             GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T, X_BY_TMA,
-                            NATIVE)),
+                            NATIVE, PROMOTE)),
                 (_produce, (q_desc, x_src, codes_ring, x_ring, ready, empty, M, N, K, splits,
                             steps, STAGES, BLOCK_T, X_BY_TMA, PRODUCER_WARPS)),
             ],

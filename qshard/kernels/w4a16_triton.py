@@ -83,7 +83,7 @@ from .packing import check_native_order
 from .split_k import _sm_count, finish_tile, split_count, workspace
 from .tuning import tuned_config
 from .w4a16_gluon import register_config, register_launch, register_problem
-from .w4a16_gluon_wgmma import wgmma_config, wgmma_launch, wgmma_problem
+from .w4a16_gluon_wgmma import promote_config, wgmma_config, wgmma_launch, wgmma_problem
 from .w4a16_gluon_ws import ws_config, ws_launch, ws_problem
 
 __all__ = [
@@ -887,9 +887,9 @@ def native_choice(fmt: Format, x, qdata, group: int) -> dict:
     """The kernel for int4 codes in `packing.native_codes`' order (what an int4 weight holds on
     Hopper, layouts/int4.py): the word GEMV at one token (its step the largest power of two of
     words up to 128 or 256 that divides K) and at two on a small weight (`pair_gemv_choice`),
-    the wgmma kernel up to 128 tokens where it runs,
-    else dequantize (un-permuting the codes) + cuBLAS. Measured on the H100: bench/README.md,
-    "Session 26" and "Session 27"."""
+    the wgmma kernel up to 128 tokens where it runs (its sums scaled per chunk up to 32 tokens:
+    `promote_config`), else dequantize (un-permuting the codes) + cuBLAS. Measured on the
+    H100: bench/README.md, "Session 26" to "Session 28"."""
     m, k = x.shape
     n = qdata.shape[0]
     if m <= GEMV_MAX_M:
@@ -905,7 +905,9 @@ def native_choice(fmt: Format, x, qdata, group: int) -> dict:
     if pair is not None:
         return pair
     if wgmma_problem(int(fmt), x, qdata, group) is None:
-        return {"KERNEL": "register_wgmma", **wgmma_config(m, n, k, x.device), "NATIVE": 1}
+        config = wgmma_config(m, n, k, x.device)
+        return {"KERNEL": "register_wgmma", **config, "NATIVE": 1,
+                **promote_config(int(fmt), x, group, config["BLOCK_T"])}  # fmt: skip
     return DEQUANTIZE
 
 
