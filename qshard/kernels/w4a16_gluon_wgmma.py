@@ -29,6 +29,17 @@ Llama layer, int4 g128): 77.7 / 83.0 / 98.7 us at 16 / 32 / 64 tokens against 85
 an int4 weight with groups of 128 on Hopper holds its codes in that order (layouts/int4.py), and
 the op runs this config on it (`w4a16_triton.native_choice`).
 
+**Sums scaled per chunk (config PROMOTE = 1; int4 asymmetric / symmetric, groups of a multiple
+of 128, bf16 x, token tiles up to 32).** A chunk lies in one group, so a row's scale is one
+number per chunk: the weights are decoded unscaled (u - z: an integer of -15..15, exact in
+bf16; `_DECODE_BF16_UNSCALED`, one bf16 multiply per pair fewer), each chunk's two wgmmas go
+into a fresh accumulator, and once they are done (the wait the ring already makes for the
+previous chunk) the accumulator is added to the tile's sums times its rows' fp32 scales: 8
+FFMAs a chunk and thread at 16 tokens against 32 HMUL2. The weight is not rounded to bf16
+before the product, so the sums are nearer the exact product. Measured (session 28, the Llama
+layer on native codes, H100): 77.3 -> 75.0 us at 16 tokens, 73.4 with groups of 2 chunks
+(`promote_config`, what the op runs up to 32 tokens); at BLOCK_T 64 the consumers spill.
+
 The program: a 128-row tile of two 64-row halves, one consumer warpgroup each (wgmma's M is 64
 per warpgroup), and the producer streaming each chunk (the tile's code words, x's chunk as
 two 64-column halves) into a ring of STAGES slots. Per chunk a consumer waits for the slot
