@@ -240,10 +240,9 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
 if GLUON_IMPORT_ERROR is None:
     from .fp8_blockwise_gluon import _finish_half
     from .w4a16_gluon import _chunk_scales, _chunk_weights, _codes_layout
-
-    _CHUNK = gl.constexpr(CHUNK)
     from .w4a16_gluon_ws import _codes_2d
 
+    _CHUNK = gl.constexpr(CHUNK)
     _WORDS = gl.constexpr(WORDS)
     _TILE_ROWS = gl.constexpr(TILE_ROWS)
     _HALF_ROWS = gl.constexpr(HALF_ROWS)
