@@ -38,7 +38,8 @@ previous chunk) the accumulator is added to the tile's sums times its rows' fp32
 FFMAs a chunk and thread at 16 tokens against 32 HMUL2. The weight is not rounded to bf16
 before the product, so the sums are nearer the exact product. Measured (session 28, the Llama
 layer on native codes, H100): 77.3 -> 75.0 us at 16 tokens, 73.4 with groups of 2 chunks
-(`promote_config`, what the op runs up to 32 tokens); at BLOCK_T 64 the consumers spill.
+(`promote_config`, what the op runs on native int4 codes up to 32 tokens); at BLOCK_T 64 the
+consumers spill.
 
 The program: a 128-row tile of two 64-row halves, one consumer warpgroup each (wgmma's M is 64
 per warpgroup), and the producer streaming each chunk (the tile's code words, x's chunk as
@@ -100,7 +101,10 @@ WGMMA_BLOCK_T = (16, 32, 64, 128)  # token tiles (wgmma's N); 128: 64 accumulato
 X_BY_TMA_MIN_T = 64  # token tiles from which x is permuted beforehand and copied by TMA
 GROUP_CHUNKS = 4  # chunks per unrolled group (`_chunk_group`); the MMAs drain between groups
 PROMOTE_FORMATS = (0, 1)  # int4 asymmetric, symmetric: u - z is exact in bf16
-PROMOTE_MAX_T = 32  # a fresh accumulator per chunk: at BLOCK_T 64 the consumers spill (sm_90 SASS)
+# PROMOTE keeps a fresh accumulator per chunk: the consumers spill (sm_90 SASS) at BLOCK_T 64,
+# and at BLOCK_T 32 with unrolled groups of 8 chunks
+PROMOTE_MAX_T = 32
+PROMOTE_MAX_GROUP_CHUNKS = 4
 
 
 def wgmma_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
@@ -117,10 +121,16 @@ def promote_config(fmt: int, x: torch.Tensor, group: int, block_t: int) -> dict:
     """PROMOTE (module docstring) where it runs, with the unrolled groups of 2 chunks measured
     fastest with it (H100, native int4 codes, the Llama layer at 2-32 tokens: 77.3 -> 73.4 us at
     16; docs/kernels/w4a16_register.md, "Session 28"); else nothing."""
-    if (fmt in PROMOTE_FORMATS and group % CHUNK == 0 and x.dtype == torch.bfloat16
-            and block_t <= PROMOTE_MAX_T):  # fmt: skip
+    if _promotes(fmt, group, x.dtype) and block_t <= PROMOTE_MAX_T:
         return {"PROMOTE": 1, "GROUP_CHUNKS": 2}
     return {}
+
+
+def _promotes(fmt: int, group: int, dtype: torch.dtype) -> bool:
+    """Whether a row's scale is one number per chunk and u - z is exact in x's dtype: int4
+    (asymmetric, symmetric), whole groups of 128, bf16."""
+    return fmt in PROMOTE_FORMATS and group >= CHUNK and group % CHUNK == 0 and (
+        dtype == torch.bfloat16)  # fmt: skip
 
 
 def tma_ready(x: torch.Tensor) -> torch.Tensor:
@@ -193,12 +203,16 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     if native:
         check_native_order(fmt < MXFP4, group, f"format {fmt}")
     promote = bool(config.get("PROMOTE", 0))
-    if promote and (fmt not in PROMOTE_FORMATS or group % CHUNK or x.dtype != torch.bfloat16
-                    or block_t > PROMOTE_MAX_T):  # fmt: skip
+    if promote and not _promotes(fmt, group, x.dtype):
         raise ValueError(
             f"wgmma W4A16 config {config} (format {fmt}, group {group}, {x.dtype}): PROMOTE "
-            f"scales each chunk's sums, so it needs int4 (asymmetric or symmetric) with groups "
-            f"of a multiple of 128, bf16 x and BLOCK_T <= {PROMOTE_MAX_T}; drop PROMOTE")
+            f"scales each chunk's sums by one scale per row, so it needs int4 (asymmetric or "
+            f"symmetric) with groups of a multiple of 128 and bf16 x; drop PROMOTE")
+    if promote and (block_t > PROMOTE_MAX_T or group_chunks > PROMOTE_MAX_GROUP_CHUNKS):
+        raise ValueError(
+            f"wgmma W4A16 config {config}: with PROMOTE the consumers spill past BLOCK_T "
+            f"{PROMOTE_MAX_T} or GROUP_CHUNKS {PROMOTE_MAX_GROUP_CHUNKS}; use those or fewer, "
+            f"or drop PROMOTE")
     if (block_t not in WGMMA_BLOCK_T or block_t < m or not 2 <= stages <= _stages(block_t)
             or steps < 1 or group_chunks < 1):  # fmt: skip
         raise ValueError(f"wgmma W4A16 config {config} for {m} tokens: BLOCK_T must be one of "

@@ -128,6 +128,10 @@ def test_compiles_for_sm90_with_async_register_wgmma():
         assert ptx.count("wgmma.wait_group.sync.aligned 2;") == 2 * (group_chunks - 1), title
         scaled = "mov.b32 s, {"  # the scale's register in the bf16 decodes (not the fp32 ones)
         assert (scaled in ptx) == (promote == "0" and dtype == "bf16" and fmt != "2"), title
+        if promote == "1":  # per chunk body: a fresh accumulator, then its sums scaled in fp32
+            fresh = [line for line in ptx.splitlines() if mma in line and ", 0, 1, 1, 0;" in line]
+            assert len(fresh) == bodies, title  # the chunk's first wgmma: scale-d 0
+            assert ptx.count("fma.rn.f32") == bodies * int(block_t) // 2, title
         releases, unfenced = _releases_without_fence(ptx)
         assert releases == bodies and unfenced == 0, (title, releases, unfenced)
         copies = [line for line in ptx.splitlines() if "cp.async.ca.shared.global" in line]
@@ -257,24 +261,36 @@ def test_a_config_it_cannot_run_is_refused(config):
         wgmma_launch(0, x, x, x, x, None, x, 128, config)
 
 
-@pytest.mark.parametrize("fmt,dtype,group,block_t", [(3, torch.bfloat16, 32, 16),
+@pytest.mark.parametrize("fmt,dtype,group,block_t", [(3, torch.bfloat16, 128, 16),
                                                      (2, torch.bfloat16, 128, 16),
                                                      (0, torch.float16, 128, 16),
                                                      (0, torch.bfloat16, 64, 16),
+                                                     (0, torch.bfloat16, 0, 16),
                                                      (0, torch.bfloat16, 128, 64)])
 def test_promote_where_it_cannot_run_is_refused(fmt, dtype, group, block_t):
     """PROMOTE scales a chunk's sums by one scale per row: int4 with whole groups of 128, bf16
     x (u - z exact), token tiles up to 32 (registers); elsewhere a ValueError naming the fix,
     and `promote_config` does not offer it."""
-    from qshard.kernels.w4a16_gluon_wgmma import PROMOTE_MAX_T, promote_config, wgmma_launch
+    from qshard.kernels.w4a16_gluon_wgmma import promote_config, wgmma_launch
 
     x = torch.zeros(16, 256, dtype=dtype)
     config = {"BLOCK_T": block_t, "STEPS": 1, "PROMOTE": 1}
     with pytest.raises(ValueError, match="drop PROMOTE"):
         wgmma_launch(fmt, x, x, x, x, None, x, group, config)
     assert promote_config(fmt, x, group, block_t) == {}
-    assert promote_config(0, x.bfloat16(), 256, PROMOTE_MAX_T) == {"PROMOTE": 1,
-                                                                   "GROUP_CHUNKS": 2}
+
+
+def test_promote_is_offered_where_it_runs_and_refused_with_long_groups():
+    """`promote_config`: int4 (asymmetric, symmetric), groups of 128 and 256, bf16, up to 32
+    tokens, with unrolled groups of 2 chunks; groups of 8 chunks spill: refused."""
+    from qshard.kernels.w4a16_gluon_wgmma import PROMOTE_MAX_T, promote_config, wgmma_launch
+
+    x = torch.zeros(16, 256, dtype=torch.bfloat16)
+    for fmt, group in ((0, 128), (1, 256)):
+        assert promote_config(fmt, x, group, PROMOTE_MAX_T) == {"PROMOTE": 1, "GROUP_CHUNKS": 2}
+    config = {"BLOCK_T": 32, "STEPS": 1, "PROMOTE": 1, "GROUP_CHUNKS": 8}
+    with pytest.raises(ValueError, match="GROUP_CHUNKS 4"):
+        wgmma_launch(0, x, x, x, x, None, x, 128, config)
 
 
 def test_where_it_cannot_run_it_says_why(monkeypatch):
@@ -340,28 +356,39 @@ def test_native_codes_match_the_reference(name, group, n, k, dtype):
 def test_promoted_sums_match_the_reference(name, group, n, k):
     """PROMOTE (the weights decoded unscaled, each chunk's sums times its rows' scales in
     fp32), canonical and native codes, 1-32 tokens (partial token tiles), a bias, partial
-    row tiles: against the reference (the weight rounded to bf16), and nearer the exact
-    product (the weight in fp32) than the sums of weights scaled in bf16 (one rounding
-    less; measured 1.66e-3 against 2.2e-3 on the Llama shapes)."""
+    row tiles, items of 1 to all chunks: against the reference (the weight rounded to bf16),
+    different from the scaled weights' sums, and nearer the exact product (the weight in
+    fp32) than they are over the cases (one rounding less; measured 1.66e-3 against 2.2e-3 on
+    the Llama shapes)."""
     from qshard.kernels.w4a16_gluon_wgmma import promote_config, wgmma_launch
 
     fmt, q, s, z, _, reference = _weight(name, group, n, k)
     zero = z if fmt == 0 else z[:0]  # symmetric: no zeros (z is a placeholder)
     exact_weight = int4.dequantize_int4(q, s, zero, group, k, torch.float32).double()
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    chunks = k // 128
+    errors = {"promoted": 0.0, "scaled weights": 0.0}
     for native, codes in ((0, q), (1, native_codes(q))):
-        for m in (1, 2, 7, 16, 17, 32):
+        # the default split (items of one group of 2 chunks on these shapes), K unsplit (several
+        # groups per item, the scales handed on between groups, SPLIT off), and items of 3 and
+        # 1 chunks (a group and the one-chunk remainder; the remainder alone)
+        for m, steps in ((1, None), (2, chunks), (7, 3), (16, None), (17, 1), (32, chunks)):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             plain = {**wgmma_config(m, n, k, x.device), "NATIVE": native}
+            if steps is not None:
+                plain["STEPS"] = steps
             promoted = {**plain, **promote_config(fmt, x, group, plain["BLOCK_T"])}
             assert promoted["PROMOTE"] == 1
             got, base = (wgmma_launch(fmt, x, codes, s, z, bias, torch.empty(
                 m, n, device="cuda", dtype=torch.bfloat16), group, c)
                 for c in (promoted, plain))  # fmt: skip
+            assert not torch.equal(got, base), (native, m)  # PROMOTE did run
             err = relative_error(got, reference(x, bias))
             assert err <= MAX_RELATIVE_ERROR[torch.bfloat16], (native, m, err)
             exact = x.double() @ exact_weight.T + bias.double()
-            assert relative_error(got, exact) <= 1.1 * relative_error(base, exact), (native, m)
+            errors["promoted"] += relative_error(got, exact)
+            errors["scaled weights"] += relative_error(base, exact)
+    assert errors["promoted"] <= 0.95 * errors["scaled weights"], errors
 
 
 @hopper
