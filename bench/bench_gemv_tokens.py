@@ -29,7 +29,7 @@ from bench_int4 import Weight4, int4_weight
 from bench_register_ws import reference
 
 from qshard.kernels.packing import native_codes
-from qshard.kernels.w4a16_triton import linear_launch
+from qshard.kernels.w4a16_triton import linear_launch, native_gemv_step
 
 MAKERS = {"int4": int4_weight, "mxfp4": mxfp4_weight, "nvfp4": nvfp4_weight}
 MAX_RELATIVE_ERROR = 1e-2
@@ -38,7 +38,7 @@ MAX_RELATIVE_ERROR = 1e-2
 def candidates(m: int, k: int, native: bool):
     """(label, config or None for the op's own choice) at M tokens."""
     yield "op", None
-    block_w = 256 if native and k >= 8192 and k % 2048 == 0 else 128  # the M = 1 steps
+    block_w = native_gemv_step(k) if native else 128  # the op's steps at M = 1
     for rows, tokens in itertools.product((8, 16), (1, 2, 4, 8)):
         if tokens > 2 * m or (tokens == 8 and rows == 16):
             continue

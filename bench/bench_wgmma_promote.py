@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench_fp8 import versions_line
-from bench_register import layer_weights, timed
+from bench_fp8 import relative_error, versions_line
+from bench_register import add_to_layer, layer_weights, timed
 from bench_register_ws import reference
 
 from qshard.kernels.packing import native_codes
@@ -48,17 +48,17 @@ def main() -> None:
             want = x.float() @ exact.T
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             base = {**wgmma_config(m, n, k, x.device), "NATIVE": 1}
-            cells = []
+            row, cells = {}, []
             for label, extra in VARIANTS.items():
                 c = {**base, **extra}
                 got = wgmma_launch(int(fmt), x, *held[0][:3], None, out.clone(), group, c,
                                    held[0][3])  # fmt: skip
-                err = ((got.float() - want).norm() / want.norm()).item()
-                t = timed(lambda q, s, z, gs, c=c, f=int(fmt), o=out, g=group: (
+                row[label] = timed(lambda q, s, z, gs, c=c, f=int(fmt), o=out, g=group: (
                     lambda a: wgmma_launch(f, a, q, s, z, None, o, g, c, gs)), held, x)
-                sums[m, label] = sums.get((m, label), 0.0) + t
-                cells.append(f"{label} {t:.2f} us (error {err:.2e})")
+                cells.append(f"{label} {row[label]:.2f} us "
+                             f"(error {relative_error(got, want):.2e})")  # fmt: skip
             print(f"{name} {n}x{k} M={m}: " + "  ".join(cells), flush=True)
+            add_to_layer(sums, m, row, tuple(VARIANTS))
     for m in ms:
         print(f"layer M={m}: " + "  ".join(f"{label} {sums[m, label]:.1f}" for label in VARIANTS))
 

@@ -96,6 +96,7 @@ __all__ = [
     "kernel_for",
     "linear_launch",
     "native_choice",
+    "native_gemv_step",
     "op_choice",
     "pair_gemv_choice",
     "small_m_config",
@@ -883,6 +884,16 @@ def register_choice(fmt: Format, x, qdata, group: int) -> dict | None:
     return {"KERNEL": "register", **register_config(m, qdata.shape[0], k, x.device)}
 
 
+def native_gemv_step(k: int) -> int:
+    """Code words per step of the one-token word GEMV on native codes: 256 on a long K (down's,
+    the fastest of session 26's H100 sweep), else 128, halved until a step divides K (K % 128
+    == 0: a step of 16 words always does)."""
+    block_w = 256 if k >= 8192 and k % 2048 == 0 else 128
+    while k % (8 * block_w):
+        block_w //= 2
+    return block_w
+
+
 def native_choice(fmt: Format, x, qdata, group: int) -> dict:
     """The kernel for int4 codes in `packing.native_codes`' order (what an int4 weight holds on
     Hopper, layouts/int4.py): the word GEMV at one token (its step the largest power of two of
@@ -894,13 +905,10 @@ def native_choice(fmt: Format, x, qdata, group: int) -> dict:
     n = qdata.shape[0]
     if m <= GEMV_MAX_M:
         # 16 rows on every Llama-3.1-8B linear (o and down too, where the canonical codes take
-        # 8), 256 words per step on down's long K: the fastest of the H100 sweep of the native
-        # read (bench/bench_gemv.py --native; bench/README.md, "Session 26")
-        block_w = 256 if k >= 8192 and k % 2048 == 0 else 128
-        while k % (8 * block_w):  # K % 128 == 0: a step of 16 words always fits
-            block_w //= 2
-        return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": block_w, "num_warps": 4,
-                "EVICT": 1, "NATIVE": 1}  # fmt: skip
+        # 8): the fastest of the H100 sweep of the native read (bench/bench_gemv.py --native;
+        # bench/README.md, "Session 26")
+        return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": native_gemv_step(k),
+                "num_warps": 4, "EVICT": 1, "NATIVE": 1}  # fmt: skip
     pair = pair_gemv_choice(fmt, m, n, k, native=True)
     if pair is not None:
         return pair
