@@ -340,6 +340,25 @@ def test_the_op_reads_native_codes(config, m, dtype):
     assert (unread.float() - expected.float()).norm() > 0.3 * expected.float().norm()
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=["asym", "sym", "float-zero-g256"])
+def test_the_dequantize_kernel_reads_native_codes_bit_exactly(config):
+    """The dequantize kernel (the op's path above 128 tokens) on native codes gives the same
+    bits as on the canonical ones: 40 rows (a partial tile of 32), 3-4 chunks of 128."""
+    from qshard.kernels.w4a16_triton import Format, dequantize_launch
+
+    load_w4a16_ops()
+    device = torch.device("cuda" if HOPPER else "cpu")
+    k = 384 if config.group_size == 128 else 512
+    canonical, native = pair(config, n=40, k=k, dtype=torch.float16, device=device)
+    fmt = Format.INT4_FZERO if canonical.float_zero else (
+        Format.INT4_SYM if config.symmetric else Format.INT4_ASYM)  # fmt: skip
+    args = (canonical.scale, canonical.zero, canonical.scale, config.group_size, k,
+            torch.float16)  # (the global scale: any tensor; int4 has none)
+    expected = dequantize_launch(fmt, canonical.qdata, *args)
+    assert torch.equal(dequantize_launch(fmt, native.qdata, *args, native=True), expected)
+    assert torch.equal(expected, canonical.dequantize().to(torch.float16))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's case")
 @pytest.mark.parametrize("block_w", [16, 32])
 def test_the_native_gemv_with_splits_and_prefetch(block_w):
