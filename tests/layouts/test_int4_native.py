@@ -343,11 +343,12 @@ def test_the_op_reads_native_codes(config, m, dtype):
 @pytest.mark.parametrize("config", CONFIGS, ids=["asym", "sym", "float-zero-g256"])
 def test_the_dequantize_kernel_reads_native_codes_bit_exactly(config):
     """The dequantize kernel (the op's path above 128 tokens) on native codes gives the same
-    bits as on the canonical ones: 40 rows (a partial tile of 32), 3-4 chunks of 128."""
+    bits as on the canonical ones: 40 rows (a partial tile of 32), 3-4 chunks of 128. (Any
+    CUDA GPU runs it: the order is a permutation the kernel undoes; the interpreter on a CPU.)"""
     from qshard.kernels.w4a16_triton import Format, dequantize_launch
 
     load_w4a16_ops()
-    device = torch.device("cuda" if HOPPER else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     k = 384 if config.group_size == 128 else 512
     canonical, native = pair(config, n=40, k=k, dtype=torch.float16, device=device)
     fmt = Format.INT4_FZERO if canonical.float_zero else (
