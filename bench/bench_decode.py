@@ -36,6 +36,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,6 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import qshard
 import qshard.tp
+import qshard.tp.collectives
 from qshard.convert import CONFIGS
 from qshard.models import TP_PLAN, Llama, LlamaConfig, decode_one_token, generate, prefill
 
@@ -92,7 +94,7 @@ def build(config: LlamaConfig, layout: str, device: torch.device, mesh=None) -> 
 
 @torch.no_grad()
 def tokens_per_second(model: Llama, batch: int, prompt_len: int, new: int, device,
-                      world: int = 1) -> float:  # fmt: skip
+                      world: int = 1, profile: bool = False) -> float:  # fmt: skip
     model.setup_caches(batch, prompt_len + new + 8, tp_world=world)
     generator = torch.Generator(device).manual_seed(1)  # the same prompt on every rank
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device,
@@ -115,7 +117,50 @@ def tokens_per_second(model: Llama, batch: int, prompt_len: int, new: int, devic
     for position in positions:  # the decode loop alone, as `generate` runs it
         token = step(model, token, position).clone()
     sync()
-    return batch * new / (time.perf_counter() - start)
+    rate = batch * new / (time.perf_counter() - start)
+    if profile and device.type == "cuda":
+        step_profile(model, step, token, positions[-1], batch / rate)
+    return rate
+
+
+# Kernel names by where a decode step's GPU time goes (bench/README.md's TP tables).
+_KERNEL_KINDS = (
+    ("all-reduce", ("nccl", "all_reduce", "allreduce", "one_shot", "symm")),
+    ("attention", ("flash", "attention", "sdpa", "fmha")),
+    ("linears", ("gemv", "gemm", "sm90", "cutlass", "nvjet", "qshard", "w4a16", "fp8",
+                 "matmul", "mm_", "_mm", "wgmma", "splitk", "int4", "dot")),
+)  # fmt: skip
+
+
+def step_profile(model, step, token, position, step_s: float, steps: int = 16) -> None:
+    """Print (rank 0) where the GPU time of a compiled decode step goes: the kernels of
+    `steps` steps under the profiler, by kind, per step, against the step's measured time (the
+    rest of that time the GPU waits on the host, or idles between kernels)."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            token = step(model, token, position).clone()
+        torch.cuda.synchronize()
+    kinds, top = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = next((k for k, keys in _KERNEL_KINDS if any(key in name for key in keys)), "other")
+        kinds[kind] += event.device_time_total / steps
+        top[event.name[:60]] += event.device_time_total / steps
+    skips = torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        busy = sum(kinds.values())
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in kinds.most_common())
+        print(f"INFO step {step_s * 1e6:.0f} us, GPU kernels {busy:.0f} us ({parts}); "
+              f"cudagraph skips {skips}", flush=True)  # fmt: skip
+        for name, us in top.most_common(8):
+            print(f"INFO   {us:8.1f} us  {name}", flush=True)
 
 
 def main() -> None:
@@ -131,69 +176,119 @@ def main() -> None:
         choices=["llama-3.1-8b", "tiny", "qwen3-30b-a3b", "tiny-moe"],
     )
     parser.add_argument("--layers", type=int, default=None, help="layers of a MoE config")
-    parser.add_argument("--tp", type=int, default=1, help="processes (GPUs) through torchrun")
+    parser.add_argument("--tp", default="1", help="TP sizes, e.g. 1,2: processes (GPUs) "
+                        "through torchrun; a table column each")  # fmt: skip
     parser.add_argument(
         "--no-freezing",
         dest="freezing",
         action="store_false",
         help="compile the step without inductor freezing (docs/decode.md)",
     )
-    parser.add_argument("--timeout", type=float, default=300, help="seconds per measurement")
+    parser.add_argument("--timeout", type=float, default=300,
+                        help="seconds per measurement: then every rank prints its stacks and "
+                        "exits")  # fmt: skip
+    parser.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"],
+                        help="TP's all-reduce: auto (symmetric-memory one-shot for small sums) "
+                        "or nccl (qshard.tp.collectives)")  # fmt: skip
+    parser.add_argument("--profile", action="store_true",
+                        help="print where each decode step's GPU time goes (kernels by kind)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes = [int(t) for t in str(args.tp).split(",")]
     if device == "cuda":
         import triton
 
-        print(f"GPU: {torch.cuda.get_device_name()} x {args.tp}; torch {torch.__version__}, "
-              f"triton {triton.__version__}, torchao {_version('torchao')}")  # fmt: skip
+        print(f"GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}; torch "
+              f"{torch.__version__}, triton {triton.__version__}, torchao "
+              f"{_version('torchao')}")  # fmt: skip
     layers = f" ({args.layers} layers)" if args.layers else ""
     print(f"{args.config}{layers}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
-          f"decode step (inductor freezing {'on' if args.freezing else 'off'}), "
-          f"TP {args.tp}; each (layout, batch) in a fresh process\n")  # fmt: skip
+          f"decode step (inductor freezing {'on' if args.freezing else 'off'}), TP "
+          f"{args.tp} (all-reduce: {args.all_reduce}); each (layout, batch) in a fresh "
+          f"process\n")  # fmt: skip
     batches = args.batches.split(",")
-    print("| layout | " + " | ".join(f"batch {b}" for b in batches) + " |")
-    print("|---|" + "---|" * len(batches))
-    base = {}
+    columns = [(tp, b) for tp in sizes for b in batches]
+    print("| layout | " + " | ".join(f"TP {tp} batch {b}" for tp, b in columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    base, rates = {}, {}
     for layout in args.layouts.split(","):
         cells = []
-        for batch in batches:
-            result = run_child(args, layout, batch)
+        for tp, batch in columns:
+            result = run_child(args, layout, batch, tp)
             if isinstance(result, str):
                 cells.append(result)
                 continue
             rate, memory = result["rate"], result["memory_gib"]
-            base.setdefault(batch, rate if layout == "bf16" else None)
-            ratio = f", {rate / base[batch]:.2f}x" if base.get(batch) else ""
-            cells.append(f"{rate:.0f} tok/s{ratio} ({memory:.1f} GiB)")
+            rates[layout, tp, batch] = rate
+            base.setdefault((tp, batch), rate if layout == "bf16" else None)
+            ratio = f", {rate / base[tp, batch]:.2f}x" if base.get((tp, batch)) else ""
+            note = f"; then {result['note']}" if "note" in result else ""
+            cells.append(f"{rate:.0f} tok/s{ratio} ({memory:.1f} GiB{note})")
         print(f"| {layout} | " + " | ".join(cells) + " |", flush=True)
-    print("\n(GiB: the peak GPU memory of rank 0 while decoding, weights and caches included)")
+    print("\n(x: over bf16 at the same TP and batch; GiB: the peak GPU memory of rank 0 while "
+          "decoding, weights and caches included)")
+    if PROFILES:
+        print("\nWhere a step's GPU time goes (us per step; --profile):\n")
+        print("\n".join(PROFILES))
+    if len(sizes) > 1:
+        print("\nScaling over TP " + str(sizes[0]) + " (tokens/s ratio):\n")
+        print("| layout | batch | " + " | ".join(f"TP {tp}" for tp in sizes[1:]) + " |")
+        print("|---|---|" + "---|" * (len(sizes) - 1))
+        for layout in args.layouts.split(","):
+            for batch in batches:
+                first = rates.get((layout, sizes[0], batch))
+                cells = [f"{rates[layout, tp, batch] / first:.2f}x"
+                         if first and (layout, tp, batch) in rates else "-"
+                         for tp in sizes[1:]]  # fmt: skip
+                print(f"| {layout} | {batch} | " + " | ".join(cells) + " |")
 
 
-def run_child(args, layout: str, batch: str) -> dict | str:
+def run_child(args, layout: str, batch: str, tp: int) -> dict | str:
     """One (layout, batch) measured in a fresh process (torchrun for TP): compiled graphs and
     CUDA graph pools of an earlier model slowed later ones in the same process (measured)."""
-    if layout.startswith("torchao-") and args.tp > 1:
+    if layout.startswith("torchao-") and tp > 1:
         return "n/a (torchao: TP 1 only)"
     script = [__file__, "--child", "--layouts", layout, "--batches", batch, "--prompt",
               str(args.prompt), "--new", str(args.new), "--config", args.config]  # fmt: skip
     script += ["--layers", str(args.layers)] if args.layers else []
     script += [] if args.freezing else ["--no-freezing"]
+    script += ["--all-reduce", args.all_reduce, "--timeout", str(args.timeout)]
+    script += ["--profile"] if args.profile else []
     launcher = [sys.executable]
-    if args.tp > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}"]
+    if tp > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
+    # Its own session: on the deadline the launcher and every rank it started are killed
+    # together (a rank left behind would hold the pipes open and hang this process too).
+    process = subprocess.Popen(launcher + script, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)  # fmt: skip
     try:
-        done = subprocess.run(launcher + script, capture_output=True, text=True,
-                              timeout=args.timeout)  # fmt: skip
+        stdout, stderr = process.communicate(timeout=args.timeout + CHILD_GRACE_S)
+        failure = None if process.returncode == 0 else f"exit status {process.returncode}"
     except subprocess.TimeoutExpired:
-        return f"no result in {args.timeout} s"
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line.removeprefix("RESULT "))
-    errors = [line for line in done.stderr.splitlines() if "Error" in line] or ["no result"]
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        failure = f"no result in {args.timeout + CHILD_GRACE_S} s"
+    result = next((json.loads(line.removeprefix("RESULT ")) for line in stdout.splitlines()
+                   if line.startswith("RESULT ")), None)  # fmt: skip
+    for line in stdout.splitlines():
+        if line.startswith("INFO "):  # --profile's breakdown
+            PROFILES.append(f"({layout}, TP {tp}, batch {batch}) {line.removeprefix('INFO ')}")
+    if result is not None and failure is None:
+        return result
+    # The child's stderr (each rank's stacks, if its deadline fired) says where it stopped.
+    print(f"--- {layout} batch {batch}: {failure or 'no result'}; the child's stderr ends:\n"
+          f"{stderr[-6000:]}\n---", file=sys.stderr, flush=True)  # fmt: skip
+    if result is not None:  # measured, then failed to exit
+        return {**result, "note": failure}
+    errors = [line for line in stderr.splitlines() if "Error" in line] or [failure or "no result"]
     return f"fails: {errors[-1].strip()[:80]}"
+
+
+PROFILES: list[str] = []  # the children's --profile lines, printed after the table
+CHILD_GRACE_S = 30  # past the child's own deadline: its ranks' stacks printed, then killed
 
 
 def model_config(name: str, layers: int | None) -> LlamaConfig:
@@ -207,16 +302,23 @@ def model_config(name: str, layers: int | None) -> LlamaConfig:
 
 
 def child(args) -> None:
+    # Each rank prints its Python stacks and exits at the deadline, before the parent's.
+    with qshard.tp.deadline(args.timeout):
+        measure(args)
+
+
+def measure(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mesh, world, rank = None, 1, 0
+    qshard.tp.collectives.set_method(args.all_reduce)
     if "RANK" in os.environ:  # under torchrun: tensor parallelism over its processes
         from torch.distributed.device_mesh import init_device_mesh
 
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        world, rank = dist.get_world_size(), dist.get_rank()
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
+        qshard.tp.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout_s=120)
+        world, rank = dist.get_world_size(), dist.get_rank()
         mesh = init_device_mesh(device.type, (world,))
     # Frozen weights are constants of the compiled graph. Without freezing, every call of the
     # compiled step unwraps each quantized weight (a tensor subclass) in Python: that made the
@@ -231,12 +333,13 @@ def child(args) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # the float model quantize_ started from is gone
-    rate = tokens_per_second(model, int(args.batches), args.prompt, args.new, device, world)
+    rate = tokens_per_second(model, int(args.batches), args.prompt, args.new, device, world,
+                             args.profile)  # fmt: skip
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     if rank == 0:
         print("RESULT " + json.dumps({"rate": rate, "memory_gib": memory}), flush=True)
     if world > 1:
-        dist.destroy_process_group()
+        qshard.tp.shutdown()
 
 
 def _version(package: str) -> str | None:

@@ -15,6 +15,16 @@ from qshard.layouts import registered_layouts
 
 # Every (layout, config) the contract suite runs over: a layout is covered by registering.
 LAYOUT_CASES = [(cls, config) for cls in registered_layouts() for config in cls.contract_configs()]
+
+
+def gpu_dtype(config) -> torch.dtype:
+    """The activation dtype a GPU run of `config` takes: float32, except for the backends that
+    take only bfloat16 on CUDA (tinygemm, `aten._weight_int4pack_mm`)."""
+    from qshard.config import Backend
+
+    return torch.bfloat16 if getattr(config, "backend", None) == Backend.TINYGEMM else torch.float32
+
+
 LAYOUT_IDS = [
     f"{cls.__name__}-{i}"
     for cls in registered_layouts()

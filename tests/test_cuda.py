@@ -90,3 +90,17 @@ def test_fp8_rowwise_cublas_matches_the_reference(m):
     compiled = torch.compile(lambda x: F.linear(x, q, bias), fullgraph=True)
     assert qshard.sqnr_db(out, compiled(x)) > 40
     assert q.select_backend(x.half()) is qshard.Backend.REFERENCE  # bf16 output only
+
+
+@cases
+def test_shape_ops_of_experts_on_gpu_equal_the_cpus(cls, config):
+    """cat, stack, index and copy_ of 3-D experts on CUDA give the CPU's bytes: MXFP4's e8m0
+    scales have no CUDA cat / stack / index_select kernels in torch 2.11 (byte views do it)."""
+    experts = [cls.from_float(gaussian(64, 128, seed=e), config) for e in range(4)]
+    on_cpu = qshard.QTensor.stack_experts(experts)
+    on_gpu = qshard.QTensor.stack_experts([w.cuda() for w in experts])
+    assert_same_qtensor(on_gpu.cpu(), on_cpu)
+    ids = torch.tensor([3, 0, 2])
+    assert_same_qtensor(on_gpu[ids.cuda()].cpu(), on_cpu[ids])
+    halves = [on_gpu.slice_logical(0, 0, 2), on_gpu.slice_logical(0, 2, 4)]
+    assert_same_qtensor(torch.cat(halves, 0).cpu(), on_cpu)

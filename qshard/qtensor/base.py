@@ -67,6 +67,31 @@ WHOLE = -1
 _NAMED_OPS: dict[str, Handler] = {}
 
 
+# Dtypes that CUDA stores but has few kernels for (torch 2.11 on an H200: "cat_cuda not
+# implemented for 'Float8_e8m0fnu'"): the ops that only move bytes (cat, stack, index_select,
+# equal) run on a uint8 view of them, the same bytes.
+_BYTE_ONLY_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e8m0fnu", "float4_e2m1fn_x2") if hasattr(torch, name)
+)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or a uint8 view of it for a dtype with byte-moving kernels only on the CPU."""
+    return t.view(torch.uint8) if t.dtype in _BYTE_ONLY_DTYPES else t
+
+
+def join_inner(parts: list[torch.Tensor], dim: int, stack: bool = False) -> torch.Tensor:
+    """torch.cat (or torch.stack) of inner tensors of one dtype, on any device."""
+    dtype = parts[0].dtype
+    joined = (torch.stack if stack else torch.cat)([as_bytes(p) for p in parts], dim)
+    return joined.view(dtype) if dtype in _BYTE_ONLY_DTYPES else joined
+
+
+def equal_inner(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal of inner tensors, on any device."""
+    return a.dtype == b.dtype and torch.equal(as_bytes(a), as_bytes(b))
+
+
 def spans_dim(packing: tuple[int, int] | None, dim: int) -> bool:
     """Whether an inner tensor with this packing is shared by every part cut along `dim`."""
     return packing is None or packing[dim] == WHOLE
@@ -353,7 +378,8 @@ class QTensor(torch.Tensor):
         experts = first.in_one_storage(experts)
         first = experts[0]
         inner = {
-            name: torch.stack([getattr(w, name) for w in experts]) for name in first.inner_names
+            name: join_inner([getattr(w, name) for w in experts], 0, stack=True)
+            for name in first.inner_names
         }
         shape = (len(experts), *first.logical_shape)
         # in the storage experts take on this device (int4 on Hopper: each expert quantized

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..errors import InvalidDimError, LayoutMismatchError, UnsupportedOpError
-from .base import FLOAT_DTYPES, QTensor, _outer_layout
+from .base import FLOAT_DTYPES, QTensor, _outer_layout, as_bytes, equal_inner, join_inner
 
 aten = torch.ops.aten
 
@@ -274,7 +274,7 @@ def _check_whole_tensor_values(dst: QTensor, src: QTensor) -> None:
         # by a part of the columns
         whole_matrix = dst.inner_step(name, dst.lead) is None
         part = dst.cut_dims if whole_matrix else dst.cut_dims & {1}
-        if part and not torch.equal(getattr(dst, name), getattr(src, name)):
+        if part and not equal_inner(getattr(dst, name), getattr(src, name)):
             raise LayoutMismatchError(
                 f"copy_ into a part of a {type(dst).__name__}: the source's {name!r} differs "
                 f"from the one the whole weight shares; quantize the source with the "
@@ -350,14 +350,14 @@ def _cat(func, args, kwargs):
     for name in first.inner_names:
         parts = [getattr(t, name) for t in tensors]
         if first.inner_step(name, dim) is None:
-            if not all(torch.equal(parts[0], p) for p in parts[1:]):
+            if not all(equal_inner(parts[0], p) for p in parts[1:]):
                 raise LayoutMismatchError(
                     f"cat: {name!r}, shared by every part along this dim, differs between "
                     f"pieces; quantize the pieces with a shared {name!r}"
                 )
             inner[name] = parts[0].clone()
         else:
-            inner[name] = torch.cat(parts, dim)
+            inner[name] = join_inner(parts, dim)
     shape = list(first.logical_shape)
     shape[dim] = sum(t.logical_shape[dim] for t in tensors)
     return first.with_changes(inner, shape=tuple(shape), fresh=True)
@@ -425,7 +425,8 @@ def _index(func, args, kwargs):
     # No host sync (compiled graphs): index_select itself refuses ids out of range.
     flat = ids.reshape(-1).to(torch.long)
     flat = torch.where(flat < 0, flat + experts, flat)
-    inner = {n: t.index_select(0, flat) for n, t in q.inner_tensors().items()}
+    inner = {n: as_bytes(t).index_select(0, flat).view(t.dtype)
+             for n, t in q.inner_tensors().items()}  # fmt: skip
     if ids.dim() == 0:  # w[tensor(e)]: the eager experts loop's index
         inner = {n: t.squeeze(0) for n, t in inner.items()}
         return q.with_changes(inner, shape=q.matrix_shape, fresh=True)

@@ -13,6 +13,7 @@ qshard.tp.parallelize(model, mesh, {"model.layers.*.mlp.experts": "expert_tensor
 from .experts import ExpertParallel, ExpertParallelError, ExpertTensorParallel, experts_to_local
 from .local import LocalLinear, to_local
 from .plan import CANDIDATE_TP_SIZES, parallelize, resolve_plan
+from .runtime import deadline, init_process_group, shutdown
 from .styles import QuantColwiseParallel, QuantRowwiseParallel, chunk_bounds, shard_cuts
 
 __all__ = [
@@ -24,9 +25,12 @@ __all__ = [
     "QuantColwiseParallel",
     "QuantRowwiseParallel",
     "chunk_bounds",
+    "deadline",
     "experts_to_local",
+    "init_process_group",
     "parallelize",
     "resolve_plan",
     "shard_cuts",
+    "shutdown",
     "to_local",
 ]

@@ -54,6 +54,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..errors import ExpertParallelError, InputMismatchError, MisalignedSliceError, QShardError
 from ..qtensor import QTensor
+from . import collectives
 from .styles import chunk_bounds, shard_cuts
 
 __all__ = [
@@ -171,10 +172,10 @@ class ExpertsStyle(ParallelStyle):
 
     def _run(self, module, local, group: str, world: int, hidden, top_k_index, top_k_weights):
         """This rank's part of the experts' output for `hidden`, summed over the ranks."""
+        _check_same_tokens(self, hidden, group)
         if not (torch.is_grad_enabled() and (hidden.requires_grad or top_k_weights.requires_grad)):
             top_k_index, top_k_weights = self._route(module, top_k_index, top_k_weights)
-            out = local(hidden, top_k_index, top_k_weights)
-            return funcol.wait_tensor(funcol.all_reduce(out, "sum", group))
+            return collectives.all_reduce(local(hidden, top_k_index, top_k_weights), group)
         # As Megatron's TP: each rank differentiates through its own experts (and routes) only,
         # so the inputs' gradients are partial sums, all-reduced in the backward; the output's
         # sum passes its gradient through unchanged (every rank gets the same one). torch's
@@ -230,6 +231,25 @@ class ExpertsStyle(ParallelStyle):
         group = device_mesh.get_group().group_name
         module.forward = _sharded_forward(self, module, local, group, world)
         return module
+
+
+def _check_same_tokens(style: ExpertsStyle, hidden: torch.Tensor, group: str) -> None:
+    """Raise InputMismatchError on every rank if the ranks hold different numbers of tokens:
+    the all-reduce that sums their outputs needs the same tokens everywhere (an all-reduce of
+    unequal sizes hangs on NCCL). Eager only: one small all-reduce and one read to the host per
+    call, which a compiled graph does not pay (there the inputs are the caller's to keep equal)."""
+    if torch.compiler.is_compiling():
+        return
+    count = hidden.numel()
+    counts = torch.tensor([count, -count], dtype=torch.int64, device=hidden.device)
+    most, minus_least = funcol.wait_tensor(funcol.all_reduce(counts, "max", group)).tolist()
+    if most != -minus_least:
+        raise InputMismatchError(
+            f"qshard.tp.{style!r}: the ranks hold different tokens (hidden of {count} elements "
+            f"here, {-minus_least} to {most} over the ranks); the all-reduce dispatch needs the "
+            f"same tokens on every rank (a replicated MoE input); for each rank's own tokens "
+            f"use ExpertParallel(dispatch='all_to_all')"
+        )
 
 
 class _SumGradients(torch.autograd.Function):

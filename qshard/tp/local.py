@@ -12,9 +12,10 @@ weight in Python, which made the TP 1 int4 decode CPU-bound (docs/decode.md, ses
 plain tensor (a QTensor for quantized weights), as gpt-fast does its tensor parallelism:
 - column-wise (weight Shard(0)): `F.linear` on the shard, output the local columns, as the
   column-wise style with its default `use_local_output=True`;
-- row-wise (weight Shard(1)): `F.linear` on the shard, the partial sums all-reduced by a
-  functional collective named by the process group's name (a string, so a graph keeps no
-  process-group object), then the bias, added once.
+- row-wise (weight Shard(1)): `F.linear` on the shard, the partial sums all-reduced
+  (`collectives.all_reduce`: a symmetric-memory one-shot all-reduce for a decode step's few KB
+  on CUDA, the process group's own otherwise), the group named by its name (a string, so a
+  graph keeps no process-group object), then the bias, added once.
 The graph of a compiled step then holds only tensors: it freezes, and no call unwraps a DTensor.
 Run it last, after loading: the model is for inference (the shards are no longer DTensors, so
 `qshard.save` and `full_tensor` no longer see their placements).
@@ -23,13 +24,13 @@ Run it last, after loading: the model is for inference (the shards are no longer
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from ..errors import ConfigError
+from . import collectives
 from .plan import APPLIED_STYLES
 
 __all__ = ["LocalLinear", "to_local"]
@@ -49,8 +50,7 @@ class LocalLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduce_group is None:
             return F.linear(x, self.weight, self.bias)
-        out = funcol.all_reduce(F.linear(x, self.weight), "sum", self.reduce_group)
-        out = funcol.wait_tensor(out)  # eager: an AsyncCollectiveTensor; compiled: a no-op
+        out = collectives.all_reduce(F.linear(x, self.weight), self.reduce_group)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

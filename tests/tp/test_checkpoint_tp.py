@@ -54,16 +54,16 @@ PLAN = {
 TOKENS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8, 9, 7, 9, 3]])
 
 
-def quantized_model(dims, config, seed: int) -> Model:
+def quantized_model(dims, config, seed: int, dtype=torch.float32) -> Model:
     torch.manual_seed(seed)
-    model = Model(dims)
+    model = Model(dims).to(dtype)
     qshard.quantize_(model, config, include=["block.*"])
     return model
 
 
-def meta_model(dims) -> Model:
+def meta_model(dims, dtype=torch.float32) -> Model:
     with torch.device("meta"):
-        return Model(dims)
+        return Model(dims).to(dtype)
 
 
 def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
@@ -78,9 +78,11 @@ def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
             assert torch.equal(x, y), name
 
 
-def save_every_case(directory, dims) -> None:
+def save_every_case(directory, dims, dtype_of=lambda config: torch.float32) -> None:
+    """Each LAYOUT_CASES config's model saved to directory / i, in `dtype_of(config)`."""
     for i, (_, config) in enumerate(LAYOUT_CASES):
-        qshard.save(quantized_model(dims, config, seed=i), directory / str(i))
+        model = quantized_model(dims, config, seed=i, dtype=dtype_of(config))
+        qshard.save(model, directory / str(i))
 
 
 # ---- save at TP 1, load at TP 2 and 4 --------------------------------------------------------

@@ -311,6 +311,16 @@ def _all_to_all_worker(rank, world, mesh):
         with pytest.raises(InputMismatchError, match=r"outside \[0, experts\).*\[1, 0\]"):
             experts(hidden, bad, weights)
         assert experts(hidden, ids, weights).shape == hidden.shape
+    # The all-reduce dispatch (and ExpertTensorParallel's) with other tokens on each rank: every
+    # rank raises instead of entering an all-reduce of unequal sizes (which hangs on NCCL).
+    for style in (ExpertParallel(), ExpertTensorParallel()):
+        model = moe_models.qwen3_moe()
+        qshard.tp.parallelize(model, mesh, {EXPERTS: style})
+        experts = next(iter(experts_of(model).values()))
+        with torch.no_grad():
+            with pytest.raises(InputMismatchError, match=r"different tokens.*all_to_all"):
+                experts(*routing(4 + rank, seed=1))
+            assert experts(*routing(4, seed=1)).shape == (4, moe_models.HIDDEN)
     # torch.compile with fullgraph: the split sizes read to the host become unbacked sizes
     # (capture_scalar_outputs; torch 2.13 traces them so with fullgraph=True even without it,
     # and breaks the graph there without fullgraph); one graph serves every token count.

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import signal
 import tempfile
 import time
 
@@ -35,6 +36,9 @@ ROW_PARALLEL_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
 SPAWN_DEADLINE_S = 300  # a hung collective fails the test instead of stalling CI
+# Each rank's own deadline comes first: it prints the rank's stacks (where it waits) and exits.
+RANK_DEADLINE_S = SPAWN_DEADLINE_S - 20
+COLLECTIVE_TIMEOUT_S = 120  # a collective whose peer never comes raises after this
 
 
 def spawn(worker, world: int, *args, backend: str = "gloo") -> None:
@@ -44,7 +48,9 @@ def spawn(worker, world: int, *args, backend: str = "gloo") -> None:
     fails it too, unless every rank had already passed all its checks and the closing barrier:
     gloo occasionally aborts a process while tearing the group down (seen 2 times in about 20
     runs of this suite on the 2-core CI machine, torch 2.13), after the test has nothing left
-    to check.
+    to check. No run hangs: each rank prints its Python stacks and exits at its deadline
+    (`qshard.tp.deadline`), and past the test's own every rank is asked for its stacks
+    (SIGUSR1) before it is killed.
     """
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
@@ -55,29 +61,41 @@ def spawn(worker, world: int, *args, backend: str = "gloo") -> None:
         try:
             while not context.join(timeout=5):
                 if time.monotonic() > deadline:
-                    for process in context.processes:
-                        process.kill()
+                    _dump_and_kill(context.processes)
                     pytest.fail(f"{worker.__name__} on {world} ranks ran past {SPAWN_DEADLINE_S} s")
         except torch.multiprocessing.ProcessExitedException:
             passed = [os.path.exists(f"{tmp}/passed.{rank}") for rank in range(world)]
             if not all(passed):
+                _dump_and_kill(context.processes)  # the ranks still waiting on the dead one
                 raise
             for process in context.processes:
                 process.kill()
+
+
+def _dump_and_kill(processes) -> None:
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGUSR1)  # qshard.tp.deadline: print the stacks
+    time.sleep(2)
+    for process in processes:
+        process.kill()
 
 
 def _entry(rank: int, world: int, init: str, backend: str, tmp: str, worker, args) -> None:
     device_type = "cuda" if backend == "nccl" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    try:
+    with qshard.tp.deadline(RANK_DEADLINE_S):
+        qshard.tp.init_process_group(
+            backend, init_method=init, rank=rank, world_size=world, timeout_s=COLLECTIVE_TIMEOUT_S
+        )
         torch.manual_seed(1234)  # every rank builds the same float weights and inputs
         worker(rank, world, init_device_mesh(device_type, (world,)), *args)
         dist.barrier()  # no rank tears down while another still has a collective in flight
         open(f"{tmp}/passed.{rank}", "w").close()
-    finally:
-        dist.destroy_process_group()
+        # Only after success: a failed rank exits at once (its peers are killed by spawn)
+        # instead of waiting at shutdown's barrier for a rank that will not come.
+        qshard.tp.shutdown()
 
 
 class Block(nn.Module):
