@@ -48,7 +48,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import qshard
 import qshard.tp
-import qshard.tp.collectives
 from qshard.convert import CONFIGS
 from qshard.models import TP_PLAN, Llama, LlamaConfig, decode_one_token, generate, prefill
 
@@ -187,11 +186,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300,
                         help="seconds per measurement: then every rank prints its stacks and "
                         "exits")  # fmt: skip
-    parser.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"],
-                        help="TP's all-reduce: auto (symmetric-memory one-shot for small sums) "
-                        "or nccl (qshard.tp.collectives)")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
                         help="print where each decode step's GPU time goes (kernels by kind)")
+    # "plain": dist.destroy_process_group() alone, to show the hang qshard.tp.shutdown avoids
+    parser.add_argument("--teardown", default="shutdown", choices=["shutdown", "plain"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -207,7 +206,7 @@ def main() -> None:
     layers = f" ({args.layers} layers)" if args.layers else ""
     print(f"{args.config}{layers}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
           f"decode step (inductor freezing {'on' if args.freezing else 'off'}), TP "
-          f"{args.tp} (all-reduce: {args.all_reduce}); each (layout, batch) in a fresh "
+          f"{args.tp}; each (layout, batch) in a fresh "
           f"process\n")  # fmt: skip
     batches = args.batches.split(",")
     columns = [(tp, b) for tp in sizes for b in batches]
@@ -255,7 +254,7 @@ def run_child(args, layout: str, batch: str, tp: int) -> dict | str:
               str(args.prompt), "--new", str(args.new), "--config", args.config]  # fmt: skip
     script += ["--layers", str(args.layers)] if args.layers else []
     script += [] if args.freezing else ["--no-freezing"]
-    script += ["--all-reduce", args.all_reduce, "--timeout", str(args.timeout)]
+    script += ["--timeout", str(args.timeout), "--teardown", args.teardown]
     script += ["--profile"] if args.profile else []
     launcher = [sys.executable]
     if tp > 1:
@@ -310,7 +309,6 @@ def child(args) -> None:
 def measure(args) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mesh, world, rank = None, 1, 0
-    qshard.tp.collectives.set_method(args.all_reduce)
     if "RANK" in os.environ:  # under torchrun: tensor parallelism over its processes
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -339,7 +337,7 @@ def measure(args) -> None:
     if rank == 0:
         print("RESULT " + json.dumps({"rate": rate, "memory_gib": memory}), flush=True)
     if world > 1:
-        qshard.tp.shutdown()
+        qshard.tp.shutdown() if args.teardown == "shutdown" else dist.destroy_process_group()
 
 
 def _version(package: str) -> str | None:

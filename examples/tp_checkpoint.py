@@ -15,13 +15,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import qshard
+import qshard.tp
 
 use_gpus = torch.cuda.is_available()
-dist.init_process_group("nccl" if use_gpus else "gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-device = torch.device(f"cuda:{rank}") if use_gpus else torch.device("cpu")
+# A rank that stalls (a collective whose peer never comes) prints its Python stacks and exits
+# after 300 s instead of hanging; a collective times out after 120 s.
+qshard.tp.deadline(300)
+local_rank = int(os.environ.get("LOCAL_RANK", 0))  # torchrun's: this process's GPU
+device = torch.device(f"cuda:{local_rank}") if use_gpus else torch.device("cpu")
 if use_gpus:
     torch.cuda.set_device(device)
+qshard.tp.init_process_group("nccl" if use_gpus else "gloo", timeout_s=120)
+rank, world = dist.get_rank(), dist.get_world_size()
 mesh = init_device_mesh(device.type, (world,))
 path = os.path.join(tempfile.gettempdir(), "qshard-example-checkpoint")
 plan = {"0": "colwise", "2": "rowwise"}
@@ -58,5 +63,4 @@ if rank == 0:
         f"max difference vs TP 1: {difference:.1e}; re-saved: "
         f"{sorted(os.listdir(path + '-resaved'))}"
     )
-dist.barrier()  # gloo may abort a process that tears down while another is mid-collective
-dist.destroy_process_group()
+qshard.tp.shutdown()  # every rank done (a barrier), compiled graphs released, group destroyed

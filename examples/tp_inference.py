@@ -5,6 +5,8 @@
 Runs on CPUs (gloo) and on GPUs (NCCL, one GPU per process).
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -13,11 +15,15 @@ import qshard
 import qshard.tp
 
 use_gpus = torch.cuda.is_available()
-dist.init_process_group("nccl" if use_gpus else "gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-device = torch.device(f"cuda:{rank}") if use_gpus else torch.device("cpu")
+# A rank that stalls (a collective whose peer never comes) prints its Python stacks and exits
+# after 300 s instead of hanging; a collective times out after 120 s.
+qshard.tp.deadline(300)
+local_rank = int(os.environ.get("LOCAL_RANK", 0))  # torchrun's: this process's GPU
+device = torch.device(f"cuda:{local_rank}") if use_gpus else torch.device("cpu")
 if use_gpus:
     torch.cuda.set_device(device)
+qshard.tp.init_process_group("nccl" if use_gpus else "gloo", timeout_s=120)
+rank, world = dist.get_rank(), dist.get_world_size()
 mesh = init_device_mesh(device.type, (world,))
 
 torch.manual_seed(0)  # the same float weights and input on every rank
@@ -39,5 +45,4 @@ if rank == 0:
         f"TP {world} on {device.type}: each rank holds a {type(local).__name__} "
         f"{list(local.shape)} of [4096, 1024]; SQNR vs float {qshard.sqnr_db(expected, out):.1f} dB"
     )
-dist.barrier()  # gloo may abort a process that tears down while another is mid-collective
-dist.destroy_process_group()
+qshard.tp.shutdown()  # every rank done (a barrier), compiled graphs released, group destroyed

@@ -54,7 +54,6 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..errors import ExpertParallelError, InputMismatchError, MisalignedSliceError, QShardError
 from ..qtensor import QTensor
-from . import collectives
 from .styles import chunk_bounds, shard_cuts
 
 __all__ = [
@@ -175,7 +174,8 @@ class ExpertsStyle(ParallelStyle):
         _check_same_tokens(self, hidden, group)
         if not (torch.is_grad_enabled() and (hidden.requires_grad or top_k_weights.requires_grad)):
             top_k_index, top_k_weights = self._route(module, top_k_index, top_k_weights)
-            return collectives.all_reduce(local(hidden, top_k_index, top_k_weights), group)
+            out = local(hidden, top_k_index, top_k_weights)
+            return funcol.wait_tensor(funcol.all_reduce(out, "sum", group))
         # As Megatron's TP: each rank differentiates through its own experts (and routes) only,
         # so the inputs' gradients are partial sums, all-reduced in the backward; the output's
         # sum passes its gradient through unchanged (every rank gets the same one). torch's

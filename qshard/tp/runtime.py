@@ -14,14 +14,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import faulthandler
 import gc
 import os
 import signal
 import sys
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,22 +31,29 @@ __all__ = ["deadline", "init_process_group", "shutdown"]
 _NCCL_ASYNC_ERROR_HANDLING = "1"
 
 
-@contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Within the block, a process still running after `seconds` prints all its threads' Python
-    stacks to stderr and exits with status 1; SIGUSR1 prints them without exiting (where the
-    platform has it). Leaving the block cancels the deadline."""
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    usr1 = getattr(signal, "SIGUSR1", None)
-    if usr1 is not None:
-        faulthandler.register(usr1, file=sys.stderr, all_threads=True, chain=False)
-    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
-    try:
-        yield
-    finally:
+class deadline:  # lower case: called like a function, `qshard.tp.deadline(300)`
+    """Arm a deadline of `seconds`: a process still running then prints all its threads' Python
+    stacks to stderr and exits with status 1; SIGUSR1 prints them at any time without exiting
+    (where the platform has it). Called alone it holds for the rest of the process; as a
+    context manager (`with qshard.tp.deadline(300):`) leaving the block cancels it."""
+
+    def __init__(self, seconds: float):
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        self._usr1 = getattr(signal, "SIGUSR1", None)
+        if self._usr1 is not None:
+            faulthandler.register(self._usr1, file=sys.stderr, all_threads=True, chain=False)
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
+
+    def cancel(self) -> None:
         faulthandler.cancel_dump_traceback_later()
-        if usr1 is not None:
-            faulthandler.unregister(usr1)
+        if self._usr1 is not None:
+            faulthandler.unregister(self._usr1)
+
+    def __enter__(self) -> deadline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
 
 
 def init_process_group(backend: str | None = None, *, timeout_s: float = 300, **kwargs) -> None:
