@@ -37,11 +37,12 @@ ROW_PARALLEL_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 SPAWN_DEADLINE_S = 300  # a hung collective fails the test instead of stalling CI
 # Each rank's own deadline comes first: it prints the rank's stacks (where it waits) and exits.
-RANK_DEADLINE_S = SPAWN_DEADLINE_S - 20
+RANK_DEADLINE_MARGIN_S = 20
 COLLECTIVE_TIMEOUT_S = 120  # a collective whose peer never comes raises after this
 
 
-def spawn(worker, world: int, *args, backend: str = "gloo") -> None:
+def spawn(worker, world: int, *args, backend: str = "gloo",
+          deadline_s: float = SPAWN_DEADLINE_S) -> None:  # fmt: skip
     """Run worker(rank, world, mesh, *args) on `world` processes (gloo on CPU, nccl on GPUs).
 
     A Python exception in any rank fails the test. A rank that dies by a signal or an exit code
@@ -55,14 +56,17 @@ def spawn(worker, world: int, *args, backend: str = "gloo") -> None:
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
         context = torch.multiprocessing.start_processes(
-            _entry, args=(world, init, backend, tmp, worker, args), nprocs=world, join=False
+            _entry,
+            args=(world, init, backend, tmp, worker, args, deadline_s - RANK_DEADLINE_MARGIN_S),
+            nprocs=world,
+            join=False,
         )
-        deadline = time.monotonic() + SPAWN_DEADLINE_S
+        deadline = time.monotonic() + deadline_s
         try:
             while not context.join(timeout=5):
                 if time.monotonic() > deadline:
                     _dump_and_kill(context.processes)
-                    pytest.fail(f"{worker.__name__} on {world} ranks ran past {SPAWN_DEADLINE_S} s")
+                    pytest.fail(f"{worker.__name__} on {world} ranks ran past {deadline_s} s")
         except torch.multiprocessing.ProcessExitedException:
             passed = [os.path.exists(f"{tmp}/passed.{rank}") for rank in range(world)]
             if not all(passed):
@@ -81,11 +85,12 @@ def _dump_and_kill(processes) -> None:
         process.kill()
 
 
-def _entry(rank: int, world: int, init: str, backend: str, tmp: str, worker, args) -> None:
+def _entry(rank: int, world: int, init: str, backend: str, tmp: str, worker, args,
+           rank_deadline_s: float) -> None:  # fmt: skip
     device_type = "cuda" if backend == "nccl" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
-    with qshard.tp.deadline(RANK_DEADLINE_S):
+    with qshard.tp.deadline(rank_deadline_s):
         qshard.tp.init_process_group(
             backend, init_method=init, rank=rank, world_size=world, timeout_s=COLLECTIVE_TIMEOUT_S
         )
