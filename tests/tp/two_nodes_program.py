@@ -1,10 +1,11 @@
 """One rank of a 2-node x 2-rank job (torchrun --nnodes 2, static rendezvous on this host; see
 test_two_nodes.py): EP across the nodes, TP within each, for a quantized MoE and its attention.
 
-torchrun numbers ranks node by node, so ExpertParallel(tensor_parallel=<ranks per node>) puts
-the ranks that share an expert on one node (their all-reduce partials never cross nodes in a
-hierarchical all-reduce) and each expert group across nodes; dense TP runs on the node's ranks
-only (a sub-mesh). Checked against the same model on one process."""
+torchrun numbers ranks node by node, so ExpertParallel(tensor_parallel=<ranks per node>) keeps
+the ranks that share an expert's weights on one node and splits the experts across the nodes
+(the outputs are still summed by one all-reduce over every rank, which crosses the nodes:
+docs/distributed.md); dense TP runs on one node's ranks (a sub-mesh). Checked against the same
+model on one process."""
 
 import copy
 import os
