@@ -188,9 +188,11 @@ class Llama(nn.Module):
         """Static KV caches for `batch` sequences of up to `max_seq` tokens (on the weights'
         device and in the norm's dtype), sized for this rank's KV heads under TP."""
         c = self.config
-        units = 1 if c.n_experts else c.hidden // FeedForward.UNIT
+        # (an MoE layer's experts are cut by the expert styles, which check their own sizes)
+        units = tp_world if c.n_experts else c.hidden // FeedForward.UNIT
         if c.n_kv_heads % tp_world or units % tp_world:
-            works = [n for n in range(1, c.n_kv_heads + 1) if c.n_kv_heads % n == 0 == units % n]
+            works = [n for n in range(1, c.n_kv_heads + 1)
+                     if c.n_kv_heads % n == 0 and (c.n_experts or units % n == 0)]  # fmt: skip
             raise ConfigError(
                 f"Llama: TP {tp_world} would split a KV group ({c.n_kv_heads} KV heads) or a "
                 f"gate/up unit ({units} of {FeedForward.UNIT}); use a TP size in {works}"

@@ -458,6 +458,10 @@ def _per_expert(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def _runs_eager(module: nn.Module) -> bool:
+    """Whether the module's forward may not take the sentinel id (transformers' eager loops);
+    a module that says it skips them (`skips_sentinel_ids`, qshard.models' experts) does."""
+    if getattr(module, "skips_sentinel_ids", False):
+        return False
     implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
     return implementation in (None, "eager")
 

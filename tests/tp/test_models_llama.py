@@ -175,3 +175,56 @@ def _to_local_refusal_worker(rank, world, mesh):
 
 def test_to_local_refuses_a_dtensor_outside_a_linear_and_changes_nothing():
     spawn(_to_local_refusal_worker, 2)
+
+
+MOE = LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden=256,
+                  n_experts=8, top_k=2, expert_hidden=64)  # fmt: skip
+# The sharded MoE model's logits against one process's: the experts' outputs are summed over
+# the ranks (and, cut by ExpertTensorParallel, their down projection's K halves) in another
+# fp32 order than one device's, then pass the next layers (measured: below 1e-6).
+MOE_TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _moe_worker(rank, world, mesh):
+    from qshard.models import EP_PLAN
+
+    plans = {
+        "ep": EP_PLAN,
+        "etp": {**EP_PLAN, "layers.*.feed_forward.experts": "expert_tensor_parallel"},
+    }
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    for config in (
+        qshard.Int4WeightOnlyConfig(group_size=32),
+        qshard.Fp8BlockwiseConfig(block_size=(32, 32)),
+    ):
+        for style, plan in plans.items():
+            torch.manual_seed(0)
+            expected_model = Llama(MOE).eval()
+            qshard.quantize_(expected_model, config, exclude=["output"])
+            model = Llama(MOE).eval()
+            model.load_state_dict(expected_model.state_dict(), assign=True)
+            expected_model.setup_caches(batch=2, max_seq=32)
+            qshard.tp.parallelize(model, mesh, plan)
+            model.setup_caches(batch=2, max_seq=32, tp_world=world)
+            experts = model.layers[0].feed_forward.experts
+            assert experts.num_experts == (8 // world if style == "ep" else 8)
+            where = (type(config).__name__, style)
+            with torch.no_grad():
+                expected = expected_model(prompt, torch.arange(6))
+                got = model(prompt, torch.arange(6))
+                torch.testing.assert_close(got, expected, **MOE_TOLERANCE, msg=str(where))
+                tokens = generate(model, prompt, new_tokens=3)
+                # as bench_decode.py runs it: plain local shards, the step compiled and frozen
+                qshard.tp.to_local(model)
+                torch._dynamo.reset()
+                with torch._inductor.config.patch(freezing=True):
+                    step = torch.compile(decode_one_token, fullgraph=True)
+                    frozen = generate(model, prompt, new_tokens=3, step=step)
+            assert torch.equal(frozen, tokens), where
+
+
+def test_the_moe_model_takes_expert_parallel_and_expert_tensor_parallel():
+    """qshard.models' MoE Llama (bench_decode.py's Qwen3-30B-A3B-shaped model) under EP_PLAN:
+    TP attention, experts whole per rank (or cut by ExpertTensorParallel), against one process,
+    then made local and decoded by the frozen compiled step."""
+    spawn(_moe_worker, 2)
