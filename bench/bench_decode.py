@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import qshard
 import qshard.tp
 from qshard.convert import CONFIGS
-from qshard.models import TP_PLAN, Llama, LlamaConfig, decode_one_token, generate, prefill
+from qshard.models import EP_PLAN, TP_PLAN, Llama, LlamaConfig, decode_one_token, generate, prefill
 
 
 def torchao_config(layout: str):
@@ -69,7 +69,17 @@ def torchao_config(layout: str):
     )
 
 
-def build(config: LlamaConfig, layout: str, device: torch.device, mesh=None) -> Llama:
+EXPERT_STYLES = {
+    "ep": lambda: qshard.tp.ExpertParallel(),
+    # Under TP attention every rank holds the same tokens, so this sends every route once per
+    # rank (measured for the comparison; the all-reduce dispatch is the one for this model).
+    "ep-all-to-all": lambda: qshard.tp.ExpertParallel(dispatch="all_to_all"),
+    "etp": lambda: qshard.tp.ExpertTensorParallel(),
+}
+
+
+def build(config: LlamaConfig, layout: str, device: torch.device, mesh=None,
+          experts: str = "ep") -> Llama:  # fmt: skip
     torch.manual_seed(0)  # the same weights on every rank
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -87,7 +97,10 @@ def build(config: LlamaConfig, layout: str, device: torch.device, mesh=None) -> 
             qshard.quantize_(layer, CONFIGS[layout]())
         qshard.quantize_(model.output, CONFIGS[layout]())
     if mesh is not None:
-        qshard.tp.parallelize(model, mesh, TP_PLAN)
+        plan = TP_PLAN
+        if config.n_experts:  # TP attention, the experts by the chosen style
+            plan = {**EP_PLAN, "layers.*.feed_forward.experts": EXPERT_STYLES[experts]()}
+        qshard.tp.parallelize(model, mesh, plan)
     return model
 
 
@@ -175,6 +188,9 @@ def main() -> None:
         choices=["llama-3.1-8b", "tiny", "qwen3-30b-a3b", "tiny-moe"],
     )
     parser.add_argument("--layers", type=int, default=None, help="layers of a MoE config")
+    parser.add_argument("--experts", default="ep", choices=list(EXPERT_STYLES),
+                        help="a MoE config's experts under TP: ExpertParallel (all-reduce or "
+                        "all-to-all dispatch) or ExpertTensorParallel")  # fmt: skip
     parser.add_argument("--tp", default="1", help="TP sizes, e.g. 1,2: processes (GPUs) "
                         "through torchrun; a table column each")  # fmt: skip
     parser.add_argument(
@@ -255,6 +271,7 @@ def run_child(args, layout: str, batch: str, tp: int) -> dict | str:
     script += ["--layers", str(args.layers)] if args.layers else []
     script += [] if args.freezing else ["--no-freezing"]
     script += ["--timeout", str(args.timeout), "--teardown", args.teardown]
+    script += ["--experts", args.experts]
     script += ["--profile"] if args.profile else []
     launcher = [sys.executable]
     if tp > 1:
@@ -324,7 +341,7 @@ def measure(args) -> None:
     # (`qshard.tp.to_local`): a graph over DTensor weights cannot be frozen (their DeviceMesh).
     torch._inductor.config.freezing = args.freezing
     config = model_config(args.config, args.layers)
-    model = build(config, args.layouts, device, mesh)
+    model = build(config, args.layouts, device, mesh, args.experts)
     if mesh is not None:
         model = qshard.tp.to_local(model)
     gc.collect()

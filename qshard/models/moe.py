@@ -77,7 +77,8 @@ class Experts(nn.Module):
         out = torch.where(here[order, None], out * weights, 0)
         combined = torch.empty_like(out)
         combined[order] = out
-        return combined.view(tokens, top_k, -1).sum(1)
+        # (the size named, not -1: a rank of the all-to-all dispatch may get no rows at all)
+        return combined.view(tokens, top_k, out.shape[-1]).sum(1)
 
 
 class MoEFeedForward(nn.Module):
