@@ -255,6 +255,21 @@ def _skip_reason(
     return None
 
 
+def selected_targets(
+    model: nn.Module,
+    exclude: Sequence[str] | str | None = None,
+    keep_float: Sequence[str] = KEEP_FLOAT,
+    caller: str = "quantize_",
+    prefix: str = "",
+) -> list[Target]:
+    """The weights `quantize_(model, config, exclude=exclude, keep_float=keep_float)` would
+    quantize (an `exclude` pattern that matches nothing: ConfigError, as there; `caller` and
+    `prefix` as check_patterns')."""
+    targets = quantization_targets(model)
+    check_patterns([t.name for t in targets], None, exclude, caller, prefix)
+    return [t for t in targets if _skip_reason(t, None, exclude, None, keep_float) is None]
+
+
 def check_patterns(
     names: Sequence[str],
     include: Sequence[str] | str | None,

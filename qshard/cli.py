@@ -83,8 +83,9 @@ def _run(args: argparse.Namespace) -> None:
         from .convert import quantize_directory
 
         done = quantize_directory(args.model_dir, args.out, args.config, args.exclude or ())
-        print(f"{len(done['quantized'])} weights quantized ({args.config}), "
-              f"{len(done['kept'])} tensors kept; wrote {args.out}")  # fmt: skip
+        print(f"{len(done['quantized'])} weights quantized ({args.config}, "
+              f"{done['selection']}), {len(done['kept'])} tensors kept; wrote "
+              f"{args.out}")  # fmt: skip
     elif args.command == "bench":
         if args.device == "cuda" and not _has_cuda():
             raise QShardError("qshard bench: --device cuda, but torch sees no CUDA GPU here "

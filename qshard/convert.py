@@ -1,11 +1,18 @@
 """`qshard quantize` and `qshard inspect`: a Hugging Face safetensors model directory quantized
 tensor by tensor into a qshard checkpoint, and a checkpoint's contents summarized.
 
-Quantizing reads one float tensor at a time and keeps only the quantized results, so the whole
-float model is never in memory. Which tensors are linear weights is decided by name and shape,
-as there is no model object: every 2-D `*.weight` except those matching `--exclude` and
-embeddings, output heads and poolers (`qshard.api.KEEP_FLOAT`, the rule `quantize_`
-follows too).
+Quantizing reads one float tensor at a time (an expert's gate and up together) and keeps only
+the quantized results, so the whole float model is never in memory. Which tensors are quantized
+is what `quantize_` would quantize on the model itself: where config.json names a transformers
+architecture (and transformers is installed) that model is built on the meta device and
+`quantize_`'s own selection runs on it (its nn.Linear weights and experts modules' 3-D weights,
+less `--exclude` and `qshard.api.KEEP_FLOAT`: embeddings, output heads, poolers; routers,
+which are no nn.Linear, stay float). Per-expert linears (`<m>.experts.{e}.gate_proj.weight`,
+...) of an experts module the model holds fused are joined as transformers' loader joins them,
+`<m>.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and
+`<m>.experts.down_proj` [E, H, I]: each expert quantized alone and the experts stacked, which
+is bit for bit `quantize_` of the 3-D weight (docs/design invariant 8). Without such a model,
+every 2-D `*.weight` not excluded or kept float is quantized (by name and shape).
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ import pathlib
 import shutil
 import sys
 
-from .api import KEEP_FLOAT, check_patterns
+import torch
+
+from .api import KEEP_FLOAT, Target, check_patterns, handler_for, quantize_tensor, selected_targets
 from .errors import CheckpointError, QShardError
 from .formats import PACKED_SUFFIXES, QUANTIZATION_SUFFIXES
+from .formats.experts import PROJECTIONS, expert_modules, rename_legacy_experts
 from .formats.source import SafetensorsDir
 from .io import save
 from .io.saving import QUANTIZATION_CONFIG_NAME
@@ -29,7 +39,6 @@ from .layouts import (
     Int4WeightOnlyConfig,
     MXFP4WeightOnlyConfig,
     NVFP4WeightOnlyConfig,
-    layout_for,
 )
 from .qtensor import FLOAT_DTYPES, QTensor, stored_nbytes
 from .safejson import read_json_file
@@ -60,7 +69,8 @@ def quantize_directory(
 ) -> dict[str, list[str]]:
     """Quantize the linear weights of a Hugging Face directory into a qshard checkpoint at
     `out_dir` (`qshard.save`'s files), with a progress bar on stderr. Returns {"quantized":
-    [...], "kept": [...]}. Module names matching `exclude` or `keep_float` (quantize_'s rule:
+    [...], "kept": [...], "selection": how they were chosen} (the module docstring). Names
+    matching `exclude` or `keep_float` (quantize_'s rule:
     embeddings, output heads and poolers) stay float; an `exclude` pattern that matches
     no weight's module name is refused (ConfigError, before anything is written).
 
@@ -78,23 +88,27 @@ def quantize_directory(
     _refuse_quantized(model_dir, *_quantized_by_config(model_dir))
     reader = SafetensorsDir(model_dir)  # every header read and checked
     _refuse_quantized(model_dir, *_quantized_by_headers(reader))
-    names = reader.names()
-    modules = [n.removesuffix(".weight") for n in names if n.endswith(".weight")]
-    check_patterns(modules, None, exclude, "qshard quantize", prefix="--")
-    exclude = (*exclude, *keep_float)
+    plan = _Plan.of(model_dir, reader.names(), exclude, keep_float)
+    handler = handler_for(quant_config, "qshard quantize")
     state, done = {}, {"quantized": [], "kept": []}
+    names = reader.names()
     try:
         for i, name in enumerate(names, 1):
-            tensor = reader.get(name)
-            module = name.removesuffix(".weight")
-            linear = (name.endswith(".weight") and tensor.dim() == 2
-                      and tensor.dtype in FLOAT_DTYPES)  # fmt: skip
-            if linear and not _is_excluded(module, exclude):
-                state[name] = layout_for(quant_config).from_float(tensor, quant_config)
-                done["quantized"].append(name)
+            if name in plan.fused_keys:  # an experts module, joined at its first key
+                module = plan.fused_keys[name]
+                if module not in plan.joined:
+                    plan.joined.add(module)
+                    for key, tensor, quantized in _joined_experts(reader, plan, module,
+                                                                  handler, quant_config):
+                        state[key] = tensor  # fmt: skip
+                        done["quantized" if quantized else "kept"].append(key)
             else:
-                state[name] = tensor
-                done["kept"].append(name)
+                tensor, key = reader.get(name), plan.rename.get(name, name)
+                target = plan.target_of(key, tensor)
+                if target is not None:
+                    tensor = quantize_tensor(handler, tensor, quant_config, target.transposed)
+                state[key] = tensor
+                done["quantized" if target is not None else "kept"].append(key)
             if progress is not None:
                 bar = "#" * (30 * i // len(names))
                 progress.write(f"\r[{bar:<30}] {i}/{len(names)} {name[:60]:<60}")
@@ -104,7 +118,106 @@ def quantize_directory(
             progress.write("\n")
     save(state, out_dir)
     _complete_model_directory(model_dir, out_dir)
+    done["selection"] = plan.basis
     return done
+
+
+class _Plan:
+    """Which checkpoint tensors `qshard quantize` quantizes, and which per-expert keys it joins."""
+
+    def __init__(self, targets: dict[str, Target] | None, exclude, fused: dict[str, dict]):
+        self.targets = targets  # {target name: Target} (None: no model; by name and shape)
+        self.exclude = exclude
+        self.fused = fused  # {experts module: {projection: {expert: key}}}
+        self.fused_keys = {k: m for m, p in fused.items() for ks in p.values() for k in ks.values()}
+        self.joined: set[str] = set()
+        self.basis = ""  # how the tensors were chosen, for the command's summary
+        self.rename: dict[str, str] = {}  # {stored key: the model's name for it}
+
+    @classmethod
+    def of(cls, model_dir: pathlib.Path, names: list[str], exclude, keep_float) -> _Plan:
+        model, why_not = _meta_model(model_dir)
+        if model is None:
+            modules = [n.removesuffix(".weight") for n in names if n.endswith(".weight")]
+            check_patterns(modules, None, exclude, "qshard quantize", prefix="--")
+            plan = cls(None, (*exclude, *keep_float), {})
+            plan.basis = f"by name and shape ({why_not})"
+            return plan
+        chosen = selected_targets(model, exclude, keep_float, "qshard quantize", prefix="--")
+        selected = {t.name: t for t in chosen}
+        held = {name for name, _ in model.named_parameters()}
+        # Mixtral's older names (block_sparse_moe, w1 / w3 / w2) as the model names them
+        renamed = rename_legacy_experts({n: n for n in names}, wanted=held)  # {new: stored}
+        modules = expert_modules(renamed)
+        fused = {m: {proj: {e: renamed[k] for e, k in keys.items()} for proj, keys in p.items()}
+                 for m, p in modules.items() if f"{m}.gate_up_proj" in held}  # fmt: skip
+        plan = cls(selected, (), fused)
+        plan.rename = {stored: new for new, stored in renamed.items() if new != stored}
+        plan.basis = f"as quantize_ selects on {type(model).__name__}"
+        return plan
+
+    def target_of(self, key: str, tensor: torch.Tensor) -> Target | None:
+        """The Target a stored tensor is quantized as, or None (kept as it is)."""
+        if tensor.dtype not in FLOAT_DTYPES:
+            return None
+        if self.targets is None:
+            module = key.removesuffix(".weight")
+            linear = key.endswith(".weight") and tensor.dim() == 2
+            return Target(module, None, "weight") if linear and not _is_excluded(
+                module, self.exclude) else None  # fmt: skip
+        target = self.targets.get(key.removesuffix(".weight")) if key.endswith(".weight") else None
+        if target is not None and target.param == "weight" and tensor.dim() == 2:
+            return target
+        target = self.targets.get(key)  # an experts module's 3-D weight, stored fused
+        return target if target is not None and tensor.dim() == 3 else None
+
+
+def _meta_model(model_dir: pathlib.Path):
+    """(the transformers model config.json describes, built on the meta device, None), or
+    (None, why not: no config.json, no architecture transformers knows, no transformers)."""
+    if not (model_dir / "config.json").is_file():
+        return None, "no config.json"
+    try:
+        import transformers
+    except ImportError:
+        return None, "transformers is not installed: pip install transformers"
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError) as e:  # a model_type this transformers does not know
+        return None, f"transformers {transformers.__version__} reads no model from config.json: {e}"
+    architectures = getattr(config, "architectures", None) or []
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    if model_class is None:
+        return None, f"config.json names no architecture transformers has ({architectures})"
+    with torch.device("meta"):
+        return model_class(config), None
+
+
+def _joined_experts(reader, plan: _Plan, module: str, handler, config):
+    """(key, tensor, quantized?) of an experts module's joined weights, read an expert at a
+    time: gate_up_proj [E, 2I, H] from each expert's [gate; up], down_proj [E, H, I]; each
+    expert quantized alone (as quantize_ of the 3-D weight quantizes it) if its target is
+    selected, then the experts stacked."""
+    projections = plan.fused[module]
+    experts = max(len(keys) for keys in projections.values())
+    for projection in PROJECTIONS:
+        missing = sorted(set(range(experts)) - set(projections[projection]))
+        if missing:
+            raise CheckpointError(
+                f"qshard quantize: {module}: experts {missing[:8]} have no {projection}.weight; "
+                f"an experts module needs gate_proj, up_proj and down_proj of every expert "
+                f"0..{experts - 1}. The checkpoint is incomplete"
+            )
+    for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        target = plan.targets.get(f"{module}.{fused}")
+        pieces = []
+        for e in range(experts):
+            weight = torch.cat([reader.get(projections[p][e]) for p in parts])
+            if target is not None:
+                weight = quantize_tensor(handler, weight, config)
+            pieces.append(weight)
+        joined = QTensor.stack_experts(pieces) if target is not None else torch.stack(pieces)
+        yield f"{module}.{fused}", joined, target is not None
 
 
 # Files of a model directory that are weights or quantization configs: not copied to the output.

@@ -52,8 +52,47 @@ EXPORT_FORMATS = (
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+QSHARD = "qshard"  # qshard's own checkpoints, for load_pretrained(format=...)
+
+
+def _is_qshard(directory: pathlib.Path) -> bool:
+    from ..io.saving import QUANTIZATION_CONFIG_NAME
+
+    for path, key in ((directory / QUANTIZATION_CONFIG_NAME, None),
+                      (directory / "config.json", "quantization_config")):  # fmt: skip
+        data = read_json(path)
+        data = data.get(key) if isinstance(data, dict) and key else data
+        if isinstance(data, dict) and data.get("quant_method") == QSHARD:
+            return True
+    return False
+
+
+def _format_of(directory: pathlib.Path, format: str | None) -> str:
+    """The format `load_pretrained` reads `directory` as: `format` checked, or detected."""
+    if format is None:
+        return QSHARD if _is_qshard(directory) else detect_format(directory)
+    if format not in (*FORMATS, QSHARD):
+        raise QShardError(f"qshard.load_pretrained: format={format!r} is not one of "
+                          f"{[*FORMATS, QSHARD]}")  # fmt: skip
+    is_qshard = _is_qshard(directory)
+    if format == QSHARD:
+        matches = is_qshard
+    else:
+        matches = not is_qshard and FORMATS[format].detect(*_configs(directory))
+    if not matches:
+        found = QSHARD if is_qshard else None
+        try:
+            found = found or detect_format(directory)
+        except CheckpointError:
+            found = "no format qshard reads"
+        raise CheckpointError(f"{directory}: format={format!r} was asked for, and the "
+                              f"directory's config files say {found!r}; pass that format, or "
+                              f"leave format out to detect it")  # fmt: skip
+    return format
+
+
 def detect_format(model_dir: str | os.PathLike) -> str:
-    """The name of the quantized format of a Hugging Face model directory."""
+    """The name of the quantized format of another tool's Hugging Face model directory."""
     directory = pathlib.Path(model_dir)
     config, hf_quant = _configs(directory)
     found = [name for name, fmt in FORMATS.items() if fmt.detect(config, hf_quant)]
@@ -81,17 +120,25 @@ def load_pretrained(
     device: torch.device | str | None = None,
     mesh=None,
     plan=None,
+    format: str | None = None,
 ):
     """Load a quantized checkpoint another tool wrote (see `FORMATS`), its codes and scales
-    mapped into qshard layouts bit for bit.
+    mapped into qshard layouts bit for bit, or a qshard checkpoint (`qshard.save`,
+    `qshard quantize`: read by `qshard.load`).
 
     Without `model`: a state_dict (QTensors for the quantized linears, the stored tensors for
     the rest) on `device` (default CPU). With `model` (built on the meta device, say): loaded
     into it, keys and shapes checked before anything changes, and returned; with `mesh` and
     `plan` as well, each rank keeps its slices (as qshard.load(mesh=, plan=) does).
+    `format`: one of `FORMATS` or "qshard"; by default detected from the directory's config
+    files. A directory that is not of the format given is refused (CheckpointError).
     """
     directory = pathlib.Path(model_dir)
-    name = detect_format(directory)
+    name = _format_of(directory, format)
+    if name == QSHARD:
+        from ..io.loading import load
+
+        return load(directory, model, device, mesh, plan)
     config, hf_quant = _configs(directory)
     dtype_name = config.get("torch_dtype") or config.get("dtype")
     # bf16 when config.json names none (or "auto"): the dtype quantized checkpoints run in

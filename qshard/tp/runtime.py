@@ -35,7 +35,8 @@ class deadline:  # lower case: called like a function, `qshard.tp.deadline(300)`
     """Arm a deadline of `seconds`: a process still running then prints all its threads' Python
     stacks to stderr and exits with status 1; SIGUSR1 prints them at any time without exiting
     (where the platform has it). Called alone it holds for the rest of the process; as a
-    context manager (`with qshard.tp.deadline(300):`) leaving the block cancels it."""
+    context manager (`with qshard.tp.deadline(300):`) leaving the block cancels it. A process
+    has one deadline (faulthandler's): a new one replaces the one before."""
 
     def __init__(self, seconds: float):
         faulthandler.enable(file=sys.stderr, all_threads=True)

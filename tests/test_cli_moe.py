@@ -1,0 +1,84 @@
+"""`qshard quantize` on a transformers MoE directory (a tiny Qwen3-MoE saved by
+`save_pretrained`, which writes one tensor per expert): run as a user runs it, in a subprocess;
+the result loads with `from_pretrained` and `qshard.load`, bit for bit what `from_pretrained`
++ `quantize_` give, experts fused into the model's 3-D weights, routers float."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import moe_models
+import pytest
+import torch
+from helpers import assert_same_qtensor
+
+import qshard
+
+CONFIGS = {"fp8-block": qshard.Fp8BlockwiseConfig(), "int4-g64": qshard.Int4WeightOnlyConfig(64)}
+
+
+# (model, config): every family whose save_pretrained writes one tensor per expert
+CASES = [("qwen3_moe", "fp8-block"), ("qwen3_moe", "int4-g64"), ("mixtral", "fp8-block"),
+         ("deepseek_v3", "int4-g64")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{model name: the directory its save_pretrained wrote}, made once each."""
+    made = {}
+
+    def directory(name: str):
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp(name)
+            getattr(moe_models, name)().save_pretrained(made[name])
+        return made[name]
+
+    return directory
+
+
+def _quantize(source, out, config: str) -> str:
+    command = [sys.executable, "-m", "qshard", "quantize", str(source), "--config", config,
+               "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize(("model", "config"), CASES)
+def test_quantize_a_moe_directory_equals_from_pretrained_and_quantize(saved, tmp_path, model,
+                                                                     config):  # fmt: skip
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    moe_dir = saved(model)
+    stored = list(safe_open(str(moe_dir / "model.safetensors"), "pt").keys())
+    assert any(".experts.0." in key for key in stored), stored  # one tensor per expert
+    out = tmp_path / "q"
+    printed = _quantize(moe_dir, out, config)
+    assert "as quantize_ selects on " in printed, printed
+    expected = AutoModelForCausalLM.from_pretrained(moe_dir)
+    report = qshard.quantize_(expected, CONFIGS[config])
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    for name, param in expected.named_parameters():
+        got = loaded.get_parameter(name)
+        if isinstance(param, qshard.QTensor):
+            assert_same_qtensor(got, param)
+        else:
+            assert not isinstance(got, qshard.QTensor) and torch.equal(got, param), name
+    layer = loaded.model.layers[-1]  # (DeepSeek-V3's first layers are dense)
+    experts = layer.mlp.experts
+    assert isinstance(experts.gate_up_proj, qshard.QTensor) and experts.gate_up_proj.dim() == 3
+    assert not isinstance(layer.mlp.gate.weight, qshard.QTensor)  # the router
+    quantized = {q.name for q in report.quantized}
+    assert f"model.layers.{len(loaded.model.layers) - 1}.mlp.experts.gate_up_proj" in quantized
+    ids = torch.randint(0, moe_models.VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, expected(ids).logits)
+    # qshard's own loader reads the same directory into a model built from its config.
+    with qshard.empty_weights():
+        fresh = AutoModelForCausalLM.from_config(expected.config)
+    again = qshard.load(out, fresh)
+    for name, param in loaded.named_parameters():
+        if isinstance(param, qshard.QTensor):
+            assert_same_qtensor(again.get_parameter(name), param)
