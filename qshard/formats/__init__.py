@@ -62,9 +62,15 @@ def _is_qshard(directory: pathlib.Path) -> bool:
                       (directory / "config.json", "quantization_config")):  # fmt: skip
         data = read_json(path)
         data = data.get(key) if isinstance(data, dict) and key else data
-        if isinstance(data, dict) and data.get("quant_method") == QSHARD:
+        if _names_qshard(data):
             return True
     return False
+
+
+def _names_qshard(quantization_config) -> bool:
+    return isinstance(quantization_config, dict) and (
+        quantization_config.get("quant_method") == QSHARD
+    )
 
 
 def _format_of(directory: pathlib.Path, format: str | None) -> str:
@@ -242,4 +248,9 @@ def export(
     if config is None:
         own = getattr(model, "config", None)
         config = own.to_dict() if hasattr(own, "to_dict") else dict(own or {})
+    # A model quantized by quantize_ carries qshard's own quantization_config (for
+    # save_pretrained): the exported checkpoint is the format's, which its readers must not
+    # mistake for qshard's (a format whose config.json has none would keep it otherwise).
+    if _names_qshard(config.get("quantization_config")):
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
     return write_directory(out_dir, tensors, {"config.json": {**config, **config_update}, **files})

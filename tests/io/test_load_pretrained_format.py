@@ -47,3 +47,20 @@ def test_an_explicit_format_is_checked_against_the_directory(tmp_path):
         qshard.load_pretrained(tmp_path / "q", format="compressed-tensors")
     with pytest.raises(QShardError, match=r"format='gguf' is not one of \[.*'qshard'\]"):
         qshard.load_pretrained(tmp_path / "q", format="gguf")
+
+
+@pytest.mark.parametrize("format", ["modelopt-nvfp4", "compressed-tensors"])
+def test_an_export_never_carries_qshards_own_quantization_config(tmp_path, format):
+    """quantize_ gives a transformers model qshard's quantization_config (for save_pretrained);
+    an export is the format's checkpoint, and its config.json must not say qshard."""
+    import json
+
+    import moe_models
+
+    model = moe_models.qwen3_moe()
+    qshard.quantize_(model, qshard.NVFP4WeightOnlyConfig())
+    assert model.config.to_dict()["quantization_config"]["quant_method"] == "qshard"
+    qshard.export(model, tmp_path / "out", format=format)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config.get("quantization_config", {}).get("quant_method") != "qshard"
+    assert qshard.formats.detect_format(tmp_path / "out") == format
