@@ -17,6 +17,8 @@ with zeros along K and the padded output rows are dropped, so any shape runs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -104,11 +106,14 @@ def tinygemm_linear(
     """y = x @ W.T + bias through tinygemm; x [..., K] on the form's device."""
     group, k, n = meta
     weight, scale_zero = tensors["tinygemm_qdata"], tensors["tinygemm_scale_zero"]
-    x2d = x.reshape(-1, k)
+    rows = math.prod(x.shape[:-1])
+    x2d = x.reshape(rows, k)  # (not -1: ambiguous for K = 0)
     k_pad = scale_zero.shape[0] * group
     if k_pad != k:
         x2d = F.pad(x2d, (0, k_pad - k))
-    if x.device.type == "cuda":
+    if rows == 0 or k == 0 or n == 0:  # empty sums are zeros; tinygemm takes no empty operand
+        out = x2d.new_zeros(rows, n)
+    elif x.device.type == "cuda":
         out = torch.ops.aten._weight_int4pack_mm(x2d.contiguous(), weight, group, scale_zero)
     else:
         if scale_zero.dtype != x.dtype:

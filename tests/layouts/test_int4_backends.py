@@ -234,3 +234,23 @@ def test_cpu_tinygemm_refuses_scales_fp16_cannot_hold():
     assert bool(torch.isfinite(F.linear(x.to(torch.bfloat16), q)).all())
     with pytest.raises(BackendUnavailableError, match="activation dtype"):
         F.linear(x.half(), q)
+
+
+@pytest.mark.parametrize(("in_features", "out_features", "rows"), [(0, 4, 3), (64, 0, 3),
+                                                                    (64, 8, 0)])  # fmt: skip
+def test_tinygemm_gives_empty_products_as_the_other_backends_do(in_features, out_features, rows):
+    """A zero-size weight or input: the empty sums are zeros (plus the bias), the same result
+    as the reference backend, not an error from tinygemm's kernels."""
+    import copy
+
+    torch.manual_seed(0)
+    x = torch.randn(2, rows, in_features)
+    float_layer = nn.Linear(in_features, out_features)
+    nn.init.normal_(float_layer.bias)
+    outputs = []
+    for backend in ("tinygemm", "reference"):
+        layer = copy.deepcopy(float_layer)
+        qshard.quantize_(layer, Int4WeightOnlyConfig(group_size=32, backend=backend))
+        outputs.append(layer(x))
+    assert outputs[0].shape == (2, rows, out_features)
+    torch.testing.assert_close(outputs[0], outputs[1])
