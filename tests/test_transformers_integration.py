@@ -556,3 +556,27 @@ def test_a_qshard_quantize_output_is_a_model_directory_transformers_loads(tmp_pa
     ids = torch.tensor([[1, 5, 9, 77, 3]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, expected(ids).logits)
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_an_index_naming_files_outside_the_checkpoint_is_refused(tmp_path, where):
+    """qshard.load reads only inside the checkpoint's directory; from_pretrained of a qshard
+    checkpoint does too (transformers itself opens whatever the index names)."""
+    import shutil
+
+    model = moe_models.qwen3_moe()
+    qshard.quantize_(model, qshard.Fp8BlockwiseConfig(block_size=(32, 32)))
+    directory = tmp_path / "ckpt"
+    model.save_pretrained(directory, max_shard_size="100KB")
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    moved = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "outside").mkdir()
+    shutil.move(directory / moved, tmp_path / "outside" / moved)
+    name = f"../outside/{moved}" if where == "parent" else str(tmp_path / "outside" / moved)
+    index["weight_map"] = {k: name if v == moved else v for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(qshard.CheckpointError, match=r"names files outside that directory"):
+        AutoModelForCausalLM.from_pretrained(directory)
+    with pytest.raises(qshard.CheckpointError, match=r"file names in the index's directory"):
+        qshard.load(directory, moe_models.qwen3_moe())

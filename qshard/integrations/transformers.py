@@ -30,6 +30,7 @@ Checkpoints keep the model's own parameter names: a transformers MoE's fused 3-D
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import secrets
@@ -192,6 +193,7 @@ class QShardHfQuantizer(HfQuantizer):
                 f"checkpoints are safetensors files (model.safetensors or an index), written by "
                 f"save_pretrained or qshard.save"
             )
+        _check_files_inside(checkpoint_files, model)
         records, where, self.file_of_stored = read_records(checkpoint_files)
         params = dict(model.named_parameters())
         quantized = {k: r for k, r in records.items() if r.layout is not None}
@@ -460,6 +462,23 @@ def _check_float_tensors(records: dict[str, Record], where: dict[str, str]) -> N
                         f"{path}: tensor {tensor.key!r} does not match its checksum; the file is "
                         f"damaged, save it again"
                     )
+
+
+def _check_files_inside(files, model: nn.Module) -> None:
+    """CheckpointError unless every file lies in the checkpoint's own directory, as qshard.load
+    reads only there: transformers opens what the index names, `../x` and absolute paths too.
+    The directory is the one from_pretrained was given (config._name_or_path) when it is a
+    local one; otherwise (a hub snapshot) the files must at least share one directory."""
+    parents = [os.path.dirname(os.path.abspath(f)) for f in files]
+    named = getattr(getattr(model, "config", None), "_name_or_path", None)
+    home = os.path.abspath(named) if named and os.path.isdir(named) else parents[0]
+    outside = [str(f) for f, parent in zip(files, parents, strict=True) if parent != home]
+    if outside:
+        raise CheckpointError(
+            f"from_pretrained of a qshard checkpoint in {home}: its index names files outside "
+            f"that directory ({', '.join(outside[:3])}); a checkpoint's shards are plain file "
+            f"names in its own directory. The index is damaged or crafted: re-save the model"
+        )
 
 
 def read_records(files) -> tuple[dict[str, Record], dict[str, str], dict[str, str]]:
