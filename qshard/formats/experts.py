@@ -85,7 +85,14 @@ def expert_modules(keys: Collection[str]) -> dict[str, dict[str, dict[int, str]]
         match = EXPERT_KEY.fullmatch(key)
         if match:
             projections = modules.setdefault(match["module"], {p: {} for p in PROJECTIONS})
-            projections[match["proj"]][int(match["e"])] = key
+            experts, e = projections[match["proj"]], int(match["e"])
+            if e in experts:  # "experts.1." and "experts.01.": one would silently win
+                first, second = sorted((experts[e], key))
+                raise CheckpointError(
+                    f"{first!r} and {second!r} both name expert {e} of {match['module']}; a "
+                    f"checkpoint names each expert once. The checkpoint is damaged or crafted"
+                )
+            experts[e] = key
     return modules
 
 

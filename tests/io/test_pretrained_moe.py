@@ -326,6 +326,20 @@ def test_an_expert_missing_from_the_checkpoint_is_refused(tmp_path):
         qshard.load_pretrained(tmp_path)
 
 
+def test_two_names_for_one_expert_are_refused_naming_both(tmp_path):
+    """experts.1. and experts.01. name the same expert: neither may silently win."""
+    model = moe_models.qwen3_moe().to(torch.bfloat16)
+    tensors = per_expert_checkpoint(model, deepseek_fp8)[0]
+    other = per_expert_checkpoint(qwen3_moe_with(), deepseek_fp8)[0]  # other weights
+    prefix, twin = "model.layers.0.mlp.experts.1.up_proj", "model.layers.0.mlp.experts.01.up_proj"
+    for suffix in (".weight", ".weight_scale_inv"):
+        tensors[twin + suffix] = other[prefix + suffix]
+    write_checkpoint(tmp_path, tensors, model, DEEPSEEK_QC)
+    with pytest.raises(CheckpointError, match=r"experts\.01\.up_proj.weight' and '.*experts\.1"
+                       r"\.up_proj.weight' both name expert 1"):  # fmt: skip
+        qshard.load_pretrained(tmp_path)
+
+
 def test_export_refuses_transposed_experts_in_a_per_expert_format(tmp_path):
     model = moe_models.gpt_oss().to(torch.bfloat16)
     qshard.quantize_(model, qshard.Fp8BlockwiseConfig(block_size=(32, 32)))
