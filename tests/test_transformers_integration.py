@@ -580,3 +580,17 @@ def test_an_index_naming_files_outside_the_checkpoint_is_refused(tmp_path, where
         AutoModelForCausalLM.from_pretrained(directory)
     with pytest.raises(qshard.CheckpointError, match=r"file names in the index's directory"):
         qshard.load(directory, moe_models.qwen3_moe())
+
+
+def test_half_is_refused_and_to_dtype_casts_whichever_way_the_model_was_quantized(tmp_path):
+    """One behaviour for a model quantize_ quantized and one from_pretrained loaded quantized:
+    transformers refuses `.half()` on both (its quantized-model rule), `.to(dtype)` casts."""
+    model = moe_models.qwen3_moe()
+    qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32))
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for quantized in (model, loaded):
+        with pytest.raises(ValueError, match=r"`.half\(\)` is not supported for quantized model"):
+            quantized.half()
+        quantized.to(torch.float16)
+        assert quantized.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16

@@ -497,10 +497,13 @@ def read_records(files) -> tuple[dict[str, Record], dict[str, str], dict[str, st
 def attach(model: nn.Module) -> None:
     """Make a transformers model that qshard.quantize_ quantized a qshard model for transformers,
     as from_pretrained leaves one: `model.hf_quantizer` (so that save_pretrained writes qshard's
-    format) and `config.quantization_config`."""
+    format), `config.quantization_config`, and `is_quantized`, which transformers' quantizers
+    set (its `.half()` / `.float()` then refuse the model whichever way it was quantized;
+    `model.to(dtype)` casts it either way)."""
     quantizer = QShardHfQuantizer(QShardConfig.of_model(model), pre_quantized=True)
     model.hf_quantizer = quantizer
     model.quantization_method = QUANT_METHOD
+    model.is_quantized = True
     model.config.quantization_config = quantizer.quantization_config
 
 
