@@ -323,6 +323,17 @@ def _refuse_quantized(model_dir: pathlib.Path, own: bool, reason: str | None) ->
                           f"quantize the float checkpoint it was made from")  # fmt: skip
 
 
+def _is_float_model(directory: pathlib.Path) -> bool:
+    """Neither its config files nor its safetensors headers say it is quantized."""
+    if _quantized_by_config(directory)[1] is not None:
+        return False
+    try:
+        reader = SafetensorsDir(directory)
+    except CheckpointError:  # no safetensors here: let the reader say what is wrong
+        return False
+    return _quantized_by_headers(reader)[1] is None
+
+
 def _quantized_by_config(model_dir: pathlib.Path) -> tuple[bool, str | None]:
     """(qshard's own?, why it is quantized, or None) from the directory's JSON files."""
     if (model_dir / QUANTIZATION_CONFIG_NAME).exists():
@@ -367,6 +378,11 @@ def inspect_checkpoint(path: str | os.PathLike, out=None) -> dict:
                           f"or a quantized Hugging Face model directory")  # fmt: skip
     is_qshard = (directory / "quantization_config.json").exists() or directory.suffix in (
         ".safetensors", ".json")  # fmt: skip
+    if not is_qshard and directory.is_dir() and _is_float_model(directory):
+        raise QShardError(f"qshard inspect: {directory} is a float model (no quantization "
+                          f"config, no quantized tensor); quantize it first: qshard quantize "
+                          f"{directory} --config fp8-block --out OUT, then qshard inspect "
+                          f"OUT")  # fmt: skip
     state = load(directory) if is_qshard else load_pretrained(directory)
     rows, totals = [], {"quantized": 0, "float": 0}
     for name, value in state.items():

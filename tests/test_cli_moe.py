@@ -82,3 +82,18 @@ def test_quantize_a_moe_directory_equals_from_pretrained_and_quantize(saved, tmp
     for name, param in loaded.named_parameters():
         if isinstance(param, qshard.QTensor):
             assert_same_qtensor(again.get_parameter(name), param)
+
+
+def test_inspect_of_the_float_directory_points_to_quantize_and_reads_the_result(saved, tmp_path):
+    moe_dir = saved("qwen3_moe")
+    command = [sys.executable, "-m", "qshard", "inspect", str(moe_dir)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "is a float model" in done.stderr and f"qshard quantize {moe_dir}" in done.stderr
+    _quantize(moe_dir, tmp_path / "q", "fp8-block")
+    command = [sys.executable, "-m", "qshard", "inspect", str(tmp_path / "q")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| model.layers.0.mlp.experts.gate_up_proj | Fp8BlockwiseTensor | [8, 64, 64] |" in (
+        done.stdout
+    ), done.stdout[:3000]
