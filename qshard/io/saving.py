@@ -308,6 +308,9 @@ class _Writer:
             except Exception as e:  # re-raised by save, after the other ranks hear of it
                 self.failure = e
                 self._discard()
+            except BaseException:  # an interrupt (Ctrl-C): no temporary file left behind
+                self._discard()
+                raise
 
     def begin(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -363,9 +366,8 @@ class _Writer:
         _fsync_directory(directory)
 
     def _write(self, name: str, write) -> pathlib.Path:
-        temporary = _write_temporary(self.directory / name, write)
-        self.temporary.add(temporary)
-        return temporary
+        # (registered before the file exists: an interrupt at any point finds it in the set)
+        return _write_temporary(self.directory / name, write, self.temporary.add)
 
     def _rename(self, temporary: pathlib.Path, final: pathlib.Path) -> None:
         os.replace(temporary, final)
@@ -455,10 +457,13 @@ def _write_safetensors(tensors: Mapping[str, torch.Tensor], metadata: dict[str, 
             f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def _write_temporary(final: pathlib.Path, write) -> pathlib.Path:
+def _write_temporary(final: pathlib.Path, write, register=None) -> pathlib.Path:
     """`write(file)` into a temporary file beside `final`, fsynced; returns its path (the caller
-    renames it). A failed write deletes it."""
+    renames it). `register(path)` is called before the file is created. A failed write deletes
+    it."""
     temporary = final.with_name(f".{final.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    if register is not None:
+        register(temporary)
     try:
         with open(temporary, "wb") as f:
             write(f)

@@ -242,16 +242,20 @@ def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_checkpoint(
 # ---- failures ------------------------------------------------------------------------------
 
 
+def _no_space():
+    return OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
 @contextlib.contextmanager
-def failing_at(step: int):
-    """Every filesystem operation of the save counted; the step-th raises ENOSPC. Yields a list
-    that holds the number of operations so far."""
+def failing_at(step: int, error=_no_space):
+    """Every filesystem operation of the save counted; the step-th raises `error()` (ENOSPC by
+    default). Yields a list that holds the number of operations so far."""
     count = [0]
 
     def tick():
         count[0] += 1
         if count[0] - 1 == step:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            raise error()
 
     with pytest.MonkeyPatch.context() as patch:
         for module, name, replacement in step_hooks(tick):
@@ -298,6 +302,30 @@ def test_an_error_at_any_step_leaves_the_old_checkpoint_or_commits_the_new(
     assert loads_as(directory, expected) == "new"
     assert_clean(directory, {"notes.txt"})
     assert "old" in outcomes
+
+
+@pytest.mark.parametrize("new_size", [ONE_FILE, THREE_SHARDS])
+def test_an_interrupt_at_any_step_leaves_no_temporary_file(states, tmp_path, new_size):
+    """Ctrl-C (KeyboardInterrupt) at any filesystem step of a save: the old or the new
+    checkpoint loads, and none of the save's temporary files is left (`qshard quantize`
+    interrupted while saving left one in some runs)."""
+    directory = tmp_path / "checkpoint"
+    qshard.save(states["old"], directory, max_shard_size=THREE_SHARDS)
+    before = snapshot(directory)
+    expected = {"old": fingerprint(states["old"]), "new": fingerprint(states["new"])}
+    for step in itertools.count():
+        with contextlib.suppress(KeyboardInterrupt), failing_at(step, KeyboardInterrupt) as count:
+            qshard.save(states["new"], directory, max_shard_size=new_size)
+        if count[0] <= step:
+            break
+        assert not [n for n in os.listdir(directory) if n.endswith(".tmp")], (step, os.listdir(
+            directory))  # fmt: skip
+        assert loads_as(directory, expected) in ("old", "new")
+        shutil.rmtree(directory)
+        directory.mkdir()
+        for name, data in before.items():
+            (directory / name).write_bytes(data)
+    assert step > 5
 
 
 @pytest.mark.parametrize("new_size", [ONE_FILE, THREE_SHARDS])
