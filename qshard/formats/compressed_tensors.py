@@ -658,4 +658,10 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
         "config_groups": config_groups,
         "ignore": unquantized_modules(state, linear_names, quantized),
     }
-    return tensors, {"quantization_config": qc}, {}
+    update = {"quantization_config": qc}
+    if any(fmt == NVFP4_FORMAT for fmt, *_ in groups):
+        # compressed-tensors 0.20 unpacks NVFP4 weights to bf16 whatever the model's dtype:
+        # a checkpoint that names float32 (or float16) loads in transformers but fails in its
+        # first matmul (float activations, bf16 weights), so the export names bf16.
+        update |= {"dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    return tensors, update, {}
