@@ -7,21 +7,26 @@ quantize` would quantize, read from the safetensors headers, each distinct [N, K
 count), from a built-in model name (`llama-3.1-8b`: one decoder layer's four fused linears), or
 from "NxK" strings. A layout's time at M is the sum over shapes of count x time(F.linear).
 
-Timing (design.md): on CUDA, CUDA graphs (`triton.testing.do_bench_cudagraph`, median), over
-enough weight copies that their total exceeds the 50 MB L2 at small M, so a GEMV reads HBM; on
-the CPU, the median of a few wall-clock runs. The activation quantization of W8A8 layouts is
-included (it runs inside F.linear).
+Timing (design.md): on CUDA, CUDA graphs (`triton.testing.do_bench_cudagraph`), over enough
+weight copies that their total exceeds the 50 MB L2 at small M, so a GEMV reads HBM; on the
+CPU, 7 wall-clock runs. Each figure is reported with its spread (`Timing`: fastest, median,
+slowest) and the table warns when the repeats spread widely: on a busy CPU a single median
+can make a layout look ten times faster than it is. The activation quantization of W8A8 layouts
+is included (it runs inside F.linear).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import os
 import pathlib
 import statistics
 import sys
 import time
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +36,8 @@ from .convert import CONFIGS, _is_excluded
 from .errors import QShardError
 from .layouts import layout_for
 
-__all__ = ["MODEL_SHAPES", "bench_linears", "model_shapes", "plot", "print_table"]
+__all__ = ["MODEL_SHAPES", "WIDE_SPREAD", "Timing", "bench_linears", "model_shapes", "plot",
+           "print_table"]
 
 # One decoder layer's linears (q/k/v and gate/up fused, as serving stacks run them).
 MODEL_SHAPES = {
@@ -73,32 +79,61 @@ def model_shapes(source: str) -> dict[tuple[int, int], int]:
     return dict(Counter(pairs))
 
 
+class Timing(NamedTuple):
+    """Microseconds of one call: the fastest, the median and the slowest of the repeats."""
+
+    low: float
+    median: float
+    high: float
+
+    @classmethod
+    def of(cls, runs: list[float]) -> Timing:
+        return cls(min(runs), statistics.median(runs), max(runs))
+
+    def __add__(self, other: Timing) -> Timing:  # the sum of several shapes' times
+        return Timing(*(a + b for a, b in zip(self, other, strict=True)))
+
+    def scaled(self, factor: float) -> Timing:
+        return Timing(*(v * factor for v in self))
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest) / median: above WIDE_SPREAD the machine was busy."""
+        return (self.high - self.low) / self.median if self.median else 0.0
+
+
+# Repeats whose slowest and fastest differ by more than this fraction of the median were
+# disturbed (another process, frequency changes): the table says so.
+WIDE_SPREAD = 0.25
+
+
 def _timer(device: torch.device):
-    """fn -> median microseconds of one call."""
+    """fn -> Timing of one call."""
     if device.type == "cuda":
         import triton.testing
 
-        def cuda_time(fn) -> float:
+        def cuda_time(fn) -> Timing:
             fn()
             torch.cuda.synchronize()
-            return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+            runs = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="all")
+            return Timing.of([t * 1e3 for t in runs])
 
         return cuda_time
 
-    def cpu_time(fn) -> float:
+    def cpu_time(fn) -> Timing:
         fn()
         runs = []
-        for _ in range(5):
+        for _ in range(7):
             start = time.perf_counter()
             fn()
             runs.append((time.perf_counter() - start) * 1e6)
-        return statistics.median(runs)
+        return Timing.of(runs)
 
     return cpu_time
 
 
-def _time_shape(weight_fn, n: int, k: int, m: int, device, dtype, timer) -> float:
-    """Microseconds of F.linear at M = m for the weight `weight_fn(w)` makes from [n, k] floats,
+def _time_shape(weight_fn, n: int, k: int, m: int, device, dtype, timer) -> Timing:
+    """Timing of F.linear at M = m for the weight `weight_fn(w)` makes from [n, k] floats,
     rotating over enough copies to exceed the L2 on a GPU."""
     w = torch.randn(n, k, device=device, dtype=dtype) * 0.02
     count = 1
@@ -107,7 +142,7 @@ def _time_shape(weight_fn, n: int, k: int, m: int, device, dtype, timer) -> floa
     weights = [weight_fn(w if i == 0 else w.clone()) for i in range(count)]
     x = torch.randn(m, k, device=device, dtype=dtype)
     with torch.no_grad():
-        return timer(lambda: [F.linear(x, q) for q in weights]) / count
+        return timer(lambda: [F.linear(x, q) for q in weights]).scaled(1 / count)
 
 
 def bench_linears(
@@ -117,7 +152,8 @@ def bench_linears(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, dict[int, float | str]]:
-    """{"bf16" or config name: {M: summed microseconds, or the error that stopped it}}."""
+    """{"bf16" or config name: {M: the Timing summed over the shapes, or the error that
+    stopped it}}."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
@@ -132,30 +168,41 @@ def bench_linears(
         results[name] = {}
         for m in ms:
             try:
-                results[name][m] = sum(
-                    count * _time_shape(make, n, k, m, device, dtype, timer)
-                    for (n, k), count in shapes.items()
-                )
+                timings = [_time_shape(make, n, k, m, device, dtype, timer).scaled(count)
+                           for (n, k), count in shapes.items()]  # fmt: skip
+                results[name][m] = functools.reduce(operator.add, timings)
             except Exception as e:  # shown in the table (e.g. a backend that cannot run)
                 results[name][m] = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:50]}"
     return results
 
 
 def print_table(results: dict, ms: list[int], out=None) -> None:
+    """Each cell: the median us [fastest-slowest] (speedup of the medians over bf16); a note
+    under the table when some cell's repeats spread wider than WIDE_SPREAD."""
     out = out or sys.stdout
     out.write("| layout | " + " | ".join(f"M={m}" for m in ms) + " |\n")
     out.write("|---|" + "---|" * len(ms) + "\n")
+    wide = []
     for name, row in results.items():
         cells = []
         for m in ms:
             t, base = row[m], results["bf16"][m]
             if isinstance(t, str):
                 cells.append(t)
-            elif isinstance(base, str):
-                cells.append(f"{t:.0f} us")
-            else:
-                cells.append(f"{t:.0f} us ({base / t:.2f}x)")
+                continue
+            cell = f"{t.median:.0f} us [{t.low:.0f}-{t.high:.0f}]"
+            if not isinstance(base, str):
+                cell += f" ({base.median / t.median:.2f}x)"
+            cells.append(cell)
+            if t.spread > WIDE_SPREAD:
+                wide.append(f"{name} M={m} ({t.spread:.0%})")
         out.write(f"| {name} | " + " | ".join(cells) + " |\n")
+    out.write("\n(median us of the repeats [fastest-slowest]; x: speedup of the medians over "
+              "bf16)\n")  # fmt: skip
+    if wide:
+        out.write(f"Warning: the repeats spread widely in {', '.join(wide)}: the machine was "
+                  f"busy or its clocks changed; rerun on a quiet machine before trusting these "
+                  f"speedups.\n")  # fmt: skip
 
 
 def plot(results: dict, ms: list[int], path: str | os.PathLike, title: str) -> None:
@@ -170,7 +217,7 @@ def plot(results: dict, ms: list[int], path: str | os.PathLike, title: str) -> N
     figure, axes = plt.subplots(figsize=(6, 4))
     for name, row in results.items():
         points = [
-            (m, results["bf16"][m] / row[m])
+            (m, results["bf16"][m].median / row[m].median)
             for m in ms
             if not isinstance(row[m], str) and not isinstance(results["bf16"][m], str)
         ]

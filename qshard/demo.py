@@ -56,12 +56,25 @@ MINILM_SENTENCES = [
 ]
 
 
-def _time_ms(fn, repeats: int = 5) -> float:
+def _time_ms(fn, repeats: int = 7):
+    """The Timing (qshard.benchmark's: fastest, median, slowest) of one call, in ms."""
+    from .benchmark import Timing
+
     fn()
-    start = time.perf_counter()
+    runs = []
     for _ in range(repeats):
+        start = time.perf_counter()
         fn()
-    return (time.perf_counter() - start) / repeats * 1e3
+        runs.append((time.perf_counter() - start) * 1e3)
+    return Timing.of(runs)
+
+
+def _ms_text(t) -> str:
+    """`median ms [fastest-slowest]`, marked when the repeats spread widely (a busy CPU)."""
+    from .benchmark import WIDE_SPREAD
+
+    busy = " (busy machine: wide spread)" if t.spread > WIDE_SPREAD else ""
+    return f"{t.median:.1f} ms [{t.low:.1f}-{t.high:.1f}]{busy}"
 
 
 @torch.no_grad()
@@ -87,13 +100,13 @@ def run_demo(seed: int = 0) -> dict[str, float]:
     result = {
         "sqnr_db": sqnr_db(reference, quantized),
         "cosine": cosine_similarity(reference, quantized),
-        "float_ms": float_ms,
-        "quantized_ms": quant_ms,
+        "float_ms": float_ms.median,
+        "quantized_ms": quant_ms.median,
     }
     print(
         f"\nlogits vs float: SQNR {result['sqnr_db']:.1f} dB, cosine {result['cosine']:.5f}\n"
         f"forward on {tokens.numel()} tokens ({quantized.device}, dequantize + BLAS): "
-        f"float {float_ms:.1f} ms, fp8 {quant_ms:.1f} ms"
+        f"float {_ms_text(float_ms)}, fp8 {_ms_text(quant_ms)} (median [fastest-slowest])"
     )
     return result
 
@@ -139,7 +152,8 @@ MINILM_CALIBRATED = ("int4-g64", "nvfp4", "mxfp4")
 @torch.no_grad()
 def run_minilm_demo() -> dict[str, dict[str, float]]:
     """all-MiniLM-L6-v2 with each layout: quantize, save, load, embed; print and return
-    {layout: {"cosine_min", "cosine_mean", "linear_bytes", "ms"}} (float under "float")."""
+    {layout: {"cosine_min", "cosine_mean", "linear_bytes", "ms" (a Timing)}} (float under
+    "float")."""
     import copy
     import tempfile
 
@@ -191,6 +205,7 @@ def run_minilm_demo() -> dict[str, dict[str, float]]:
     print("|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['cosine_min']:.4f} / {r['cosine_mean']:.4f} | "
-              f"{r['linear_bytes'] / 2**20:.1f} MiB | {r['ms']:.1f} ms |")  # fmt: skip
-    print("\n(CPU: dequantize + BLAS, docs/cpu.md; the GPU kernels' speedups: bench/README.md)")
+              f"{r['linear_bytes'] / 2**20:.1f} MiB | {_ms_text(r['ms'])} |")  # fmt: skip
+    print("\n(CPU forward: median [fastest-slowest] of 7 runs; dequantize + BLAS, docs/cpu.md; "
+          "the GPU kernels' speedups: bench/README.md)")
     return results

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from qshard import QShardError
@@ -30,8 +32,29 @@ def test_bench_prints_every_layout_against_bf16_and_plots(tmp_path, capsys):
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert set(rows) == {"layout", "bf16", "int4-g64", "fp8-row"}
-    assert "(1.00x)" in rows["bf16"] and rows["int4-g64"].count(" us (") == 2
+    assert "(1.00x)" in rows["bf16"] and rows["int4-g64"].count(" us [") == 2
+    # each cell: median [fastest-slowest] (speedup)
+    cell = rows["int4-g64"].split("|")[2].strip()
+    median, low, high = (float(v) for v in re.fullmatch(
+        r"(\d+) us \[(\d+)-(\d+)\] \(\d+\.\d+x\)", cell).groups())  # fmt: skip
+    assert low <= median <= high
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_wide_spread_is_warned_about():
+    import io
+
+    from qshard.benchmark import Timing, print_table
+
+    out = io.StringIO()
+    quiet, busy = Timing(100.0, 102.0, 105.0), Timing(9.0, 10.0, 40.0)
+    print_table({"bf16": {1: quiet}, "int4-g64": {1: busy}}, [1], out)
+    text = out.getvalue()
+    assert "| int4-g64 | 10 us [9-40] (10.20x) |" in text
+    assert "Warning: the repeats spread widely in int4-g64 M=1 (310%)" in text
+    out = io.StringIO()
+    print_table({"bf16": {1: quiet}}, [1], out)
+    assert "Warning" not in out.getvalue()
 
 
 def test_an_unknown_config_is_refused():
