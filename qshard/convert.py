@@ -106,7 +106,7 @@ def quantize_directory(
                 tensor, key = reader.get(name), plan.rename.get(name, name)
                 target = plan.target_of(key, tensor)
                 if target is not None:
-                    tensor = quantize_tensor(handler, tensor, quant_config, target.transposed)
+                    tensor = _quantized(name, handler, tensor, quant_config, target.transposed)
                 state[key] = tensor
                 done["quantized" if target is not None else "kept"].append(key)
             if progress is not None:
@@ -172,6 +172,14 @@ class _Plan:
         return target if target is not None and tensor.dim() == 3 else None
 
 
+def _quantized(name: str, handler, tensor, config, transposed: bool = False):
+    """quantize_tensor, its errors (a NaN weight, say) naming the checkpoint's tensor."""
+    try:
+        return quantize_tensor(handler, tensor, config, transposed)
+    except QShardError as e:
+        raise type(e)(f"qshard quantize: {name}: {e}") from None
+
+
 def _meta_model(model_dir: pathlib.Path):
     """(the transformers model config.json describes, built on the meta device, None), or
     (None, why not: no config.json, no architecture transformers knows, no transformers)."""
@@ -212,9 +220,10 @@ def _joined_experts(reader, plan: _Plan, module: str, handler, config):
         target = plan.targets.get(f"{module}.{fused}")
         pieces = []
         for e in range(experts):
-            weight = torch.cat([reader.get(projections[p][e]) for p in parts])
+            keys = [projections[p][e] for p in parts]
+            weight = torch.cat([reader.get(key) for key in keys])
             if target is not None:
-                weight = quantize_tensor(handler, weight, config)
+                weight = _quantized(" + ".join(keys), handler, weight, config)
             pieces.append(weight)
         joined = QTensor.stack_experts(pieces) if target is not None else torch.stack(pieces)
         yield f"{module}.{fused}", joined, target is not None

@@ -97,3 +97,35 @@ def test_inspect_of_the_float_directory_points_to_quantize_and_reads_the_result(
     assert "| model.layers.0.mlp.experts.gate_up_proj | Fp8BlockwiseTensor | [8, 64, 64] |" in (
         done.stdout
     ), done.stdout[:3000]
+
+
+BAD_MOE = {
+    "missing": (lambda t: t.pop("model.layers.0.mlp.experts.3.up_proj.weight"),
+                r"experts \[3\] have no up_proj.weight"),
+    "nan": (lambda t: t["model.layers.1.mlp.experts.2.down_proj.weight"].view(-1)[0].fill_(
+        float("nan")), r"model.layers.1.mlp.experts.2.down_proj.weight: .*NaN"),
+    "twice": (lambda t: t.update({"model.layers.0.mlp.experts.01.gate_proj.weight":
+                                  t["model.layers.0.mlp.experts.1.gate_proj.weight"].clone()}),
+              r"both name expert 1"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_MOE))
+def test_a_bad_moe_directory_is_refused_and_nothing_is_written(saved, tmp_path, capsys, case):
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qshard.cli import main
+
+    change, message = BAD_MOE[case]
+    directory = tmp_path / "bad"
+    shutil.copytree(saved("qwen3_moe"), directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(directory / "model.safetensors"))
+    out = tmp_path / "q"
+    assert main(["quantize", str(directory), "--config", "fp8-block", "--out", str(out)]) == 1
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
