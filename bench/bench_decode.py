@@ -3,8 +3,8 @@ tokens per second for bf16 and each qshard layout (and torchao's), compiled, at 
 
     python bench/bench_decode.py [--layouts bf16,int4-g128,fp8-block,fp8-row,nvfp4,mxfp4,...]
         [--batches 1,32] [--prompt 1024] [--new 256] [--config llama-3.1-8b|tiny]
-    python bench/bench_decode.py --tp 2 ...     # TP 2: each measurement under torchrun (NCCL)
-    python bench/bench_decode.py --config qwen3-30b-a3b [--layers 12]   # mixture of experts
+    python bench/bench_decode.py --tp 1,2 [--profile] ...   # TP 1 and TP 2 (torchrun, NCCL)
+    python bench/bench_decode.py --config qwen3-30b-a3b [--layers 12] [--tp 2 --experts etp]
 
 `--config qwen3-30b-a3b`: Qwen3-30B-A3B's shapes (128 experts of 768, top-8, hidden 2048,
 `qshard.models.moe`: grouped matmuls over the experts, qshard's grouped kernels once quantized),
@@ -23,8 +23,12 @@ compiles it. Reported:
 decode tokens/s (batch x new / decode time), the speedup over bf16 in the same run, and the
 peak GPU memory of rank 0 while decoding. Each (layout, batch) runs in a fresh process, so no
 measurement depends on what ran before it (before freezing, the CPU-bound int4 decode at
-batch 1 on an H100 gave 104 to 187 tok/s by order and decode length). Baselines where
-torchao is installed (TP 1 only: torchao's tensors are not sharded by qshard's plan):
+batch 1 on an H100 gave 104 to 187 tok/s by order and decode length). Under TP a MoE
+config's attention is tensor-parallel and its experts take `--experts` (ep: ExpertParallel,
+ep-all-to-all, etp: ExpertTensorParallel). `--profile` prints where each step's GPU time goes
+(kernels by kind) after the table. Each child runs under a deadline (`--timeout`): a stalled
+one prints every rank's stacks, and its stderr is shown. Baselines where torchao is installed
+(TP 1 only: torchao's tensors are not sharded by qshard's plan):
 `torchao-int4` (Int4WeightOnlyConfig g128, tinygemm's tile-packed format), `torchao-fp8-row`
 and `torchao-fp8-block` (Float8DynamicActivationFloat8WeightConfig, PerRow / PerBlock 1x128 x
 128x128).
