@@ -189,16 +189,19 @@ def _meta_model(model_dir: pathlib.Path):
         import transformers
     except ImportError:
         return None, "transformers is not installed: pip install transformers"
+    # Any failure here (a model_type this transformers does not know, remote code, a config
+    # its class refuses) leaves the name-and-shape rule, and the command's summary says why.
     try:
         config = transformers.AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError, OSError) as e:  # a model_type this transformers does not know
-        return None, f"transformers {transformers.__version__} reads no model from config.json: {e}"
-    architectures = getattr(config, "architectures", None) or []
-    model_class = getattr(transformers, architectures[0], None) if architectures else None
-    if model_class is None:
-        return None, f"config.json names no architecture transformers has ({architectures})"
-    with torch.device("meta"):
-        return model_class(config), None
+        architectures = getattr(config, "architectures", None) or []
+        model_class = getattr(transformers, architectures[0], None) if architectures else None
+        if model_class is None:
+            return None, f"config.json names no architecture transformers has ({architectures})"
+        with torch.device("meta"):
+            return model_class(config), None
+    except Exception as e:
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        return None, f"transformers {transformers.__version__} builds no model from it: {first}"
 
 
 def _joined_experts(reader, plan: _Plan, module: str, handler, config):
