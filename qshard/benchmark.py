@@ -151,7 +151,7 @@ def bench_linears(
     ms: list[int],
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.bfloat16,
-) -> dict[str, dict[int, float | str]]:
+) -> dict[str, dict[int, Timing | str]]:
     """{"bf16" or config name: {M: the Timing summed over the shapes, or the error that
     stopped it}}."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -163,7 +163,7 @@ def bench_linears(
     for name in configs:
         config = CONFIGS[name]()
         makers[name] = lambda w, c=config: layout_for(c).from_float(w, c)
-    results: dict[str, dict[int, float | str]] = {}
+    results: dict[str, dict[int, Timing | str]] = {}
     for name, make in makers.items():
         results[name] = {}
         for m in ms:

@@ -138,9 +138,7 @@ class _Plan:
     def of(cls, model_dir: pathlib.Path, names: list[str], exclude, keep_float) -> _Plan:
         model, why_not = _meta_model(model_dir)
         if model is None:
-            modules = [n.removesuffix(".weight") for n in names if n.endswith(".weight")]
-            check_patterns(modules, None, exclude, "qshard quantize", prefix="--")
-            plan = cls(None, (*exclude, *keep_float), {})
+            plan = cls.of_names(names, exclude, keep_float)
             plan.basis = f"by name and shape ({why_not})"
             return plan
         chosen = selected_targets(model, exclude, keep_float, "qshard quantize", prefix="--")
@@ -151,10 +149,25 @@ class _Plan:
         modules = expert_modules(renamed)
         fused = {m: {proj: {e: renamed[k] for e, k in keys.items()} for proj, keys in p.items()}
                  for m, p in modules.items() if f"{m}.gate_up_proj" in held}  # fmt: skip
+        experts_of = {f"{m}.{w}" for m in fused for w in ("gate_up_proj", "down_proj")}
+        missing = [t for t in selected if t not in experts_of and t not in renamed
+                   and f"{t}.weight" not in renamed]  # fmt: skip
+        if missing:  # the stored keys are not the model's names (another prefix, say)
+            model_free = cls.of_names(names, exclude, keep_float)
+            model_free.basis = (f"by name and shape (the checkpoint has no {missing[0]!r} of "
+                                f"{type(model).__name__}: its keys are not the model's names)")
+            return model_free
         plan = cls(selected, (), fused)
         plan.rename = {stored: new for new, stored in renamed.items() if new != stored}
         plan.basis = f"as quantize_ selects on {type(model).__name__}"
         return plan
+
+    @classmethod
+    def of_names(cls, names: list[str], exclude, keep_float) -> _Plan:
+        """Without a model: every 2-D float `*.weight` not excluded or kept float."""
+        modules = [n.removesuffix(".weight") for n in names if n.endswith(".weight")]
+        check_patterns(modules, None, exclude, "qshard quantize", prefix="--")
+        return cls(None, (*exclude, *keep_float), {})
 
     def target_of(self, key: str, tensor: torch.Tensor) -> Target | None:
         """The Target a stored tensor is quantized as, or None (kept as it is)."""

@@ -129,3 +129,25 @@ def test_a_bad_moe_directory_is_refused_and_nothing_is_written(saved, tmp_path, 
     assert main(["quantize", str(directory), "--config", "fp8-block", "--out", str(out)]) == 1
     assert re.search(message, capsys.readouterr().err)
     assert not out.exists()
+
+
+def test_keys_that_are_not_the_models_names_fall_back_to_name_and_shape(saved, tmp_path, capsys):
+    """A checkpoint of the base model (no `model.` prefix) under a config naming the causal LM:
+    quantize_'s selection finds none of its keys, so the command says so and quantizes by name
+    and shape instead of writing a checkpoint with nothing quantized."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qshard.cli import main
+
+    directory = tmp_path / "base"
+    shutil.copytree(saved("qwen3_moe"), directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    save_file({k.removeprefix("model."): v for k, v in tensors.items()},
+              str(directory / "model.safetensors"))  # fmt: skip
+    out = tmp_path / "q"
+    assert main(["quantize", str(directory), "--config", "fp8-block", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "by name and shape (the checkpoint has no 'model.layers.0.self_attn.q_proj'" in printed
+    assert isinstance(qshard.load(out)["layers.0.self_attn.q_proj.weight"], qshard.QTensor)

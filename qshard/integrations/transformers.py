@@ -465,18 +465,22 @@ def _check_float_tensors(records: dict[str, Record], where: dict[str, str]) -> N
 
 
 def _check_files_inside(files, model: nn.Module) -> None:
-    """CheckpointError unless every file lies in the checkpoint's own directory, as qshard.load
-    reads only there: transformers opens what the index names, `../x` and absolute paths too.
-    The directory is the one from_pretrained was given (config._name_or_path) when it is a
-    local one; otherwise (a hub snapshot) the files must at least share one directory."""
+    """CheckpointError unless every file lies in one directory, the checkpoint's own, as
+    qshard.load reads only there: transformers opens what the index names, `../x` and absolute
+    paths too. Where from_pretrained was given a local directory (config._name_or_path), that
+    directory must hold it (itself or a subfolder=)."""
     parents = [os.path.dirname(os.path.abspath(f)) for f in files]
+    home = parents[0] if len(set(parents)) == 1 else None  # one directory, as an index's files
     named = getattr(getattr(model, "config", None), "_name_or_path", None)
-    home = os.path.abspath(named) if named and os.path.isdir(named) else parents[0]
-    outside = [str(f) for f, parent in zip(files, parents, strict=True) if parent != home]
-    if outside:
+    if home is not None and named and os.path.isdir(named):  # inside it (a subfolder= too)
+        root = os.path.abspath(named)
+        home = home if home == root or home.startswith(root + os.sep) else None
+    if home is None:
+        where = os.path.abspath(named) if named else parents[0]
+        outside = ", ".join(str(f) for f in files[:3])
         raise CheckpointError(
-            f"from_pretrained of a qshard checkpoint in {home}: its index names files outside "
-            f"that directory ({', '.join(outside[:3])}); a checkpoint's shards are plain file "
+            f"from_pretrained of a qshard checkpoint in {where}: its index names files outside "
+            f"that directory (among {outside}); a checkpoint's shards are plain file "
             f"names in its own directory. The index is damaged or crafted: re-save the model"
         )
 

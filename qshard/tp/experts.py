@@ -238,7 +238,9 @@ def _check_same_tokens(style: ExpertsStyle, hidden: torch.Tensor, group: str) ->
     the all-reduce that sums their outputs needs the same tokens everywhere (an all-reduce of
     unequal sizes hangs on NCCL). Eager only: one small all-reduce and one read to the host per
     call, which a compiled graph does not pay (there the inputs are the caller's to keep equal)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (
+        hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    ):  # (a graph cannot read the host)
         return
     count = hidden.numel()
     counts = torch.tensor([count, -count], dtype=torch.int64, device=hidden.device)

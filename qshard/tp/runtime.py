@@ -39,11 +39,21 @@ class deadline:  # lower case: called like a function, `qshard.tp.deadline(300)`
     has one deadline (faulthandler's): a new one replaces the one before."""
 
     def __init__(self, seconds: float):
-        faulthandler.enable(file=sys.stderr, all_threads=True)
+        if not seconds > 0:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"qshard.tp.deadline({seconds!r}): pass a positive number of "
+                              f"seconds")  # fmt: skip
+        try:
+            sys.stderr.fileno()
+            stream = sys.stderr
+        except (AttributeError, OSError, ValueError):  # a notebook's stderr: no descriptor
+            stream = sys.__stderr__
+        faulthandler.enable(file=stream, all_threads=True)
         self._usr1 = getattr(signal, "SIGUSR1", None)
         if self._usr1 is not None:
-            faulthandler.register(self._usr1, file=sys.stderr, all_threads=True, chain=False)
-        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
+            faulthandler.register(self._usr1, file=stream, all_threads=True, chain=False)
+        faulthandler.dump_traceback_later(seconds, exit=True, file=stream)
 
     def cancel(self) -> None:
         faulthandler.cancel_dump_traceback_later()
