@@ -29,7 +29,7 @@ import torch
 from .api import KEEP_FLOAT, Target, check_patterns, handler_for, quantize_tensor, selected_targets
 from .errors import CheckpointError, QShardError
 from .formats import PACKED_SUFFIXES, QUANTIZATION_SUFFIXES
-from .formats.experts import PROJECTIONS, expert_modules, rename_legacy_experts
+from .formats.experts import expert_count, expert_modules, rename_legacy_experts
 from .formats.source import SafetensorsDir
 from .io import save
 from .io.saving import QUANTIZATION_CONFIG_NAME
@@ -223,15 +223,7 @@ def _joined_experts(reader, plan: _Plan, module: str, handler, config):
     expert quantized alone (as quantize_ of the 3-D weight quantizes it) if its target is
     selected, then the experts stacked."""
     projections = plan.fused[module]
-    experts = max(len(keys) for keys in projections.values())
-    for projection in PROJECTIONS:
-        missing = sorted(set(range(experts)) - set(projections[projection]))
-        if missing:
-            raise CheckpointError(
-                f"qshard quantize: {module}: experts {missing[:8]} have no {projection}.weight; "
-                f"an experts module needs gate_proj, up_proj and down_proj of every expert "
-                f"0..{experts - 1}. The checkpoint is incomplete"
-            )
+    experts = expert_count(module, projections, "qshard quantize")
     for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
         target = plan.targets.get(f"{module}.{fused}")
         pieces = []

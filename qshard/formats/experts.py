@@ -44,6 +44,7 @@ __all__ = [
     "PROJECTIONS",
     "coarsen_fp8",
     "coarsen_or_keep",
+    "expert_count",
     "expert_modules",
     "fuse_experts",
     "rename_legacy_experts",
@@ -121,7 +122,9 @@ def fuse_experts(
     return out
 
 
-def _fuse_module(state, module: str, projections: dict[str, dict[int, str]], where: str) -> dict:
+def expert_count(module: str, projections: dict[str, dict[int, str]], where: str) -> int:
+    """E, once every projection has a key for every expert 0..E-1 (`expert_modules`' result
+    for one module); CheckpointError naming the missing experts otherwise."""
     counts = {p: len(keys) for p, keys in projections.items()}
     experts = max(counts.values())
     for projection, keys in projections.items():
@@ -134,6 +137,11 @@ def _fuse_module(state, module: str, projections: dict[str, dict[int, str]], whe
                 f"down_proj of every expert 0..E-1. The checkpoint is incomplete: download or "
                 f"re-export it"
             )
+    return experts
+
+
+def _fuse_module(state, module: str, projections: dict[str, dict[int, str]], where: str) -> dict:
+    experts = expert_count(module, projections, where)
     pieces = {p: [state[projections[p][e]] for e in range(experts)] for p in PROJECTIONS}
     _check_alike(module, pieces, where)
     try:
