@@ -25,6 +25,21 @@ def gpu_dtype(config) -> torch.dtype:
     return torch.bfloat16 if getattr(config, "backend", None) == Backend.TINYGEMM else torch.float32
 
 
+def nccl_worlds() -> list:
+    """The world sizes of the NCCL tests (`pytest -m cuda tests/tp`), as pytest params: those
+    in QSHARD_NCCL_WORLDS (e.g. "2,4"), else each of 2, 4 and 8 that the machine's GPUs hold
+    (2 alone, skipped, on a machine with fewer than 2)."""
+    import pytest
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    chosen = os.environ.get("QSHARD_NCCL_WORLDS")
+    worlds = [int(w) for w in chosen.split(",")] if chosen else [w for w in (2, 4, 8) if w <= count]
+    return [
+        pytest.param(w, marks=pytest.mark.skipif(count < w, reason=f"needs {w} GPUs"))
+        for w in worlds or [2]
+    ]
+
+
 LAYOUT_IDS = [
     f"{cls.__name__}-{i}"
     for cls in registered_layouts()

@@ -1,12 +1,14 @@
-"""Expert and tensor parallelism of quantized experts over NCCL on 2 GPUs (issue 25; skipped
-without 2 GPUs). The same worker runs on gloo in CI (test_the_nccl_worker_on_gloo), so that
-what the GPU run checks is itself checked on every commit.
+"""Expert and tensor parallelism of quantized experts over NCCL, at each world size of
+`helpers.nccl_worlds()` (2, 4 and 8 as the machine's GPUs allow; skipped without them). The same
+worker runs on gloo in CI (test_the_nccl_worker_on_gloo), so that what the GPU run checks is
+itself checked on every commit.
 
-Every layout, ExpertParallel (both dispatches) and ExpertTensorParallel, in bf16 through the
-GPU kernels: the sharded experts and the whole model against one device's (SQNR: the grouped
-kernels' bf16 rounding differs with the rows a launch holds), compiled with fullgraph and
-frozen after `qshard.tp.to_local`; then a per-rank EP load of a saved checkpoint, which reads
-only each rank's experts (bytes read per rank printed for the closing note).
+Every layout, ExpertParallel (both dispatches), ExpertTensorParallel and, from 4 ranks, EP x TP
+(`ExpertParallel(tensor_parallel=2)`: a 2-D mesh of world / 2 expert groups of 2), in bf16
+through the GPU kernels: the sharded experts and the whole model against one device's (SQNR:
+the grouped kernels' bf16 rounding differs with the rows a launch holds), compiled with
+fullgraph and frozen after `qshard.tp.to_local`; then a per-rank EP load of a saved
+checkpoint, which reads only each rank's experts (bytes read per rank printed).
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ import copy
 import moe_models
 import pytest
 import torch
-from test_experts_parallel import EXPERTS, MODELS, experts_of, realigned_reference, routing
+from helpers import nccl_worlds
+from test_experts_parallel import (
+    EXPERTS,
+    MODELS,
+    experts_of,
+    qwen3_moe,
+    realigned_reference,
+    routing,
+)
 from test_tensor_parallel import spawn
 
 import qshard
@@ -34,7 +44,10 @@ STYLES = {
     "ep": ExpertParallel,
     "ep-all-to-all": lambda: ExpertParallel(dispatch="all_to_all"),
     "etp": ExpertTensorParallel,
+    "ep-x-tp": lambda: ExpertParallel(tensor_parallel=2),  # from 4 ranks
 }
+# The ranks that cut each expert's intermediate dim, by style.
+TENSOR_PARALLEL = {"etp": lambda world: world, "ep-x-tp": lambda world: 2}
 # The experts module alone, sharded against one device's, on the same inputs: EP equals it bit
 # for bit; ETP's down projection sums bf16 partial outputs, one rounding more (measured
 # 46.4-47.6 dB on gloo/CPU and on 2 H200s, bench/repro/experts_parallel_numerics.py).
@@ -49,27 +62,43 @@ SQNR_DB_PER_SHARD_SCALES = 30
 # far more than rounding. Measured (same script): FP8 blockwise 35.4 dB with 0 flips on
 # gloo/CPU, 24.4 dB with 3 of 56 routes flipped on 2 H200s; FP8 per-row 27.9 dB, 1 flip (CPU).
 LOGITS_SQNR_DB_W8A8_ETP = 20
+# Compiled W8A8 experts cut by a TP style, against eager ones: inductor computes silu(gate) * up
+# without eager's bf16 rounding in between, the FP8 quantization of down's input then rounds a
+# few values the other way, and the cut experts sum bf16 partials on top (measured: FP8
+# blockwise EP x TP at 4 ranks on gloo, 47.3 dB eager, 40.0 dB compiled).
+COMPILED_SQNR_DB_W8A8_TP = 35
 
 
 def _floors(layout: str, style: str) -> tuple[float, float]:
     """(experts floor, logits floor) in dB."""
-    experts = SQNR_DB_PER_SHARD_SCALES if (layout, style) == ("fp8-row", "etp") else SQNR_DB
-    if style == "etp" and layout in ("fp8-block", "fp8-row"):
+    per_shard_scales = layout == "fp8-row" and style in TENSOR_PARALLEL
+    experts = SQNR_DB_PER_SHARD_SCALES if per_shard_scales else SQNR_DB
+    if style in TENSOR_PARALLEL and layout in ("fp8-block", "fp8-row"):
         return experts, LOGITS_SQNR_DB_W8A8_ETP
     return experts, min(experts, SQNR_DB)
 
 
+def intermediate_size(layout: str, world: int) -> int:
+    """The experts' intermediate size at `world` ranks: 32 columns of down per rank under
+    ExpertTensorParallel (int4 g32 and MXFP4 blocks of 32 stay whole), and for FP8 blockwise 64,
+    so that from 4 ranks every cut falls inside a 32x32 block (re-blocked)."""
+    return 64 if layout == "fp8-block" else max(64, 32 * world)
+
+
 def _case(rank, world, mesh, layout: str, style: str) -> None:
     device = mesh.device_type
-    model = MODELS["qwen3_moe_i64"]().to(device, torch.bfloat16)
+    model = qwen3_moe(intermediate=intermediate_size(layout, world)).to(device, torch.bfloat16)
     qshard.quantize_(model, CONFIGS[layout])
     model.set_experts_implementation("grouped_mm")
     reference = copy.deepcopy(model)
-    if style == "etp":
-        realigned_reference(reference, world)
+    if style in TENSOR_PARALLEL:
+        realigned_reference(reference, TENSOR_PARALLEL[style](world))
     qshard.tp.parallelize(model, mesh, {EXPERTS: STYLES[style]()})
     where = f"{layout} {style} rank {rank}"
     floor, logits_floor = _floors(layout, style)
+    compiled_floor = floor
+    if style in TENSOR_PARALLEL and layout in ("fp8-block", "fp8-row"):
+        compiled_floor = min(floor, COMPILED_SQNR_DB_W8A8_TP)
     # all_to_all: each rank its own tokens; otherwise the same tokens on every rank
     seed = rank if style == "ep-all-to-all" else 0
     args = [t.to(device) for t in routing(11 + seed, dtype=torch.bfloat16, seed=seed)]
@@ -87,12 +116,12 @@ def _case(rank, world, mesh, layout: str, style: str) -> None:
         if style != "ep-all-to-all":  # compiled and frozen (the all-to-all: in its own test)
             torch._dynamo.reset()
             compiled = torch.compile(experts, fullgraph=True)
-            assert qshard.sqnr_db(expected, compiled(*args).float()) > floor, where
+            assert qshard.sqnr_db(expected, compiled(*args).float()) > compiled_floor, where
             qshard.tp.to_local(model)
             torch._dynamo.reset()
             with torch._inductor.config.patch(freezing=True):
                 frozen = torch.compile(experts, fullgraph=True)(*args)
-            assert qshard.sqnr_db(expected, frozen.float()) > floor, where
+            assert qshard.sqnr_db(expected, frozen.float()) > compiled_floor, where
 
 
 def _bytes_read() -> dict[str, int]:
@@ -119,7 +148,8 @@ def _bytes_read() -> dict[str, int]:
 def _worker(rank, world, mesh, directory, layouts):
     for layout in layouts:
         for style in STYLES:
-            _case(rank, world, mesh, layout, style)
+            if style != "ep-x-tp" or world >= 4:
+                _case(rank, world, mesh, layout, style)
     # A per-rank EP load: each rank reads its own experts' bytes (and every other tensor).
     model = MODELS["qwen3_moe"]()
     qshard.quantize_(model, CONFIGS["int4"])
@@ -146,11 +176,16 @@ def _worker(rank, world, mesh, directory, layouts):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_experts_parallel_on_two_gpus_with_nccl(tmp_path):
-    spawn(_worker, 2, tmp_path / "ckpt", list(CONFIGS), backend="nccl", deadline_s=480)
+@pytest.mark.parametrize("world", nccl_worlds())
+def test_experts_parallel_on_gpus_with_nccl(world, tmp_path):
+    spawn(_worker, world, tmp_path / "ckpt", list(CONFIGS), backend="nccl", deadline_s=480)
 
 
 def test_the_nccl_worker_on_gloo(tmp_path):
     """The GPU test's worker on gloo and the CPU's reference paths: one layout (CI's time)."""
     spawn(_worker, 2, tmp_path / "ckpt", ["int4"])
+
+
+def test_the_nccl_worker_at_world_4_on_gloo(tmp_path):
+    """The same at 4 ranks: the EP x TP style on its 2-D mesh, FP8 cut inside its blocks."""
+    spawn(_worker, 4, tmp_path / "ckpt", ["fp8-block"])

@@ -1,10 +1,11 @@
-"""Tensor parallelism on 2 GPUs with NCCL (marked; skipped without 2 GPUs)."""
+"""Tensor parallelism on GPUs with NCCL, at each world size of `helpers.nccl_worlds()` (2, 4
+and 8 as the machine's GPUs allow; marked `cuda`, skipped without the GPUs)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import LAYOUT_CASES, gpu_dtype
+from helpers import LAYOUT_CASES, gpu_dtype, nccl_worlds
 from test_tensor_parallel import (
     BLOCK_PLAN,
     ROW_PARALLEL_TOLERANCE,
@@ -24,6 +25,13 @@ pytestmark = pytest.mark.cuda
 # bf16 before the all-reduce adds them, one rounding more than one device's output.
 BF16_ROW_PARALLEL_SQNR_DB = 40
 COMPILED_SQNR_DB = 60  # the compiled graph runs the same kernels: fp32 / bf16 rounding only
+NCCL_WORLDS = nccl_worlds()
+
+
+def block_dims(world: int) -> dict:
+    """Block sizes that split over `world` ranks: whole heads and gate/up units per rank (the
+    default block's 4 heads and 12 units of 64 serve 2 and 4 ranks)."""
+    return {} if world <= 4 else {"heads": world, "hidden": 128 * world}
 
 
 def _nccl_block_worker(rank, world, mesh):
@@ -31,7 +39,8 @@ def _nccl_block_worker(rank, world, mesh):
     for cls, config in LAYOUT_CASES:
         torch.manual_seed(7)
         dtype = gpu_dtype(config)
-        reference, sharded = _two_quantized_copies(Block().to("cuda", dtype), config)
+        block = Block(**block_dims(world)).to("cuda", dtype)
+        reference, sharded = _two_quantized_copies(block, config)
         x = torch.randn(2, 9, 256, device="cuda", dtype=dtype)
         with torch.no_grad():
             qshard.tp.parallelize(sharded, mesh, BLOCK_PLAN)
@@ -50,36 +59,37 @@ def _nccl_block_worker(rank, world, mesh):
             assert sqnr > COMPILED_SQNR_DB, (config, sqnr)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_llama_block_on_two_gpus_with_nccl():
-    spawn(_nccl_block_worker, 2, backend="nccl")
+@pytest.mark.parametrize("world", NCCL_WORLDS)
+def test_llama_block_on_gpus_with_nccl(world):
+    spawn(_nccl_block_worker, world, backend="nccl")
 
 
 def _nccl_checkpoint_worker(rank, world, mesh, directory):
-    """Load the TP-1 checkpoint at TP 2 on the GPUs, then save the sharded model (gathering the
-    quantized shards over NCCL) and check that it is the same checkpoint."""
+    """Load the TP-1 checkpoint at TP `world` on the GPUs, then save the sharded model
+    (gathering the quantized shards over NCCL) and check that it is the same checkpoint."""
     from test_checkpoint_tp import PLAN, TOKENS, assert_same_parameters, meta_model, quantized_model
 
     for i, (_, config) in enumerate(LAYOUT_CASES):
         dtype = gpu_dtype(config)
-        loaded = qshard.load(directory / str(i), meta_model({}, dtype), mesh=mesh, plan=PLAN)
+        dims = block_dims(world)
+        loaded = qshard.load(directory / str(i), meta_model(dims, dtype), mesh=mesh, plan=PLAN)
         assert loaded.block.qkv.weight.to_local().device.type == "cuda"
-        expected = quantized_model({}, config, seed=i, dtype=dtype).cuda()
+        expected = quantized_model(dims, config, seed=i, dtype=dtype).cuda()
         qshard.tp.parallelize(expected, mesh, PLAN)
         assert_same_parameters(loaded, expected)
         with torch.no_grad():
             assert torch.equal(loaded(TOKENS.cuda()), expected(TOKENS.cuda()))
-        qshard.save(loaded, directory / f"{i}-from-tp2")
-        again = qshard.load(directory / f"{i}-from-tp2", meta_model({}, dtype))
-        assert_same_parameters(again, quantized_model({}, config, seed=i, dtype=dtype))
+        qshard.save(loaded, directory / f"{i}-from-tp{world}")
+        again = qshard.load(directory / f"{i}-from-tp{world}", meta_model(dims, dtype))
+        assert_same_parameters(again, quantized_model(dims, config, seed=i, dtype=dtype))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_checkpoint_tp_load_and_save_on_two_gpus_with_nccl(tmp_path):
+@pytest.mark.parametrize("world", NCCL_WORLDS)
+def test_checkpoint_tp_load_and_save_on_gpus_with_nccl(world, tmp_path):
     from test_checkpoint_tp import save_every_case
 
-    save_every_case(tmp_path, {}, gpu_dtype)
-    spawn(_nccl_checkpoint_worker, 2, tmp_path, backend="nccl")
+    save_every_case(tmp_path, block_dims(world), gpu_dtype)
+    spawn(_nccl_checkpoint_worker, world, tmp_path, backend="nccl")
 
 
 def _nccl_experts_worker(rank, world, mesh):
@@ -114,10 +124,6 @@ def _nccl_experts_worker(rank, world, mesh):
                 assert qshard.sqnr_db(want.float(), got.float()) > 40, where
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_expert_parallel_dispatches_on_a_gpu_with_nccl():
-    spawn(
-        _nccl_experts_worker,
-        torch.cuda.device_count() if torch.cuda.device_count() <= 2 else 2,
-        backend="nccl",
-    )
+@pytest.mark.parametrize("world", NCCL_WORLDS)
+def test_expert_parallel_dispatches_on_gpus_with_nccl(world):
+    spawn(_nccl_experts_worker, world, backend="nccl")
