@@ -37,6 +37,8 @@ and `torchao-fp8-block` (Float8DynamicActivationFloat8WeightConfig, PerRow / Per
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import gc
 import json
 import os
@@ -79,11 +81,14 @@ EXPERT_STYLES = {
     # rank (measured for the comparison; the all-reduce dispatch is the one for this model).
     "ep-all-to-all": lambda: qshard.tp.ExpertParallel(dispatch="all_to_all"),
     "etp": lambda: qshard.tp.ExpertTensorParallel(),
+    # EP x TP: world / 2 expert groups, each expert's intermediate dim cut over 2 ranks.
+    "ep-x-tp2": lambda: qshard.tp.ExpertParallel(tensor_parallel=2),
 }
+# The ranks that cut each expert's intermediate dim, by style (1: whole experts).
+EXPERT_CUT = {"etp": lambda world: world, "ep-x-tp2": lambda world: 2}
 
 
-def build(config: LlamaConfig, layout: str, device: torch.device, mesh=None,
-          experts: str = "ep") -> Llama:  # fmt: skip
+def build(config: LlamaConfig, layout: str, device: torch.device) -> Llama:
     torch.manual_seed(0)  # the same weights on every rank
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -100,12 +105,51 @@ def build(config: LlamaConfig, layout: str, device: torch.device, mesh=None,
         for layer in model.layers:  # a layer at a time: the peak is the bf16 model + a layer
             qshard.quantize_(layer, CONFIGS[layout]())
         qshard.quantize_(model.output, CONFIGS[layout]())
-    if mesh is not None:
-        plan = TP_PLAN
-        if config.n_experts:  # TP attention, the experts by the chosen style
-            plan = {**EP_PLAN, "layers.*.feed_forward.experts": EXPERT_STYLES[experts]()}
-        qshard.tp.parallelize(model, mesh, plan)
     return model
+
+
+def parallelize(model: Llama, mesh, experts: str) -> None:
+    plan = TP_PLAN
+    if model.config.n_experts:  # TP attention, the experts by the chosen style
+        plan = {**EP_PLAN, "layers.*.feed_forward.experts": EXPERT_STYLES[experts]()}
+    qshard.tp.parallelize(model, mesh, plan)
+
+
+def realigned_experts(model: Llama, cut: int) -> None:
+    """Give one GPU's model the packing that cutting each expert's intermediate dim over `cut`
+    ranks gives the shards (FP8 blocks re-blocked at a cut inside a block), so that it computes
+    with the shards' blocks: the reference a sharded model must equal up to summation order."""
+    for layer in model.layers:
+        experts = layer.feed_forward.experts
+        size = experts.down_proj.shape[-1]
+        inside = qshard.tp.shard_cuts(size, cut)
+        # gate_up [E, 2I, dim]: the gate rows, then the up rows, each cut as I is
+        for name, dim, cuts in (("gate_up_proj", 1, inside + [size] + [size + c for c in inside]),
+                                ("down_proj", 2, inside)):  # fmt: skip
+            weight = getattr(experts, name)
+            if isinstance(weight, qshard.QTensor):
+                realigned = weight.realign(dim, cuts)
+                setattr(experts, name, torch.nn.Parameter(realigned, requires_grad=False))
+
+
+@torch.no_grad()
+def check(model: Llama, reference: Llama, world: int, device) -> dict[str, float]:
+    """SQNR (dB) against one GPU's model of the sharded model's first feed-forward (the experts
+    with their router, or the MLP) on the same input, and of its logits on a 2 x 64 prompt.
+    The feed-forward isolates the sharding: whole experts (ExpertParallel) equal one GPU's bit
+    for bit (inf), cut ones sum bf16 partials; the logits add the attention's row-parallel sums
+    and, in a MoE model, the routes those differences flip."""
+    generator = torch.Generator(device).manual_seed(2)
+    x = torch.randn(2, 64, model.config.dim, device=device, generator=generator)
+    x = x.to(torch.bfloat16)
+    ffn = model.layers[0].feed_forward, reference.layers[0].feed_forward
+    out = {"ffn_sqnr_db": qshard.sqnr_db(ffn[1](x).float(), ffn[0](x).float())}
+    prompt = torch.randint(0, model.config.vocab_size, (2, 64), device=device, generator=generator)
+    positions = torch.arange(64, device=device)
+    model.setup_caches(2, 64, tp_world=world)
+    reference.setup_caches(2, 64)
+    expected, got = reference(prompt, positions).float(), model(prompt, positions).float()
+    return {**out, "logits_sqnr_db": qshard.sqnr_db(expected, got)}
 
 
 @torch.no_grad()
@@ -141,7 +185,8 @@ def tokens_per_second(model: Llama, batch: int, prompt_len: int, new: int, devic
 
 # Kernel names by where a decode step's GPU time goes (bench/README.md's TP tables).
 _KERNEL_KINDS = (
-    ("all-reduce", ("nccl", "all_reduce", "allreduce", "one_shot", "symm")),
+    ("collectives", ("nccl", "all_reduce", "allreduce", "all_to_all", "alltoall", "one_shot",
+                     "symm")),
     ("attention", ("flash", "attention", "sdpa", "fmha")),
     ("linears", ("gemv", "gemm", "sm90", "cutlass", "nvjet", "qshard", "w4a16", "fp8",
                  "matmul", "mm_", "_mm", "wgmma", "splitk", "int4", "dot")),
@@ -189,9 +234,15 @@ def main() -> None:
     parser.add_argument(
         "--config",
         default="llama-3.1-8b",
-        choices=["llama-3.1-8b", "tiny", "qwen3-30b-a3b", "tiny-moe"],
+        choices=["llama-3.1-8b", "llama-3.1-70b", "tiny", "qwen3-30b-a3b", "deepseek-v3",
+                 "tiny-moe"],
+    )  # fmt: skip
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="the model's first N layers (default: all of the config's)",
     )
-    parser.add_argument("--layers", type=int, default=None, help="layers of a MoE config")
     parser.add_argument("--experts", default="ep", choices=list(EXPERT_STYLES),
                         help="a MoE config's experts under TP: ExpertParallel (all-reduce or "
                         "all-to-all dispatch) or ExpertTensorParallel")  # fmt: skip
@@ -206,11 +257,23 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300,
                         help="seconds per measurement: then every rank prints its stacks and "
                         "exits")  # fmt: skip
-    parser.add_argument("--profile", action="store_true",
-                        help="print where each decode step's GPU time goes (kernels by kind)")
+    parser.add_argument("--check", action="store_true",
+                        help="under TP: the SQNR of the sharded model's logits against one "
+                        "GPU's (experts re-blocked as the shards are), in dB")  # fmt: skip
+    parser.add_argument(
+        "--results",
+        default=None,
+        help="append each measurement to this file (JSON lines; bench/plot_tp.py)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print where each decode step's GPU time goes (kernels by kind)",
+    )
     # "plain": dist.destroy_process_group() alone, to show the hang qshard.tp.shutdown avoids
-    parser.add_argument("--teardown", default="shutdown", choices=["shutdown", "plain"],
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--teardown", default="shutdown", choices=["shutdown", "plain"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -245,10 +308,21 @@ def main() -> None:
             base.setdefault((tp, batch), rate if layout == "bf16" else None)
             ratio = f", {rate / base[tp, batch]:.2f}x" if base.get((tp, batch)) else ""
             note = f"; then {result['note']}" if "note" in result else ""
-            cells.append(f"{rate:.0f} tok/s{ratio} ({memory:.1f} GiB{note})")
+            sqnr = ""
+            if "ffn_sqnr_db" in result:
+                sqnr = f", {result['ffn_sqnr_db']:.1f} / {result['logits_sqnr_db']:.1f} dB"
+            cells.append(f"{rate:.0f} tok/s{ratio} ({memory:.1f} GiB{sqnr}{note})")
+            if args.results:
+                with open(args.results, "a") as out:
+                    out.write(json.dumps({"config": args.config, "layers": args.layers,
+                                          "experts": args.experts, "layout": layout, "tp": tp,
+                                          "batch": int(batch), **result}) + "\n")  # fmt: skip
         print(f"| {layout} | " + " | ".join(cells) + " |", flush=True)
-    print("\n(x: over bf16 at the same TP and batch; GiB: the peak GPU memory of rank 0 while "
-          "decoding, weights and caches included)")
+    print(
+        "\n(x: over bf16 at the same TP and batch; GiB: the peak GPU memory of rank 0 while "
+        "decoding, weights and caches included; dB, with --check: the SQNR against one GPU's "
+        "model of the first feed-forward / of the logits)"
+    )
     if PROFILES:
         print("\nWhere a step's GPU time goes (us per step; --profile):\n")
         print("\n".join(PROFILES))
@@ -277,6 +351,7 @@ def run_child(args, layout: str, batch: str, tp: int) -> dict | str:
     script += ["--timeout", str(args.timeout), "--teardown", args.teardown]
     script += ["--experts", args.experts]
     script += ["--profile"] if args.profile else []
+    script += ["--check"] if args.check else []
     launcher = [sys.executable]
     if tp > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
@@ -314,11 +389,16 @@ CHILD_GRACE_S = 30  # past the child's own deadline: its ranks' stacks printed, 
 def model_config(name: str, layers: int | None) -> LlamaConfig:
     if name == "qwen3-30b-a3b":
         return LlamaConfig.qwen3_30b_a3b(layers or 48)
+    if name == "deepseek-v3":
+        return LlamaConfig.deepseek_v3_moe(layers or 61)
+    if name == "llama-3.1-70b":
+        return LlamaConfig.llama_3_1_70b(layers or 80)
     if name == "tiny-moe":
-        return LlamaConfig(vocab_size=512, dim=256, n_layers=layers or 2, n_heads=4,
-                           n_kv_heads=2, hidden=256, n_experts=8, top_k=2,
+        return LlamaConfig(vocab_size=512, dim=256, n_layers=layers or 2, n_heads=8,
+                           n_kv_heads=4, hidden=256, n_experts=8, top_k=2,
                            expert_hidden=128)  # fmt: skip
-    return LlamaConfig.llama_3_1_8b() if name == "llama-3.1-8b" else LlamaConfig.tiny()
+    config = LlamaConfig.llama_3_1_8b() if name == "llama-3.1-8b" else LlamaConfig.tiny()
+    return dataclasses.replace(config, n_layers=layers) if layers else config
 
 
 def child(args) -> None:
@@ -345,9 +425,17 @@ def measure(args) -> None:
     # (`qshard.tp.to_local`): a graph over DTensor weights cannot be frozen (their DeviceMesh).
     torch._inductor.config.freezing = args.freezing
     config = model_config(args.config, args.layers)
-    model = build(config, args.layouts, device, mesh, args.experts)
+    model = build(config, args.layouts, device)
+    checked = {}
     if mesh is not None:
+        reference = copy.deepcopy(model) if args.check else None
+        parallelize(model, mesh, args.experts)
         model = qshard.tp.to_local(model)
+        if reference is not None:
+            if config.n_experts and args.experts in EXPERT_CUT:
+                realigned_experts(reference, EXPERT_CUT[args.experts](world))
+            checked = check(model, reference, world, device)
+            del reference
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -356,7 +444,9 @@ def measure(args) -> None:
                              args.profile)  # fmt: skip
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     if rank == 0:
-        print("RESULT " + json.dumps({"rate": rate, "memory_gib": memory}), flush=True)
+        result = {"rate": rate, "memory_gib": memory}
+        result.update(checked)
+        print("RESULT " + json.dumps(result), flush=True)
     if world > 1:
         qshard.tp.shutdown() if args.teardown == "shutdown" else dist.destroy_process_group()
 

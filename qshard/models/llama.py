@@ -50,8 +50,23 @@ class LlamaConfig:
         return cls()
 
     @classmethod
+    def llama_3_1_70b(cls, n_layers: int = 80) -> LlamaConfig:
+        """Llama-3.1-70B's shapes (hidden 8192, 64 query and 8 KV heads, MLP 28672)."""
+        return cls(dim=8192, n_layers=n_layers, n_heads=64, hidden=28672)
+
+    @classmethod
+    def deepseek_v3_moe(cls, n_layers: int = 61) -> LlamaConfig:
+        """DeepSeek-V3's MoE layers (its config.json: 256 routed experts of 2048, top-8, hidden
+        7168, vocabulary 129280) under this model's grouped-query attention (56 heads of 128, 8
+        KV heads) in place of MLA, with no shared expert and no dense first layers: a model
+        of its expert shapes, not of DeepSeek-V3."""
+        return cls(vocab_size=129280, dim=7168, n_layers=n_layers, n_heads=56, n_kv_heads=8,
+                   hidden=2048, rope_theta=10000.0, norm_eps=1e-6, n_experts=256, top_k=8,
+                   expert_hidden=2048)  # fmt: skip
+
+    @classmethod
     def qwen3_30b_a3b(cls, n_layers: int = 48) -> LlamaConfig:
-        """Qwen3-30B-A3B's shapes (facts.md §8): 128 experts of 768, top-8, hidden 2048."""
+        """Qwen3-30B-A3B's shapes (its config.json): 128 experts of 768, top-8, hidden 2048."""
         return cls(vocab_size=151936, dim=2048, n_layers=n_layers, n_heads=32, n_kv_heads=4,
                    hidden=768, rope_theta=1e6, norm_eps=1e-6, n_experts=128, top_k=8,
                    expert_hidden=768)  # fmt: skip
