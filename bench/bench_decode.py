@@ -154,12 +154,13 @@ def check(model: Llama, reference: Llama, world: int, device) -> dict[str, float
 
 @torch.no_grad()
 def tokens_per_second(model: Llama, batch: int, prompt_len: int, new: int, device,
-                      world: int = 1, profile: bool = False) -> float:  # fmt: skip
+                      world: int = 1, profile: bool = False,
+                      cuda_graphs: bool = True) -> float:  # fmt: skip
     model.setup_caches(batch, prompt_len + new + 8, tp_world=world)
     generator = torch.Generator(device).manual_seed(1)  # the same prompt on every rank
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device,
                            generator=generator)  # fmt: skip
-    mode = "reduce-overhead" if device.type == "cuda" else None
+    mode = "reduce-overhead" if device.type == "cuda" and cuda_graphs else None
     step = torch.compile(decode_one_token, mode=mode, fullgraph=True)
     for _ in range(2):  # compiles, then records the CUDA graph
         generate(model, prompt, new_tokens=4, step=step)
@@ -440,8 +441,12 @@ def measure(args) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # the float model quantize_ started from is gone
+    # The all-to-all dispatch reads each step's split sizes to the host (unbacked sizes in the
+    # graph): no CUDA graph can hold it, so its step runs compiled without one.
+    all_to_all = mesh is not None and config.n_experts and args.experts == "ep-all-to-all"
+    torch._dynamo.config.capture_scalar_outputs = bool(all_to_all)
     rate = tokens_per_second(model, int(args.batches), args.prompt, args.new, device, world,
-                             args.profile)  # fmt: skip
+                             args.profile, cuda_graphs=not all_to_all)  # fmt: skip
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     if rank == 0:
         result = {"rate": rate, "memory_gib": memory}

@@ -50,11 +50,15 @@ def test_compile_on_gpu(cls):
     ).cuda()
     qshard.quantize_(model, cls.contract_configs()[0])
     compiled = torch.compile(model, fullgraph=True)
+    # Layouts that quantize activations (FP8, W8A8): inductor's fused SiLU rounds the second
+    # linear's input differently in fp32's last bits, and FP8 quantization then rounds a few
+    # elements a whole step the other way (Fp8RowwiseTensor measured 54.3 dB on an H200).
+    compiled_floor = 45 if cls.__name__.startswith("Fp8") else 60
     with torch.no_grad():
         for batch in (1, 17):
             x = torch.randn(batch, 320, device="cuda")
             torch._dynamo.mark_dynamic(x, 0)
-            assert qshard.sqnr_db(model(x), compiled(x)) > 60
+            assert qshard.sqnr_db(model(x), compiled(x)) > compiled_floor
 
 
 @cases
@@ -90,6 +94,23 @@ def test_fp8_rowwise_cublas_matches_the_reference(m):
     compiled = torch.compile(lambda x: F.linear(x, q, bias), fullgraph=True)
     assert qshard.sqnr_db(out, compiled(x)) > 40
     assert q.select_backend(x.half()) is qshard.Backend.REFERENCE  # bf16 output only
+
+
+@pytest.mark.parametrize("k", [1792, 2048])
+def test_fp8_blockwise_auto_runs_every_k_cut_over_ranks(k):
+    """K = 1792 (14 blocks: DeepSeek-V3's attention output over 4 ranks) is refused by cuBLAS's
+    blockwise scaled_mm (its weight scales need K/128 rounded up to a multiple of 4); "auto"
+    runs the Triton kernels there, cuBLAS at K = 2048, both within bf16 rounding of the
+    reference."""
+    from qshard.kernels.availability import cublas_unavailable_reason
+
+    reason = cublas_unavailable_reason(torch.device("cuda"), 512, k, 128, 128, 128)
+    assert (reason is None) == (k == 2048), reason
+    q = qshard.Fp8BlockwiseTensor.from_float(gaussian(512, k).cuda().to(torch.bfloat16))
+    x = torch.randn(128, k, device="cuda", dtype=torch.bfloat16)
+    out = F.linear(x, q)
+    reference = F.linear(x, q.with_changes(backend=qshard.Backend.REFERENCE))
+    assert qshard.sqnr_db(reference.float(), out.float()) > 40
 
 
 @cases

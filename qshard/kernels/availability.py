@@ -61,6 +61,11 @@ def cublas_unavailable_reason(
         )
     if k % 128 or n % 128:
         return f"cuBLAS needs N and K multiples of 128 (no partial blocks), got N={n}, K={k}"
+    if k // 128 % 4:
+        # torch's scaled_mm asks for weight scales of K/128 rows rounded up to a multiple of 4
+        # (seen on an H200, torch 2.11: "scale_b must have shape 16 x 56 ..., got [14, 56]" at
+        # K = 1792, DeepSeek-V3's attention output cut over 4 ranks)
+        return f"cuBLAS blockwise needs K / 128 to be a multiple of 4, got K={k} ({k // 128})"
     return None
 
 

@@ -81,7 +81,11 @@ def _nccl_checkpoint_worker(rank, world, mesh, directory):
             assert torch.equal(loaded(TOKENS.cuda()), expected(TOKENS.cuda()))
         qshard.save(loaded, directory / f"{i}-from-tp{world}")
         again = qshard.load(directory / f"{i}-from-tp{world}", meta_model(dims, dtype))
-        assert_same_parameters(again, quantized_model(dims, config, seed=i, dtype=dtype))
+        # The same weights in the packing the sharded load gave them: at 4 ranks the 768 qkv
+        # rows are cut inside 128-row FP8 blocks, re-blocked to 64 rows (the same values).
+        original = quantized_model(dims, config, seed=i, dtype=dtype)
+        _realigned_like(original, loaded, world)
+        assert_same_parameters(again, original)
 
 
 @pytest.mark.parametrize("world", NCCL_WORLDS)
