@@ -227,29 +227,76 @@ def test_misaligned_slice_is_exact_or_raises(cls, config, data):
     assert torch.equal(sliced.dequantize(), q.dequantize()[index])
 
 
-@cases
+REALIGN_SHAPE = (3 * 64 + 5, 2 * 64 + 7)  # partial blocks at both ends
+
+
+def realign_units(cls, config) -> dict[int, list[int]]:
+    """{dim: the finer cut grids (step / 2, / 4, / 8) that the layout re-packs exactly}: the
+    dims and grids on which a cut needs a realign that succeeds."""
+    q = cls.from_float(gaussian(*REALIGN_SHAPE, seed=0), config)
+    units = {}
+    for dim in (0, 1):
+        step = q.slice_granularity(dim)
+        for unit in sorted({step // 2, step // 4, step // 8} - {0}, reverse=True):
+            try:
+                q.realign(dim, [unit])
+            except MisalignedSliceError:
+                break  # a finer grid fails too
+            units.setdefault(dim, []).append(unit)
+    return units
+
+
+REALIGNABLE = [
+    pytest.param(cls, config, id=name)
+    for (cls, config), name in zip(LAYOUT_CASES, LAYOUT_IDS, strict=True)
+    if realign_units(cls, config)
+]
+NOT_REALIGNABLE = [
+    pytest.param(cls, config, id=name)
+    for (cls, config), name in zip(LAYOUT_CASES, LAYOUT_IDS, strict=True)
+    if not realign_units(cls, config)
+]
+
+
+@pytest.mark.parametrize(("cls", "config"), REALIGNABLE)
 @HYPOTHESIS
 @given(data=st.data())
 def test_realign_of_an_aligned_part_packs_it_as_the_whole(cls, config, data):
     """A sharded load reads only the blocks covering a rank's chunk and realigns that part with
     the full weight's cuts (offsets relative to the part, possibly outside it): the result must
-    be the part of the whole weight realigned for those cuts."""
-    n, k = 3 * 64 + 5, 2 * 64 + 7
+    be the part of the whole weight realigned for those cuts. Every draw cuts inside a packed
+    element or block (a cut on the packing would make realign a no-op, and the test vacuous)."""
+    n, k = REALIGN_SHAPE
     q = cls.from_float(gaussian(n, k, seed=data.draw(st.integers(0, 2**31))), config)
-    dim = data.draw(st.sampled_from([0, 1]))
+    units = realign_units(cls, config)
+    dim = data.draw(st.sampled_from(sorted(units)))
     size, step = (n, k)[dim], q.slice_granularity(dim)
-    # Cuts on a finer power-of-two grid than the packing (realignable for FP8), or anywhere.
-    unit = data.draw(st.sampled_from([step // 2, step // 4, step // 8, 1]))
-    grid = st.integers(1, (size - 1) // max(unit, 1)).map(lambda i: i * max(unit, 1))
-    cuts = sorted(set(data.draw(st.lists(grid, min_size=1, max_size=3))))
-    try:
-        whole = q.realign(dim, cuts)
-    except MisalignedSliceError:
-        return
+    unit = data.draw(st.sampled_from(units[dim]))
+    grid = st.integers(1, (size - 1) // unit).map(lambda i: i * unit)
+    inside = grid.filter(lambda c: c % step)  # at least one cut falls inside the packing
+    cuts = sorted({*data.draw(st.lists(grid, max_size=2)), data.draw(inside)})
+    whole = q.realign(dim, cuts)
+    assert q.misaligned_offsets(dim, cuts) and not whole.misaligned_offsets(dim, cuts)
+    assert whole.slice_granularity(dim) < step  # re-packed finer
     first = data.draw(st.integers(0, (size - 1) // step)) * step
     last = min(size, first + data.draw(st.integers(1, 3)) * step)
     part = q.slice_logical(dim, first, last).realign(dim, [c - first for c in cuts])
     assert_same_qtensor(part.clone(), whole.slice_logical(dim, first, last).clone())
+    assert torch.equal(whole.dequantize(), q.dequantize())  # exactly, or not at all
+
+
+@pytest.mark.parametrize(("cls", "config"), NOT_REALIGNABLE)
+def test_a_layout_that_cannot_realign_needs_none_or_refuses(cls, config):
+    """The other layouts: either every cut falls on their packing (per-row scales: nothing to
+    realign), or a cut inside it raises MisalignedSliceError and changes nothing."""
+    q = cls.from_float(gaussian(*REALIGN_SHAPE, seed=0), config)
+    for dim in (0, 1):
+        step = q.slice_granularity(dim)
+        if step == 1:
+            assert q.realign(dim, [1, 2, 3]) is q
+            continue
+        with pytest.raises(MisalignedSliceError, match="offsets"):
+            q.realign(dim, [step // 2])
 
 
 # ---- narrow + copy_ write through to the parent (the vLLM loading pattern) ------------------
