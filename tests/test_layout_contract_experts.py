@@ -24,6 +24,7 @@ import qshard
 from qshard.errors import (
     BackendUnavailableError,
     CheckpointError,
+    ConfigError,
     InputMismatchError,
     InvalidDimError,
     LayoutMismatchError,
@@ -159,19 +160,7 @@ def test_quantize_like_takes_an_experts_offset(cls, config):
     assert_same_qtensor(q.quantize_like(w), q)
 
 
-def _from_float_part_marks(cls):
-    if cls.__name__ == "Fp8RowwiseTensor":
-        return pytest.mark.skip(reason="from_float_part takes a DTensor whole (tests/tp)")
-    return ()
-
-
-@pytest.mark.parametrize(
-    ("cls", "config"),
-    [
-        pytest.param(cls, config, id=i, marks=_from_float_part_marks(cls))
-        for (cls, config), i in zip(LAYOUT_CASES, LAYOUT_IDS, strict=True)
-    ],
-)
+@cases
 def test_from_float_part_of_experts_equals_the_part_of_from_float(cls, config):
     """Shard-then-quantize equals quantize-then-shard for experts (a TP shard of every expert's
     rows, given the whole float experts)."""
@@ -180,6 +169,14 @@ def test_from_float_part_of_experts_equals_the_part_of_from_float(cls, config):
     q = cls.from_float(w, config)
     assert_same_qtensor(cls.from_float_part(w[:, gn:], w, config), q[:, gn:])
     assert_same_qtensor(cls.from_float_part(w, w, config), q)
+
+
+def test_a_per_row_fp8_part_that_cuts_rows_of_a_plain_tensor_is_a_config_error():
+    """Its scales need the whole rows' amax, which a plain part and whole cannot place (a
+    DTensor's placements can: tests/tp)."""
+    w = gaussian(3, 64, 96)
+    with pytest.raises(ConfigError, match=r"cuts its rows.*whole rows, or the DTensor"):
+        qshard.Fp8RowwiseTensor.from_float_part(w[..., 32:], w, qshard.Fp8RowwiseConfig())
 
 
 @cases

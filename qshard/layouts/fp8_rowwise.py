@@ -106,8 +106,19 @@ class Fp8RowwiseTensor(QTensor):
     @classmethod
     def from_float_part(cls, part, whole, config) -> Fp8RowwiseTensor:
         """A rank's shard of a DTensor weight, scaled by the amax of its whole rows: a shard of
-        the columns (row-parallel) reduces the amax over every rank's columns."""
-        from torch.distributed.tensor import Partial, Replicate
+        the columns (row-parallel) reduces the amax over every rank's columns. Of a plain
+        tensor, a part of whole rows (each row's scale is its own amax)."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        if not isinstance(whole, DTensor):
+            if part.shape[-1] != whole.shape[-1]:
+                raise ConfigError(
+                    f"Fp8RowwiseTensor.from_float_part: a part {list(part.shape)} of a plain "
+                    f"{list(whole.shape)} tensor cuts its rows, whose scales need the whole "
+                    f"rows' amax; pass whole rows, or the DTensor weight (its placements say "
+                    f"which columns this part holds)"
+                )
+            return cls.from_float(part, config)
 
         amax = row_amax(whole)
         placements = [Replicate() if isinstance(p, Partial) else p for p in amax.placements]

@@ -34,7 +34,9 @@ def test_the_file_for_a_gpu_is_picked_by_its_longest_matching_tag(tmp_path, monk
 
 
 def test_every_shipped_file_loads():
-    for path in tuning.TUNED_DIR.glob("*.json"):
+    paths = sorted(tuning.TUNED_DIR.glob("*.json"))
+    assert paths, f"no tuned file in {tuning.TUNED_DIR} (the H100's is shipped)"
+    for path in paths:
         configs = tuning._read(path)
         assert all(key.count("/") == 3 for key in configs), path
 

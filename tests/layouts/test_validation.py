@@ -80,6 +80,22 @@ def test_an_unchanged_pickle_loads_exactly(cls, config):
             "NaN/Inf",
         ),
         (qshard.Fp8RowwiseTensor, None, {"scale": torch.full((40, 1), float("inf"))}, "NaN/Inf"),
+        # NaN scales, each layout's: a NaN would dequantize every value of its block to NaN.
+        (qshard.Fp8RowwiseTensor, None, {"scale": torch.full((40, 1), float("nan"))}, "NaN/Inf"),
+        (qshard.Fp8BlockwiseTensor, None, {"scale": torch.full((1, 1), float("nan"))}, "NaN/Inf"),
+        (
+            qshard.Int4Tensor,
+            None,
+            {"scale": torch.full((40, 1), float("nan"), dtype=torch.bfloat16)},
+            "NaN/Inf",
+        ),
+        (
+            qshard.Nvfp4Tensor,
+            None,
+            {"scale": torch.full((40, 6), float("nan")).to(torch.float8_e4m3fn)},
+            "NaN/Inf",
+        ),
+        (qshard.Nvfp4Tensor, None, {"global_scale": torch.full((1, 1), float("nan"))}, "NaN/Inf"),
     ],
 )
 def test_a_crafted_pickle_is_a_checkpoint_error(cls, config, changes, match):

@@ -111,7 +111,10 @@ def test_dtensors_of_different_quantized_layouts_do_not_share_compiled_graphs(tm
             for cls, config in cases
         }
         assert len(keys) == len(cases)
-        plain = DTensor.from_local(weight, mesh, [Replicate()])
-        assert plain._stable_hash_for_caching() == plain._stable_hash_for_caching()
+        # A plain DTensor keeps torch's key, its spec alone: other values of the same spec
+        # share it (their graphs are the same), and it is none of the quantized ones'.
+        plain = DTensor.from_local(weight, mesh, [Replicate()])._stable_hash_for_caching()
+        other = DTensor.from_local(weight + 1, mesh, [Replicate()])._stable_hash_for_caching()
+        assert plain == other and plain not in keys
     finally:
         dist.destroy_process_group()
