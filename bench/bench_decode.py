@@ -5,6 +5,16 @@ tokens per second for bf16 and each qshard layout (and torchao's), compiled, at 
         [--batches 1,32] [--prompt 1024] [--new 256] [--config llama-3.1-8b|tiny]
     python bench/bench_decode.py --tp 1,2 [--profile] ...   # TP 1 and TP 2 (torchrun, NCCL)
     python bench/bench_decode.py --config qwen3-30b-a3b [--layers 12] [--tp 2 --experts etp]
+    python bench/bench_decode.py --config deepseek-v3 --layers 2 --tp 4 --experts ep-x-tp2 --check
+    python bench/bench_decode.py --config llama-3.1-70b --layers 2 --tp 1,2,4 --results r.jsonl
+    python bench/plot_tp.py r.jsonl --out bench/tp_scaling.png   # tokens/s by TP size
+
+`--config deepseek-v3`: DeepSeek-V3's expert shapes (256 experts of 2048, top-8, hidden 7168)
+under this model's grouped-query attention (`LlamaConfig.deepseek_v3_moe`); `llama-3.1-70b`:
+Llama-3.1-70B's shapes; `--layers N` takes the first N layers of any config. `--check` (under
+TP) also measures the sharded model against one GPU's on the same rank: the SQNR of its first
+feed-forward on one input (whole experts under ExpertParallel's all-to-all equal it bit for
+bit; cut experts and the all-reduce sums round bf16 partials once more) and of its logits.
 
 `--config qwen3-30b-a3b`: Qwen3-30B-A3B's shapes (128 experts of 768, top-8, hidden 2048,
 `qshard.models.moe`: grouped matmuls over the experts, qshard's grouped kernels once quantized),
