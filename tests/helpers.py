@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import zlib
@@ -48,8 +49,12 @@ LAYOUT_IDS = [
 
 
 def gaussian(*shape: int, std: float = 0.02, dtype=torch.float32, seed: int | None = None):
-    """N(0, std) values; a fresh seed each call unless one is given (never zeros)."""
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+    """N(0, std) values; a fresh seed each call unless one is given (never zeros). The fresh
+    seed comes from the OS, not `torch.seed()`, which would reseed the global generator with
+    it: the test's next `torch.randn` would then repeat these very values."""
+    if seed is None:
+        seed = random.SystemRandom().getrandbits(63)
+    gen = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=gen) * std).to(dtype)
 
 

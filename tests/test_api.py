@@ -29,6 +29,11 @@ class Block(nn.Module):
 
 
 LINEARS = ["attn.qkv", "attn.o", "mlp.0", "mlp.2", "head"]
+# A fresh random Block's logits (10 tokens of 10 classes) with every linear FP8 blockwise (W8A8)
+# against float: measured 22.6 to 33.3 dB over 10,000 draws on the CPU (median 27.9; 1 in 1,000
+# under 24.2, each dB lower about 10x rarer), floor 21: the spread of so few logits leaves no
+# more room.
+FP8_LOGITS_MIN_SQNR_DB = 21.0
 
 
 def test_quantize_reports_every_linear_and_matches_float():
@@ -42,7 +47,8 @@ def test_quantize_reports_every_linear_and_matches_float():
         assert isinstance(weight, qshard.Fp8BlockwiseTensor) and isinstance(weight, QTensor)
         assert isinstance(weight, nn.Parameter) and not weight.requires_grad
     assert report.bytes_after * 3.9 < report.bytes_before  # fp32 -> fp8 plus small scales
-    assert qshard.sqnr_db(expected, model(tokens)) > 20
+    measured = qshard.sqnr_db(expected, model(tokens))
+    assert measured >= FP8_LOGITS_MIN_SQNR_DB, f"SQNR {measured:.1f} dB < {FP8_LOGITS_MIN_SQNR_DB}"
     text = str(report)
     assert all(name in text for name in LINEARS) and "5 quantized, 0 skipped" in text
 

@@ -332,6 +332,20 @@ def test_copy_between_layouts_raises(cls, config):
 # ---- matmul entry points and accuracy ------------------------------------------------------
 
 
+# F.linear against float for the int4 configs, whose floors differ with the group (the layout's
+# `min_linear_sqnr_db`, 17 dB, serves every int4 config and the experts tests): measured min
+# over 500 draws x 3 activation dtypes (CPU, 200 x 224 weight, 34 tokens) 19.8 (g128), 20.2
+# (symmetric g32), 20.6 (g64), 21.5 (tinygemm g32), 20.8 dB (float zeros g64); floors about
+# 1.2 dB under. A symmetric zero point of 7.75 instead of 8 measured 16.7-19.5 dB.
+LINEAR_MIN_SQNR_DB = {
+    qshard.Int4WeightOnlyConfig(): 18.5,
+    qshard.Int4WeightOnlyConfig(group_size=32, symmetric=True): 19.0,
+    qshard.Int4WeightOnlyConfig(group_size=64): 19.5,
+    qshard.Int4WeightOnlyConfig(group_size=32, backend="tinygemm"): 20.5,
+    qshard.Int4WeightOnlyConfig(group_size=64, zero_point_domain="float"): 19.5,
+}
+
+
 @cases
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_linear_entry_points_match_float(cls, config, act_dtype):
@@ -344,7 +358,8 @@ def test_linear_entry_points_match_float(cls, config, act_dtype):
     out = F.linear(x, q, bias)
     assert out.dtype == act_dtype and out.shape == (2, 17, n)
     measured = qshard.sqnr_db(expected, out)
-    assert measured >= cls.min_linear_sqnr_db, f"SQNR {measured:.1f} dB < {cls.min_linear_sqnr_db}"
+    floor = LINEAR_MIN_SQNR_DB.get(config, cls.min_linear_sqnr_db)
+    assert measured >= floor, f"SQNR {measured:.1f} dB < {floor}"
     # The decomposed forms must give the very same numbers as F.linear.
     x2d = x.reshape(-1, k)
     reference = F.linear(x2d, q, bias)

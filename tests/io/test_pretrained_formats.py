@@ -562,6 +562,15 @@ def test_a_checkpoint_torchao_wrote_loads_as_torchao_dequantizes_it():
     assert torch.equal(state["rows.bias"], stored["rows.bias"])
 
 
+# Each layer of the torchao fixture on fresh bf16 activations against its own dequantized weight
+# in fp32, so only the linear path's own rounding counts: the bf16 output and weight (weight-only)
+# and W8A8's e4m3 activations. Measured, min (median) over 2,000 draws on the CPU: rows (W8A8)
+# 41.8 (43.9), rows_wo 50.9 (52.8), tensor (W8A8) 28.8 (32.0), blocks (W8A8) 30.0 (31.8), int4
+# 51.0 (52.7). Floors about 3 dB under the minimum.
+TORCHAO_LINEAR_MIN_SQNR_DB = {"rows": 38.0, "rows_wo": 47.0, "tensor": 26.0, "blocks": 27.0,
+                              "int4": 47.0}  # fmt: skip
+
+
 def test_a_torchao_checkpoint_loads_into_a_model_and_runs():
     shapes = {"rows": (96, 128), "rows_wo": (64, 96), "tensor": (48, 64), "blocks": (128, 256),
               "int4": (80, 256)}  # fmt: skip
@@ -576,7 +585,8 @@ def test_a_torchao_checkpoint_loads_into_a_model_and_runs():
         expected = x.float() @ linear.weight.dequantize(torch.float32).t()
         if linear.bias is not None:
             expected += linear.bias.float()
-        assert qshard.sqnr_db(expected, linear(x)) > 25, name
+        measured, floor = qshard.sqnr_db(expected, linear(x)), TORCHAO_LINEAR_MIN_SQNR_DB[name]
+        assert measured >= floor, f"{name}: SQNR {measured:.1f} dB < {floor}"
 
 
 @pytest.mark.parametrize(
