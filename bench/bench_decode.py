@@ -146,9 +146,11 @@ def realigned_experts(model: Llama, cut: int) -> None:
 def check(model: Llama, reference: Llama, world: int, device) -> dict[str, float]:
     """SQNR (dB) against one GPU's model of the sharded model's first feed-forward (the experts
     with their router, or the MLP) on the same input, and of its logits on a 2 x 64 prompt.
-    The feed-forward isolates the sharding: whole experts (ExpertParallel) equal one GPU's bit
-    for bit (inf), cut ones sum bf16 partials; the logits add the attention's row-parallel sums
-    and, in a MoE model, the routes those differences flip."""
+    The feed-forward isolates the sharding: whole experts under the all-to-all dispatch equal
+    one GPU's bit for bit (inf); the all-reduce dispatch sums each token's routes as per-rank
+    bf16 partial sums, and cut experts (ETP) their down projection's partials, one rounding
+    more; the logits add the attention's row-parallel sums and, in a MoE model, the routes
+    those differences flip."""
     generator = torch.Generator(device).manual_seed(2)
     x = torch.randn(2, 64, model.config.dim, device=device, generator=generator)
     x = x.to(torch.bfloat16)
