@@ -183,10 +183,6 @@ def test_experts_parallel_on_gpus_with_nccl(world, tmp_path):
 
 
 def test_the_nccl_worker_on_gloo(tmp_path):
-    """The GPU test's worker on gloo and the CPU's reference paths: one layout (CI's time)."""
-    spawn(_worker, 2, tmp_path / "ckpt", ["int4"])
-
-
-def test_the_nccl_worker_at_world_4_on_gloo(tmp_path):
-    """The same at 4 ranks: the EP x TP style on its 2-D mesh, FP8 cut inside its blocks."""
+    """The GPU test's worker on gloo and the CPU's reference paths, at 4 ranks so that every
+    style runs (EP x TP on its 2-D mesh, FP8 cut inside its blocks); one layout (CI's time)."""
     spawn(_worker, 4, tmp_path / "ckpt", ["fp8-block"])
