@@ -129,13 +129,14 @@ def realigned_experts(model: Llama, cut: int) -> None:
     """Give one GPU's model the packing that cutting each expert's intermediate dim over `cut`
     ranks gives the shards (FP8 blocks re-blocked at a cut inside a block), so that it computes
     with the shards' blocks: the reference a sharded model must equal up to summation order."""
+    from qshard.tp.experts import _gate_up_cuts  # the cuts ExpertTensorParallel makes
+
     for layer in model.layers:
         experts = layer.feed_forward.experts
         size = experts.down_proj.shape[-1]
-        inside = qshard.tp.shard_cuts(size, cut)
         # gate_up [E, 2I, dim]: the gate rows, then the up rows, each cut as I is
-        for name, dim, cuts in (("gate_up_proj", 1, inside + [size] + [size + c for c in inside]),
-                                ("down_proj", 2, inside)):  # fmt: skip
+        for name, dim, cuts in (("gate_up_proj", 1, _gate_up_cuts(2 * size, cut, False)),
+                                ("down_proj", 2, qshard.tp.shard_cuts(size, cut))):  # fmt: skip
             weight = getattr(experts, name)
             if isinstance(weight, qshard.QTensor):
                 realigned = weight.realign(dim, cuts)

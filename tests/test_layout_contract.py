@@ -6,6 +6,7 @@ to exercise in `contract_configs()`.
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 
@@ -230,6 +231,7 @@ def test_misaligned_slice_is_exact_or_raises(cls, config, data):
 REALIGN_SHAPE = (3 * 64 + 5, 2 * 64 + 7)  # partial blocks at both ends
 
 
+@functools.cache
 def realign_units(cls, config) -> dict[int, list[int]]:
     """{dim: the finer cut grids (step / 2, / 4, / 8) that the layout re-packs exactly}: the
     dims and grids on which a cut needs a realign that succeeds."""

@@ -46,6 +46,8 @@ STYLES = {
     "etp": ExpertTensorParallel,
     "ep-x-tp": lambda: ExpertParallel(tensor_parallel=2),  # from 4 ranks
 }
+# The layouts that quantize activations too (FP8 W8A8).
+W8A8 = ("fp8-block", "fp8-row")
 # The ranks that cut each expert's intermediate dim, by style.
 TENSOR_PARALLEL = {"etp": lambda world: world, "ep-x-tp": lambda world: 2}
 # The experts module alone, sharded against one device's, on the same inputs: EP equals it bit
@@ -73,7 +75,7 @@ def _floors(layout: str, style: str) -> tuple[float, float]:
     """(experts floor, logits floor) in dB."""
     per_shard_scales = layout == "fp8-row" and style in TENSOR_PARALLEL
     experts = SQNR_DB_PER_SHARD_SCALES if per_shard_scales else SQNR_DB
-    if style in TENSOR_PARALLEL and layout in ("fp8-block", "fp8-row"):
+    if style in TENSOR_PARALLEL and layout in W8A8:
         return experts, LOGITS_SQNR_DB_W8A8_ETP
     return experts, min(experts, SQNR_DB)
 
@@ -96,8 +98,7 @@ def _case(rank, world, mesh, layout: str, style: str) -> None:
     qshard.tp.parallelize(model, mesh, {EXPERTS: STYLES[style]()})
     where = f"{layout} {style} rank {rank}"
     floor, logits_floor = _floors(layout, style)
-    w8a8 = layout in ("fp8-block", "fp8-row")
-    compiled_floor = min(floor, COMPILED_SQNR_DB_W8A8) if w8a8 else floor
+    compiled_floor = min(floor, COMPILED_SQNR_DB_W8A8) if layout in W8A8 else floor
     # all_to_all: each rank its own tokens; otherwise the same tokens on every rank
     seed = rank if style == "ep-all-to-all" else 0
     args = [t.to(device) for t in routing(11 + seed, dtype=torch.bfloat16, seed=seed)]
