@@ -243,7 +243,8 @@ def test_compiled_linear_of_native_codes_matches_eager():
     layer = linear_of(native)
     x = torch.randn(5, 512, dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
-    torch.testing.assert_close(compiled(x), F.linear(x, canonical), rtol=1e-2, atol=1e-2)
+    # The same reference op on the same values: bit-equal (measured over 5 draws on the CPU).
+    torch.testing.assert_close(compiled(x), F.linear(x, canonical), rtol=0, atol=0)
 
 
 # ---- where the order is made (a Hopper GPU, simulated on the CPU) -----------------------------
@@ -395,6 +396,19 @@ def test_the_op_refuses_native_codes_it_cannot_read():
 
 hopper = pytest.mark.skipif(not HOPPER, reason="the native order is made on Hopper (sm_90)")
 
+# The Hopper kernels' bf16 output against the float reference of the same dequantized weight:
+# |got - expected| / |expected| (norms). Measured by bench/repro/int4_native_tolerance.py on an
+# H200 (torch 2.11, triton 3.6; 10 fresh draws of these tests' cases, every kernel and config):
+# at most 2.37e-3 (bf16 rounding of the output, and of the weight where the kernel rounds it);
+# every scale 0.5 % off gave at least 5.17e-3. Allowed: 1.5x the measurement (the old 1e-2 let
+# the 0.5 % error through). Compiled and eager run the same kernels: bit-equal, as measured.
+HOPPER_RELATIVE_ERROR = 3.5e-3
+
+
+def assert_near(got: torch.Tensor, expected: torch.Tensor, context=None) -> None:
+    error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+    assert error < HOPPER_RELATIVE_ERROR, (context, error)
+
 
 @pytest.mark.cuda
 @hopper
@@ -416,8 +430,7 @@ def test_on_hopper_quantize_holds_native_codes_and_the_op_reads_them(config):
         assert kernel == ("gemv_words" if m <= 2 else "register_wgmma" if m <= 128
                           else "dequantize"), (m, kernel)  # fmt: skip (2: a small weight)
         expected = F.linear(x.cpu().float(), cpu.dequantize(torch.float32))
-        got = F.linear(x, q).float().cpu()
-        assert (got - expected).norm() < 1e-2 * expected.norm(), m
+        assert_near(F.linear(x, q).cpu(), expected, m)
     x = torch.randn(5, 1024, device="cuda")
     assert native_choice(Format.INT4_ASYM, x, q.qdata, 128)["KERNEL"] == "dequantize"
     torch.testing.assert_close(F.linear(x, q.to(torch.float32)).cpu(),
@@ -444,9 +457,9 @@ def test_on_hopper_a_model_saves_canonical_and_shards_as_on_the_cpu(tmp_path):
     compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
     for m in (1, 16, 100):
         x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
-        torch.testing.assert_close(compiled(x), model(x), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
     half = model[0].weight[:, 256:]  # a TP row shard: still native, the op reads it
     assert half.code_order is NATIVE
     xs = x[:, 256:].contiguous()
     expected = F.linear(xs.float(), reference[0].weight[:, 256:].dequantize(torch.float32).cuda())
-    torch.testing.assert_close(F.linear(xs, half), expected.bfloat16(), rtol=2e-2, atol=2e-2)
+    assert_near(F.linear(xs, half), expected)
