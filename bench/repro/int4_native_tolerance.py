@@ -57,8 +57,8 @@ def kernels(draws: int, planted: float) -> None:
                 expected = F.linear(x.cpu().double(), reference)
                 norm, peak = errors(F.linear(x, q), expected)
                 bad, _ = errors(F.linear(x, wrong), expected)
-                cell = worst[m]
-                cell[0], cell[1], cell[2] = max(cell[0], norm), max(cell[1], peak), min(cell[2], bad)
+                old = worst[m]
+                worst[m] = [max(old[0], norm), max(old[1], peak), min(old[2], bad)]
         for m, (norm, peak, bad) in worst.items():
             print(f"| {name} | {m} | {norm:.2e} | {peak:.2e} | {bad:.2e} |")
 
