@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import qshard
 from qshard.kernels import fp8_blockwise as ref
-from qshard.kernels.availability import load_gpu_ops
+from qshard.kernels.loader import load_gpu_ops
 
 LLAMA = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 DEEPSEEK = {"24576x7168": (24576, 7168), "7168x2048": (7168, 2048),

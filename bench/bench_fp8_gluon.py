@@ -31,9 +31,9 @@ from bench_fp8 import LLAMA, copies_for, time_us, versions_line
 
 import qshard
 from qshard.kernels import fp8_blockwise as ref
-from qshard.kernels.availability import load_gpu_ops
 from qshard.kernels.fp8_blockwise_gluon import gluon_config, gluon_launch
 from qshard.kernels.fp8_blockwise_triton import act_quant_launch
+from qshard.kernels.loader import load_gpu_ops
 
 
 def bf16_linear(w):

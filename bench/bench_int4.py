@@ -36,7 +36,7 @@ from bench_fp8 import (
 )
 
 from qshard.kernels import int4 as ref
-from qshard.kernels.availability import load_w4a16_ops
+from qshard.kernels.loader import load_w4a16_ops
 
 GROUP = 128
 

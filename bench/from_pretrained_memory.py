@@ -98,7 +98,7 @@ def build_and_save(layout: str, directory: str) -> None:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     import qshard.api
-    from qshard.layouts.validation import check_qtensor
+    from qshard.qtensor.validation import check_qtensor
 
     config = LlamaConfig(**LLAMA_8B, dtype="bfloat16")
     with torch.device("meta"):
@@ -120,7 +120,7 @@ def build_and_save(layout: str, directory: str) -> None:
                 value.normal_(0.0, 0.02, generator=generator)
             setattr(model.get_submodule(module_name), param_name, nn.Parameter(value, False))
     model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers, off the meta device
-    qshard.api.attach_to_transformers(model)
+    qshard.integrations.attach_to_transformers(model)
     model.save_pretrained(directory)
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_fp8 import relative_error
 from bench_int4 import GROUP, marlin_method, quantized
 
-from qshard.kernels.availability import load_w4a16_ops
+from qshard.kernels.loader import load_w4a16_ops
 
 SHAPES = {"qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 MAX_ERROR = 0.15  # against the float linear (Marlin's symmetric codes: about 0.12)

@@ -27,7 +27,7 @@ from bench_fp4 import mxfp4_weight, nvfp4_weight
 from bench_fp8 import LLAMA, time_us, versions_line
 from bench_int4 import int4_weight
 
-from qshard.kernels.availability import load_w4a16_ops
+from qshard.kernels.loader import load_w4a16_ops
 
 FORMATS = {"int4": int4_weight, "mxfp4": mxfp4_weight, "nvfp4": nvfp4_weight}
 

@@ -601,8 +601,8 @@ def main() -> None:
     print(versions())
     capabilities()
     print("NVRTC with CUDA_HOME = None:", nvrtc_without_toolkit())
-    from qshard.kernels.availability import load_w4a16_ops
     from qshard.kernels.int4 import dequantize_int4
+    from qshard.kernels.loader import load_w4a16_ops
 
     load_w4a16_ops()
     cuda = {}

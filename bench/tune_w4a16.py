@@ -29,7 +29,7 @@ from bench_fp8 import LLAMA, copies_for, versions_line
 from bench_int4 import int4_weight, sweep_candidates, time_launch
 
 from qshard.kernels import tuning
-from qshard.kernels.availability import load_w4a16_ops
+from qshard.kernels.loader import load_w4a16_ops
 
 MIN_GAIN = 0.03
 FORMATS = {"int4": int4_weight, "mxfp4": mxfp4_weight, "nvfp4": nvfp4_weight}

@@ -33,6 +33,8 @@ from .errors import (
     UnsupportedWeightError,
 )
 from .formats import export, load_pretrained
+from .hooks import register_model_hook
+from .integrations import attach_to_transformers
 from .io import empty_weights, load, save
 from .layouts import (
     Fp8BlockwiseConfig,
@@ -50,12 +52,12 @@ from .layouts import (
 )
 from .metrics import sqnr_db
 from .qtensor import QTensor
-
-__version__ = "0.1.0"
+from .version import __version__
 
 
 def _register_with_transformers() -> None:
     try:
+        # Imported only now: it imports transformers, an optional dependency.
         from .integrations import transformers  # registers on import  # noqa: F401
     except Exception as e:  # never break transformers' own import
         import warnings
@@ -70,6 +72,8 @@ after_import("torch.distributed.tensor", patch_dtensor_cache_key)
 # quant_method "qshard" in transformers: registered once transformers loads its quantizers
 # (from_pretrained and save_pretrained need them), so that `import qshard` never imports it.
 after_import("transformers.quantizers.auto", _register_with_transformers)
+# After quantize_ / qshard.load: a transformers model gets qshard's quantizer attached.
+register_model_hook(attach_to_transformers)
 
 
 def __getattr__(name: str):

@@ -6,29 +6,34 @@ A config class maps to a handler, `handler(weight, config) -> QTensor`, register
 `quantize_` skips that module and reports why. Any other error stops `quantize_` before it has
 changed the model: every weight is quantized first and assigned only when all have succeeded.
 
-Expert weights are the 3-D parameters [E, N, K] of an experts module (design.md §5):
-transformers' experts classes are recognised by what their `use_experts_implementation`
-decorator sets on them (`is_transposed`, `has_bias`, ...; not by name), other classes by
-`register_experts`. Each such parameter is quantized as a whole (`from_float` quantizes each
-expert as its own [N, K] weight); a transposed one ([E, K, N], gpt-oss) is quantized along its
-contraction dim K and keeps its outer shape (`transpose(-2, -1)` of the [E, N, K] tensor). A
-router stays float: it is not an experts module's 3-D parameter.
+Which weights are targets (nn.Linear weights, expert weights) and how include / exclude /
+keep_float select them: qshard/targets.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import fnmatch
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from .config import QuantConfig
-from .errors import ConfigError, QShardError, UnsupportedWeightError
+from .errors import QShardError, UnsupportedWeightError
+from .hooks import run_model_hooks
 from .qtensor import QTensor, stored_nbytes
+from .qtensor.registry import Handler, handler_for, register_handler
+from .shards import is_dtensor, local_tensor
+from .targets import (
+    KEEP_FLOAT,
+    FilterFn,
+    Target,
+    check_patterns,
+    experts_params,
+    quantization_targets,
+    register_experts,
+    skip_reason,
+)
 
 __all__ = [
     "KEEP_FLOAT",
@@ -40,85 +45,6 @@ __all__ = [
     "register_experts",
     "register_handler",
 ]
-
-Handler = Callable[[torch.Tensor, QuantConfig], QTensor]
-FilterFn = Callable[[nn.Module, str], bool]
-
-_HANDLERS: dict[type[QuantConfig], Handler] = {}
-
-
-def register_handler(config_cls: type[QuantConfig], handler: Handler | None = None):
-    """Register `handler(weight, config) -> QTensor` for `config_cls` (usable as a decorator)."""
-
-    def decorator(fn: Handler) -> Handler:
-        _HANDLERS[config_cls] = fn
-        return fn
-
-    return decorator(handler) if handler is not None else decorator
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertsSpec:
-    """How an experts module holds its weights: the names of its 3-D [E, N, K] parameters
-    (None: every 3-D floating-point parameter it holds directly), and whether they are stored
-    transposed, [E, K, N] (in_features x out_features per expert)."""
-
-    params: tuple[str, ...] | None = None
-    transposed: bool = False
-
-
-_EXPERTS: dict[type[nn.Module], ExpertsSpec] = {}
-
-
-def register_experts(
-    module_cls: type[nn.Module], params: Sequence[str] | None = None, transposed: bool = False
-) -> type[nn.Module]:
-    """Make `quantize_` (and `gptq_`) quantize the 3-D expert weights of `module_cls` modules.
-
-    params: the names of its [E, N, K] parameters (default: every 3-D floating-point parameter
-    the module holds directly). transposed: True when they are stored [E, K, N]. The module's
-    forward must multiply them with `torch._grouped_mm`/`F.grouped_mm`, `torch.bmm`, or
-    `F.linear(x, w[e])` (see qshard/qtensor/grouped.py). transformers' experts classes need no
-    registration. Usable as a class decorator; returns the class."""
-    if not (isinstance(module_cls, type) and issubclass(module_cls, nn.Module)):
-        raise ConfigError(f"register_experts: {module_cls!r} is not an nn.Module class")
-    names = params is None or (
-        not isinstance(params, str) and all(isinstance(p, str) for p in params)
-    )
-    if not names:
-        raise ConfigError(f"register_experts: params={params!r} must be a list of names")
-    if not isinstance(transposed, bool):
-        raise ConfigError(f"register_experts: transposed={transposed!r} must be True or False")
-    _EXPERTS[module_cls] = ExpertsSpec(None if params is None else tuple(params), transposed)
-    return module_cls
-
-
-def experts_params(module: nn.Module) -> list[tuple[str, bool]] | None:
-    """[(parameter name, stored transposed)] of an experts module's 3-D expert weights, or None
-    for a module that is not an experts module (see the module docstring)."""
-    spec = next((s for c, s in _EXPERTS.items() if isinstance(module, c)), None)
-    if spec is None and _is_transformers_experts(module):
-        spec = ExpertsSpec(None, module.is_transposed)
-    if spec is None:
-        return None
-    own = dict(module.named_parameters(recurse=False))
-    if spec.params is not None:
-        missing = [n for n in spec.params if n not in own]
-        if missing:
-            raise ConfigError(
-                f"{type(module).__name__} is registered as experts with parameters "
-                f"{list(spec.params)}, but it has no {missing} (it has {sorted(own)})"
-            )
-        return [(n, spec.transposed) for n in spec.params]
-    return [
-        (n, spec.transposed) for n, p in own.items() if p.dim() == 3 and p.dtype.is_floating_point
-    ]
-
-
-def _is_transformers_experts(module: nn.Module) -> bool:
-    """What transformers' `use_experts_implementation` sets on every instance it decorates."""
-    marks = ("is_transposed", "has_bias", "is_concatenated")
-    return all(isinstance(getattr(module, m, None), bool) for m in marks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,136 +109,6 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A weight `quantize_` may quantize: `module.<param>`, reported (and matched by include /
-    exclude) under `name`: a Linear's module name, or `<experts module>.<param>`."""
-
-    name: str
-    module: nn.Module
-    param: str
-    transposed: bool = False  # stored [E, K, N]: quantized along its contraction dim
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return getattr(self.module, self.param)
-
-
-def quantization_targets(model: nn.Module) -> list[Target]:
-    """Every nn.Linear weight and expert weight of `model`, in module order."""
-    targets = []
-    for name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, nn.Linear):
-            targets.append(Target(name, module, "weight"))
-            continue
-        for param, transposed in experts_params(module) or ():
-            targets.append(Target(f"{name}.{param}".lstrip("."), module, param, transposed))
-    return targets
-
-
-# Weights kept in float unless asked, by module name (fnmatch): embeddings (for `qshard quantize`,
-# which sees every 2-D tensor; embedding-like input projections), output heads (transformers'
-# `lm_head`, GPT-NeoX's `embed_out`, gpt-fast's top-level `output`: the head as a whole name
-# component, so that `lm_head_proj` or `output_proj` are not caught) and poolers, as the
-# checkpoints of facts.md §5 leave them. No norm patterns: norms are no linear targets, and a
-# name such as diffusers' `norm1.linear` or `layernorm_proj` is a real projection. One rule for
-# `quantize_`, `gptq_` and `qshard quantize` (qshard/convert.py).
-KEEP_FLOAT = ("*embed*", "lm_head", "*.lm_head", "output", "*pooler*")
-
-
-def _patterns(patterns: Sequence[str] | str | None) -> list[str] | None:
-    return [patterns] if isinstance(patterns, str) else None if patterns is None else list(patterns)
-
-
-def _skip_reason(
-    target: Target,
-    include: Sequence[str] | str | None,
-    exclude: Sequence[str] | str | None,
-    filter_fn: FilterFn | None,
-    keep_float: Sequence[str] = KEEP_FLOAT,
-) -> str | None:
-    name = target.name
-    include, exclude = _patterns(include), _patterns(exclude)
-    if include is not None and not any(fnmatch.fnmatchcase(name, p) for p in include):
-        return f"matches no include pattern {include}"
-    for pattern in exclude or ():
-        if fnmatch.fnmatchcase(name, pattern):
-            return f"excluded by pattern {pattern!r}"
-    kept = next((p for p in _patterns(keep_float) if fnmatch.fnmatchcase(name, p)), None)
-    if kept is not None and include is None:  # an include pattern that matches it asks for it
-        return (
-            f"kept in float: embeddings, output heads and poolers are, by default "
-            f"(keep_float pattern {kept!r}); to quantize it pass include=[{name!r}, ...] or "
-            f"keep_float=()"
-        )
-    if filter_fn is not None and not filter_fn(target.module, name):
-        return "filter_fn returned False"
-    if isinstance(target.weight, nn.parameter.UninitializedParameter):
-        return "its weight is not initialized yet (lazy module); run a forward pass first"
-    local = _local(target.weight)
-    if isinstance(local, QTensor):
-        return f"already quantized ({type(local).__name__})"
-    return None
-
-
-def selected_targets(
-    model: nn.Module,
-    exclude: Sequence[str] | str | None = None,
-    keep_float: Sequence[str] = KEEP_FLOAT,
-    caller: str = "quantize_",
-    prefix: str = "",
-) -> list[Target]:
-    """The weights `quantize_(model, config, exclude=exclude, keep_float=keep_float)` would
-    quantize (an `exclude` pattern that matches nothing: ConfigError, as there; `caller` and
-    `prefix` as check_patterns')."""
-    targets = quantization_targets(model)
-    check_patterns([t.name for t in targets], None, exclude, caller, prefix)
-    return [t for t in targets if _skip_reason(t, None, exclude, None, keep_float) is None]
-
-
-def check_patterns(
-    names: Sequence[str],
-    include: Sequence[str] | str | None,
-    exclude: Sequence[str] | str | None,
-    caller: str = "quantize_",
-    prefix: str = "",
-) -> None:
-    """Raise ConfigError for an include or exclude pattern that matches none of `names` (the
-    weights' names): a typo would otherwise quantize everything, or nothing, silently. `prefix`
-    goes before the option's name in the message (the CLI's "--")."""
-    names = list(dict.fromkeys(names))
-    for kind, patterns in (("include", _patterns(include)), ("exclude", _patterns(exclude))):
-        kind = prefix + kind
-        for pattern in patterns or ():
-            if not isinstance(pattern, str):
-                raise ConfigError(f"{caller}: {kind} pattern {pattern!r} is not a string; pass "
-                                  f"fnmatch patterns such as '*.mlp.*'")  # fmt: skip
-            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                continue
-            if not names:
-                raise ConfigError(f"{caller}: {kind} pattern {pattern!r} matches nothing: the "
-                                  f"model has no nn.Linear or expert weight")  # fmt: skip
-            raise ConfigError(
-                f"{caller}: {kind} pattern {pattern!r} matches no weight of this model "
-                f"(fnmatch on full names), so it would select nothing; its names are like "
-                f"{_some_names(pattern, names)} ({len(names)} in all){_hint(pattern, names)}. "
-                f"Nothing was changed"
-            )
-
-
-def _some_names(pattern: str, names: list[str]) -> list[str]:
-    """A few real names: those closest to `pattern` first, then the first ones."""
-    close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3)
-    return list(dict.fromkeys([*close, *names]))[:4]
-
-
-def _hint(pattern: str, names: list[str]) -> str:
-    for fix in (f"*{pattern}", f"*.{pattern}", f"*{pattern}*"):  # HF names start with `model.`
-        if any(fnmatch.fnmatchcase(n, fix) for n in names):
-            return f"; did you mean {fix!r}?"
-    return ""
-
-
 def repack_for_device(model: nn.Module) -> nn.Module:
     """Re-make the device form of every quantized weight in `model` (in place; returns it).
 
@@ -322,22 +118,10 @@ def repack_for_device(model: nn.Module) -> nn.Module:
     (`load_state_dict(assign=True)`, `torch.load`, slicing or sharding by hand). A no-op for the
     other backends."""
     for param in model.parameters():
-        local = param._local_tensor if _is_dtensor(param) else param
+        local = param._local_tensor if is_dtensor(param) else param
         if isinstance(local, QTensor):
             local.repack_for_device()
     return model
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    # No DTensor exists before torch.distributed.tensor is imported: no need to import it here
-    # (a third of a second) to know that.
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(t, dtensor.DTensor)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank; any other tensor itself."""
-    return t.to_local() if _is_dtensor(t) else t
 
 
 def _quantize_weight(handler: Handler, target: Target, config: QuantConfig) -> torch.Tensor:
@@ -345,7 +129,7 @@ def _quantize_weight(handler: Handler, target: Target, config: QuantConfig) -> t
     and the result keeps the weight's mesh and placements (shard first, then quantize). A
     transposed expert weight is quantized as [E, N, K] and handed back transposed."""
     weight = target.weight
-    if not _is_dtensor(weight):
+    if not is_dtensor(weight):
         return quantize_tensor(handler, weight, config, target.transposed)
     from torch.distributed.tensor import DTensor
 
@@ -359,7 +143,7 @@ def _quantize_weight(handler: Handler, target: Target, config: QuantConfig) -> t
     else:
         local = _quantize_local_experts(handler, target, config)
         stride = _outer_stride(weight.shape, target.transposed)
-    return DTensor.from_local(
+    return DTensor.fromlocal_tensor(
         local,
         weight.device_mesh,
         weight.placements,
@@ -437,23 +221,6 @@ def quantize_(
     return quantize_with(model, config, handler, filter_fn, include, exclude, keep_float)
 
 
-def handler_for(config: QuantConfig, caller: str = "quantize_") -> Handler:
-    """The handler registered for `config`'s class; ConfigError for a class or an unknown config."""
-    if isinstance(config, type):
-        raise ConfigError(
-            f"{caller}: got the class {config.__name__}, not a config; pass an instance, "
-            f"e.g. {config.__name__}()"
-        )
-    handler = _HANDLERS.get(type(config))
-    if handler is None:
-        known = ", ".join(sorted(c.__name__ for c in _HANDLERS))
-        raise ConfigError(
-            f"{caller}: no handler for {type(config).__name__}; registered configs: {known}. "
-            f"Register one with qshard.register_handler({type(config).__name__}, fn)"
-        )
-    return handler
-
-
 def quantize_tensor(
     handler: Handler, weight: torch.Tensor, config: QuantConfig, transposed: bool = False
 ) -> torch.Tensor:
@@ -479,7 +246,7 @@ def quantize_with(
     changed unless every selected weight quantized."""
     targets = quantization_targets(model)
     check_patterns([t.name for t in targets], include, exclude)  # the same on every rank
-    sharded = [(t.name, t.weight) for t in targets if _is_dtensor(t.weight)]  # module order
+    sharded = [(t.name, t.weight) for t in targets if is_dtensor(t.weight)]  # module order
     try:
         report, pending = _quantize_all(model, targets, handler, config,
                                         (include, exclude, filter_fn, keep_float))  # fmt: skip
@@ -493,25 +260,8 @@ def quantize_with(
     for target, param in pending:
         setattr(target.module, target.param, param)
     if pending:
-        attach_to_transformers(model)
+        run_model_hooks(model)  # transformers: save_pretrained then writes qshard's format
     return report
-
-
-def attach_to_transformers(model: nn.Module) -> None:
-    """If `model` is a transformers model holding qshard weights (quantize_, qshard.load),
-    attach qshard's quantizer as from_pretrained would, so that save_pretrained writes qshard's
-    format (integrations/transformers.py)."""
-    hf = sys.modules.get("transformers.modeling_utils")
-    if hf is not None and isinstance(model, hf.PreTrainedModel):
-        try:
-            from .integrations.transformers import attach
-        except ImportError as e:  # an unsupported transformers: the model is quantized anyway
-            import warnings
-
-            warnings.warn(f"qshard: save_pretrained will not write this model ({e})",
-                          stacklevel=3)  # fmt: skip
-            return
-        attach(model)
 
 
 Pending = list[tuple[Target, nn.Parameter]]
@@ -534,12 +284,12 @@ def _quantize_all(model, targets, handler, config, selection):
             continue
         if first is not None:
             pending.append((target, first[1]))
-            layout = type(_local(first[1])).__name__
+            layout = type(local_tensor(first[1])).__name__
             report.quantized.append(
                 QuantizedModule(name, layout, tuple(weight.shape), 0, 0, first[0])
             )
             continue
-        reason = _skip_reason(target, include, exclude, filter_fn, keep_float)
+        reason = skip_reason(target, include, exclude, filter_fn, keep_float)
         if reason is None and id(weight) in foreign:
             reason = (
                 f"its weight is tied to {foreign[id(weight)]} (not a quantized weight); "
@@ -562,10 +312,10 @@ def _quantize_all(model, targets, handler, config, selection):
         report.quantized.append(
             QuantizedModule(
                 name,
-                type(_local(qweight)).__name__,
+                type(local_tensor(qweight)).__name__,
                 tuple(weight.shape),
-                stored_nbytes(_local(weight)),
-                stored_nbytes(_local(qweight)),
+                stored_nbytes(local_tensor(weight)),
+                stored_nbytes(local_tensor(qweight)),
             )
         )
     return report, pending
@@ -575,7 +325,7 @@ def _quantize_all(model, targets, handler, config, selection):
 
 
 def _shard_text(weight: torch.Tensor) -> str:
-    if not _is_dtensor(weight):
+    if not is_dtensor(weight):
         return ""
     local = list(weight.to_local().shape)
     return f" (this rank's shard {local} of the {list(weight.shape)} weight)"

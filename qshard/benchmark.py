@@ -31,10 +31,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .api import KEEP_FLOAT
 from .convert import CONFIGS, _is_excluded
 from .errors import QShardError
+from .formats.source import SafetensorsDir
 from .layouts import layout_for
+from .targets import KEEP_FLOAT
 
 __all__ = ["MODEL_SHAPES", "WIDE_SPREAD", "Timing", "bench_linears", "model_shapes", "plot",
            "print_table"]
@@ -53,8 +54,6 @@ def model_shapes(source: str) -> dict[tuple[int, int], int]:
         return dict(MODEL_SHAPES[source])
     path = pathlib.Path(source)
     if path.is_dir():
-        from .formats.source import SafetensorsDir
-
         reader = SafetensorsDir(path)  # the checked headers; no tensor is read
         shapes: Counter = Counter()
         for name, header in reader.header_of.items():

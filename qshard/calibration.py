@@ -37,17 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .api import (
-    KEEP_FLOAT,
-    FilterFn,
-    QuantizationReport,
-    Target,
-    _is_dtensor,
-    _skip_reason,
-    check_patterns,
-    quantization_targets,
-    quantize_with,
-)
+from .api import QuantizationReport, quantize_with
 from .errors import ConfigError, QShardError, UnsupportedWeightError
 from .expert_inputs import ExpertsInputs, ExpertsWeight
 from .kernels import int4, mxfp4, nvfp4
@@ -62,6 +52,8 @@ from .layouts import (
 )
 from .layouts.checks import check_float_weight
 from .layouts.int4 import ZeroPointDomain
+from .shards import is_dtensor
+from .targets import KEEP_FLOAT, FilterFn, Target, check_patterns, quantization_targets, skip_reason
 
 __all__ = ["gptq_"]
 
@@ -207,9 +199,9 @@ def _selected_targets(model, filter_fn, include, exclude, keep_float=KEEP_FLOAT)
     check_patterns([t.name for t in targets], include, exclude, "gptq_")
     linears, experts = [], []
     for target in targets:
-        if _skip_reason(target, include, exclude, filter_fn, keep_float) is not None:
+        if skip_reason(target, include, exclude, filter_fn, keep_float) is not None:
             continue
-        if _is_dtensor(target.weight):
+        if is_dtensor(target.weight):
             raise ConfigError(
                 f"gptq_: {target.name!r} is sharded (a DTensor weight); run gptq_ on the whole "
                 f"model before qshard.tp.parallelize (the quantized weights shard like any other)"

@@ -69,10 +69,10 @@ def _describe(e: Exception) -> str:
 
 def _run(args: argparse.Namespace) -> None:
     if args.command == "demo":
-        from . import demo as demos
+        from . import demo as demos  # each command's modules on use: `qshard --help` stays fast
 
         if args.tp > 1:
-            from .demo_tp import run_tp_demo
+            from .demo_tp import run_tp_demo  # on use (as above)
 
             run_tp_demo(args.tp, args.model)
         elif args.model == "minilm" or (args.model == "auto" and demos.minilm_available()):
@@ -80,7 +80,7 @@ def _run(args: argparse.Namespace) -> None:
         else:
             demos.run_demo(seed=args.seed)
     elif args.command == "quantize":
-        from .convert import quantize_directory
+        from .convert import quantize_directory  # on use (as above)
 
         done = quantize_directory(args.model_dir, args.out, args.config, args.exclude or ())
         print(f"{len(done['quantized'])} weights quantized ({args.config}, "
@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace) -> None:
                               "on a machine with a GPU")  # fmt: skip
         if args.plot:
             _check_plot(args.plot)
-        from .benchmark import bench_linears, model_shapes, plot, print_table
+        from .benchmark import bench_linears, model_shapes, plot, print_table  # on use
 
         shapes = model_shapes(args.source)
         where = args.device or ("cuda" if _has_cuda() else "cpu")
@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace) -> None:
             plot(results, args.ms, args.plot, f"{args.source} linears")
             print(f"wrote {args.plot}")
     elif args.command == "inspect":
-        from .convert import inspect_checkpoint
+        from .convert import inspect_checkpoint  # on use (as above)
 
         inspect_checkpoint(args.path)
 

@@ -26,12 +26,13 @@ import sys
 
 import torch
 
-from .api import KEEP_FLOAT, Target, check_patterns, handler_for, quantize_tensor, selected_targets
+from .api import quantize_tensor
 from .errors import CheckpointError, QShardError
-from .formats import PACKED_SUFFIXES, QUANTIZATION_SUFFIXES
+from .formats import PACKED_SUFFIXES, QUANTIZATION_SUFFIXES, load_pretrained
 from .formats.experts import expert_count, expert_modules, rename_legacy_experts
 from .formats.source import SafetensorsDir
-from .io import save
+from .io import load, save
+from .io.format import METADATA_KEY
 from .io.saving import QUANTIZATION_CONFIG_NAME
 from .layouts import (
     Fp8BlockwiseConfig,
@@ -41,7 +42,9 @@ from .layouts import (
     NVFP4WeightOnlyConfig,
 )
 from .qtensor import FLOAT_DTYPES, QTensor, stored_nbytes
+from .qtensor.registry import handler_for
 from .safejson import read_json_file
+from .targets import KEEP_FLOAT, Target, check_patterns, selected_targets
 
 __all__ = ["CONFIGS", "inspect_checkpoint", "quantize_directory"]
 
@@ -369,8 +372,6 @@ def _quantized_by_config(model_dir: pathlib.Path) -> tuple[bool, str | None]:
 def _quantized_by_headers(reader: SafetensorsDir) -> tuple[bool, str | None]:
     """(qshard's own?, why it is quantized, or None) from the safetensors headers: qshard's
     metadata, a float8 / float4 tensor, or a quantized weight part's name."""
-    from .io.format import METADATA_KEY
-
     if METADATA_KEY in reader.metadata():
         return True, f"the safetensors header metadata has a {METADATA_KEY!r} entry"
     for key, header in reader.header_of.items():
@@ -385,9 +386,6 @@ def _quantized_by_headers(reader: SafetensorsDir) -> tuple[bool, str | None]:
 def inspect_checkpoint(path: str | os.PathLike, out=None) -> dict:
     """Print each tensor of a checkpoint (qshard's, or a format `load_pretrained` reads): its
     layout, shape, bits per weight and bytes, then the totals and what was left unquantized."""
-    from .formats import load_pretrained
-    from .io import load
-
     out = out or sys.stdout
     directory = pathlib.Path(path)
     if not directory.exists():

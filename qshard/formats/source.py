@@ -28,6 +28,7 @@ from ..io.checkpoint import (
 from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor
 from ..qtensor import QTensor
 from ..safejson import read_json_file
+from ..shards import chunk_bounds, shard_cuts
 
 __all__ = [
     "MemorySource",
@@ -225,8 +226,6 @@ class MemorySource:
         return value.to(device) if value.device != torch.device(device) else value
 
     def read_shard(self, key: str, dim: int, world: int, rank: int, device) -> torch.Tensor:
-        from ..tp.styles import chunk_bounds, shard_cuts  # imports torch.distributed.tensor
-
         value = self.records[key].value
         size = value.shape[dim]
         start, end = chunk_bounds(size, world, rank)

@@ -46,8 +46,9 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.distributed.utils import is_dtensor
 
-from ..errors import MisalignedSliceError, QShardError
+from ..errors import CheckpointError, MisalignedSliceError, QShardError
 from ..qtensor import QTensor
+from ..shards import chunk_bounds
 
 __all__ = [
     "SHARDED_STYLES",
@@ -167,8 +168,6 @@ def rank_ranges(size: int, placement, world: int, rank: int) -> list[tuple[int, 
     split_factor=s)` the dim split in s groups of ceil(size / s), a chunk of each."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from ..tp.styles import chunk_bounds
-
     groups = placement.split_factor if isinstance(placement, _StridedShard) else 1
     width = -(-size // groups) if size else 0
     ranges = []
@@ -222,7 +221,7 @@ def _cuts(size: int, placement, world: int) -> list[int]:
 def _realigned(weight: QTensor, dim: int, placement, world: int, where: str, record) -> QTensor:
     """`weight` re-packed for every rank's cuts of outer `dim`, or a MisalignedSliceError that
     names the tensor-parallel sizes that would work."""
-    from ..tp.plan import CANDIDATE_TP_SIZES
+    from ..tp.plan import CANDIDATE_TP_SIZES  # imports torch.distributed.tensor: on use only
 
     logical = weight.logical_dim(dim)
     try:
@@ -346,8 +345,6 @@ class QShardQuantize(ConversionOps):
 
 
 def quantizer_error(key: str, pattern: str, count: int):
-    from ..errors import CheckpointError
-
     return CheckpointError(
         f"from_pretrained: {count} checkpoint tensors for {key!r} matched {pattern!r}; a qshard "
         f"checkpoint stores each inner tensor of a weight once"

@@ -46,12 +46,18 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..api import quantize_, quantize_tensor
 from ..config import config_from_dict
-from ..errors import CheckpointError, ConfigError, QShardError
+from ..errors import CheckpointError, ConfigError, QShardError, UnsupportedWeightError
+from ..io import saving
 from ..io.checkpoint import decode_headers, read_header
 from ..io.format import Record, crc32, dtype_name
-from ..layouts.validation import check_magnitude, check_qtensor
 from ..qtensor import FLOAT_DTYPES, QTensor
+from ..qtensor.registry import handler_for
+from ..qtensor.validation import check_magnitude, check_qtensor
+from ..shards import is_dtensor
+from ..targets import KEEP_FLOAT, check_patterns, quantization_targets, skip_reason
+from ..version import __version__
 
 __all__ = ["QUANT_METHOD", "QShardConfig", "QShardHfQuantizer", "attach", "read_records"]
 
@@ -101,16 +107,12 @@ class QShardConfig(QuantizationConfigMixin):
         if isinstance(config, dict):
             config = config_from_dict(config)
         if config is not None:
-            from ..api import handler_for
-
             handler_for(config, "QShardConfig")  # a ConfigError for a class or unknown config
         self.quant_method = QUANT_METHOD
         self.qshard_version = qshard_version
         self.config_groups = groups
         self.config = config
         self.include, self.exclude = include, exclude
-        from ..api import KEEP_FLOAT
-
         for field, value in (("include", include), ("exclude", exclude), ("keep_float",
                                                                           keep_float)):  # fmt: skip
             patterns = [value] if isinstance(value, str) else value
@@ -128,8 +130,6 @@ class QShardConfig(QuantizationConfigMixin):
         """The config groups of `model`'s QTensors (as qshard.save groups them)."""
         import json
 
-        import qshard
-
         groups: dict[str, dict] = {}
         for name, value in model.state_dict().items():
             if isinstance(value, QTensor):
@@ -137,7 +137,7 @@ class QShardConfig(QuantizationConfigMixin):
                 text = json.dumps(config, sort_keys=True)
                 groups.setdefault(text, {"config": config, "targets": []})["targets"].append(name)
         named = {f"group_{i}": group for i, group in enumerate(groups.values())}
-        return cls(config_groups=named, qshard_version=qshard.__version__)
+        return cls(config_groups=named, qshard_version=__version__)
 
     def to_dict(self) -> dict:
         out = {
@@ -235,6 +235,7 @@ class QShardHfQuantizer(HfQuantizer):
         """transformers' hook before it shards the model for a tp_plan / ep_plan (preprocess_model):
         a QShardError, before any weight is read, for a style qshard does not apply to a
         quantized weight (qshard/integrations/_transformers_ops.py, `check_parallel_plans`)."""
+        # transformers' loading internals (and DTensor): imported when transformers loads
         from ._transformers_ops import check_parallel_plans
 
         super().update_parallel_plan(model, plan)
@@ -263,6 +264,7 @@ class QShardHfQuantizer(HfQuantizer):
         return {p: [rf"{re.escape(p)}\.{n}" for n in sorted(names)] for p, names in inner.items()}
 
     def get_load_operations(self) -> dict:
+        # transformers' loading internals (and DTensor): imported when transformers loads
         from ._transformers_ops import QShardDeserialize
 
         return {"deserialize": QShardDeserialize}
@@ -304,8 +306,6 @@ class QShardHfQuantizer(HfQuantizer):
         rule (include / exclude / keep_float; a pattern matching nothing raises ConfigError).
         Tied parameters are left to `_finish_quantization`: quantize_ decides for them once
         transformers has tied them (it refuses a weight tied to one it does not quantize)."""
-        from ..api import _skip_reason, check_patterns, handler_for, quantization_targets
-
         qc = self.quantization_config
         self.handler = handler_for(qc.config, "from_pretrained")
         self.skipped: dict[str, str] = {}  # weight name -> why it stayed float
@@ -315,7 +315,7 @@ class QShardHfQuantizer(HfQuantizer):
         tied = set(tied) | set(tied.values())
         self.selected, self.tied = {}, {}
         for target in targets:
-            if _skip_reason(target, qc.include, qc.exclude, None, qc.keep_float) is not None:
+            if skip_reason(target, qc.include, qc.exclude, None, qc.keep_float) is not None:
                 continue
             # A Linear's weight is "<module>.weight"; an experts target is named by its param.
             linear = isinstance(target.module, nn.Linear)
@@ -326,6 +326,7 @@ class QShardHfQuantizer(HfQuantizer):
         return not self.pre_quantized and param_name in getattr(self, "selected", {})
 
     def get_quantize_ops(self):
+        # transformers' loading internals (and DTensor): imported when transformers loads
         from ._transformers_ops import QShardQuantize
 
         return QShardQuantize(self)
@@ -335,9 +336,6 @@ class QShardHfQuantizer(HfQuantizer):
         its meta parameter), quantized as quantize_ quantizes it; the float tensor itself when
         the layout cannot take this weight (UnsupportedWeightError: kept in `skipped`, warned
         about once loading ends, as quantize_ reports it)."""
-        from ..api import quantize_tensor
-        from ..errors import UnsupportedWeightError
-
         if tuple(value.shape) != tuple(target.shape):  # transformers skips its own check here
             raise CheckpointError(
                 f"from_pretrained: {key!r} is {list(value.shape)} in the checkpoint and "
@@ -361,8 +359,6 @@ class QShardHfQuantizer(HfQuantizer):
         why, then describe the model as a qshard checkpoint, so save_pretrained writes one."""
         import warnings
 
-        from ..api import quantize_
-
         qc = self.quantization_config
         left = {**self.selected, **self.tied}
         names = {t.name for k, t in left.items() if not isinstance(model.get_parameter(k),
@@ -380,8 +376,6 @@ class QShardHfQuantizer(HfQuantizer):
         model.config.quantization_config = self.quantization_config
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        from ..api import _is_dtensor
-
         if self.failures:  # kept by QShardDeserialize / QShardQuantize: the first, typed
             raise self.failures[0]
         if not self.pre_quantized:
@@ -390,7 +384,7 @@ class QShardHfQuantizer(HfQuantizer):
         params = dict(model.named_parameters(remove_duplicate=False))
         expected = list(self.records) + [k for k in getattr(self, "aliases", {}) if k in params]
         # under a tp_plan, a sharded weight is a DTensor of this rank's QTensor
-        local = {k: p.to_local() if _is_dtensor(p) else p for k, p in params.items()}
+        local = {k: p.to_local() if is_dtensor(p) else p for k, p in params.items()}
         left = [k for k in expected if not isinstance(local.get(k), QTensor)]
         if left:
             raise CheckpointError(
@@ -405,13 +399,8 @@ class QShardHfQuantizer(HfQuantizer):
         """({stored name: plain tensor}, safetensors metadata): each QTensor as its inner tensors
         "<param>.<inner>", with qshard's header (checksums, layouts, attributes; tied weights as
         aliases), the very format qshard.save writes (qshard/io/format.py)."""
-        import qshard
-
-        from ..api import _is_dtensor
-        from ..io import saving
-
         state = model.state_dict()
-        if any(_is_dtensor(v) for v in state.values()):
+        if any(is_dtensor(v) for v in state.values()):
             raise QShardError(
                 f"save_pretrained of {type(model).__name__}: its weights are sharded (DTensor); "
                 f"qshard saves sharded models with qshard.save(model, directory), which gathers "
@@ -422,7 +411,7 @@ class QShardHfQuantizer(HfQuantizer):
         if failure is not None:
             raise failure
         entries = saving._plan_entries(state)
-        tensors, metadata = saving._file_contents(entries, qshard.__version__, secrets.token_hex(8))
+        tensors, metadata = saving._file_contents(entries, __version__, secrets.token_hex(8))
         # config.json (written after this call) describes the weights being saved.
         self.quantization_config = QShardConfig.of_model(model)
         model.config.quantization_config = self.quantization_config

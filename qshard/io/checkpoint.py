@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..layouts.validation import check_qtensor
+from ..qtensor.validation import check_qtensor
 from ..safejson import parse_json, read_json_file
+from ..shards import chunk_bounds, shard_cuts
 from .format import (
     METADATA_KEY,
     SAFETENSORS_DTYPES,
@@ -293,8 +294,6 @@ class Checkpoint:
         boundaries (`QTensor.realign`), so every rank gets the packing `qshard.tp` would give.
         Along the experts dim of [E, N, K] experts a rank reads only its experts' bytes of every
         inner tensor (experts are cut anywhere)."""
-        from ..tp.styles import chunk_bounds, shard_cuts  # imports torch.distributed.tensor
-
         record = self.record(key)
         size = record.outer_shape()[dim]
         start, end = chunk_bounds(size, world, rank)

@@ -40,11 +40,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import json
 import math
-import types
-import typing
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -52,9 +49,10 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, QShardError
-from ..layouts.registry import attr_types, layout_by_name, registered_layouts
-from ..layouts.validation import MAX_SIZE
-from ..qtensor import FLOAT_DTYPES, QTensor
+from ..qtensor import QTensor
+from ..qtensor.attrs import attr_to_json, attrs_text, decode_attrs, expect
+from ..qtensor.registry import layout_by_name, registered_layouts
+from ..qtensor.validation import FLOAT_DTYPES, MAX_SIZE
 from ..safejson import parse_json
 
 __all__ = [
@@ -212,14 +210,6 @@ def qtensor_record(key: str, tensor: QTensor, inner: Mapping[str, StoredTensor])
     }
 
 
-def attr_to_json(value: Any) -> Any:
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, tuple | list):
-        return [attr_to_json(v) for v in value]
-    return value
-
-
 def encode_metadata(
     records: Mapping[str, dict], qshard_version: str, save_id: str
 ) -> dict[str, str]:
@@ -264,7 +254,7 @@ def decode_metadata(
         )
     data = parse_json(text, f"{where}: the qshard header metadata")
     _check_version(data, where)
-    entries = _expect(data.get("entries"), dict, "entries", where)
+    entries = expect(data.get("entries"), dict, "entries", where)
     records = {key: _decode_record(key, raw, stored, where) for key, raw in entries.items()}
     described = collections.Counter(s.key for r in records.values() for s in r.stored())
     extra = sorted(set(stored) - set(described))
@@ -275,7 +265,7 @@ def decode_metadata(
             f"{'described by no' if extra else 'claimed by more than one'} qshard entry; the "
             f"header does not describe this file"
         )
-    return records, _expect(data.get("save_id"), str, "save_id", where)
+    return records, expect(data.get("save_id"), str, "save_id", where)
 
 
 def _refuse_orphan_inner_tensors(stored: Mapping[str, StoredTensor], where: str) -> None:
@@ -311,15 +301,15 @@ def _check_version(data: Any, where: str) -> None:
 
 def _decode_record(key: str, raw: Any, stored: Mapping[str, StoredTensor], where: str) -> Record:
     at = f"{where}: entry {key!r}"
-    raw = _expect(raw, dict, "record", at)
+    raw = expect(raw, dict, "record", at)
     kind = raw.get("kind")
     if kind == "alias":
-        return Record(key, alias_of=_expect(raw.get("of"), str, "of", at))
+        return Record(key, alias_of=expect(raw.get("of"), str, "of", at))
     if kind == "tensor":
         return Record(key, tensor=_decode_stored(raw.get("tensor"), stored, at))
     if kind != "qtensor":
         raise CheckpointError(f"{at}: kind {kind!r} is not 'tensor', 'qtensor' or 'alias'")
-    name = _expect(raw.get("layout"), str, "layout", at)
+    name = expect(raw.get("layout"), str, "layout", at)
     layout = layout_by_name(name)
     if layout is None:
         known = [c.__name__ for c in registered_layouts()]
@@ -341,9 +331,9 @@ def _decode_record(key: str, raw: Any, stored: Mapping[str, StoredTensor], where
             f"{at}: a quantized weight stands for a {dtype}; expected one of "
             f"{[dtype_name(d) for d in FLOAT_DTYPES]}"
         )
-    transposed = _expect(raw.get("transposed"), bool, "transposed", at)
-    attrs = decode_attrs(layout, _expect(raw.get("attrs"), dict, "attrs", at), at)
-    inner_raw = _expect(raw.get("inner"), dict, "inner", at)
+    transposed = expect(raw.get("transposed"), bool, "transposed", at)
+    attrs = decode_attrs(layout, expect(raw.get("attrs"), dict, "attrs", at), at)
+    inner_raw = expect(raw.get("inner"), dict, "inner", at)
     if sorted(inner_raw) != sorted(layout.inner_names):
         raise CheckpointError(
             f"{at}: inner tensors {sorted(inner_raw)}; {name} has {list(layout.inner_names)}"
@@ -355,7 +345,7 @@ def _decode_record(key: str, raw: Any, stored: Mapping[str, StoredTensor], where
         if s.shape != tuple(expected_shape) or s.dtype != expected_dtype:
             raise CheckpointError(
                 f"{at}: inner tensor {n!r} is {dtype_name(s.dtype)}{list(s.shape)}; a {name} "
-                f"of shape {list(shape)} with {_attrs_text(attrs)} needs "
+                f"of shape {list(shape)} with {attrs_text(attrs)} needs "
                 f"{dtype_name(expected_dtype)}{list(expected_shape)}"
             )
     return Record(
@@ -365,14 +355,14 @@ def _decode_record(key: str, raw: Any, stored: Mapping[str, StoredTensor], where
 
 
 def _decode_stored(raw: Any, stored: Mapping[str, StoredTensor], at: str) -> StoredTensor:
-    raw = _expect(raw, dict, "stored tensor", at)
-    key = _expect(raw.get("key"), str, "key", at)
+    raw = expect(raw, dict, "stored tensor", at)
+    key = expect(raw.get("key"), str, "key", at)
     dtype = _decode_dtype(raw.get("dtype"), at)
     shape = _expect_ints(raw.get("shape"), None, "shape", at)
-    crc = _expect(raw.get("crc32"), int, "crc32", at)
+    crc = expect(raw.get("crc32"), int, "crc32", at)
     chunk_bytes, chunks = raw.get("chunk_bytes"), raw.get("chunk_crc32")
     if chunk_bytes is not None or chunks is not None:
-        chunk_bytes = _expect(chunk_bytes, int, "chunk_bytes", at)
+        chunk_bytes = expect(chunk_bytes, int, "chunk_bytes", at)
         if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
             raise CheckpointError(f"{at}: chunk_bytes {chunk_bytes} is not in 1..{MAX_CHUNK_BYTES}")
         chunks = _expect_ints(chunks, None, "chunk_crc32", at)
@@ -393,60 +383,11 @@ def _decode_stored(raw: Any, stored: Mapping[str, StoredTensor], at: str) -> Sto
     return StoredTensor(key, dtype, shape, crc, chunk_bytes, chunks)
 
 
-def decode_attrs(layout: type[QTensor], raw: dict, at: str) -> dict[str, Any]:
-    types_ = attr_types(layout)
-    raw = {**{n: attr_to_json(v) for n, v in layout.attr_defaults.items()}, **raw}
-    if sorted(raw) != sorted(types_):
-        raise CheckpointError(
-            f"{at}: attributes {sorted(raw)}; {layout.__name__} has {sorted(types_)}"
-        )
-    attrs = {name: _decode_value(raw[name], hint, f"{at} attribute {name!r}") for name, hint in
-             types_.items()}  # fmt: skip
-    try:
-        layout.check_attrs(attrs)
-    except QShardError as e:
-        raise CheckpointError(f"{at}: attributes {_attrs_text(attrs)} are invalid: {e}") from None
-    return attrs
-
-
-def _decode_value(value: Any, hint: Any, at: str) -> Any:
-    """`value` (JSON) as the annotated type `hint`, or CheckpointError."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-        return _decode_value(value, hint, at)
-    if origin is tuple:
-        if not isinstance(value, list) or (args[-1] is not Ellipsis and len(value) != len(args)):
-            raise CheckpointError(f"{at}: {value!r} is not a list of {len(args)} values")
-        item_types = [args[0]] * len(value) if args[-1] is Ellipsis else args
-        return tuple(_decode_value(v, t, at) for v, t in zip(value, item_types, strict=True))
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            choices = [m.value for m in hint]
-            raise CheckpointError(f"{at}: {value!r} is not one of {choices}") from None
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (bool, int, float, str):
-        return _expect(value, hint, hint.__name__, at)
-    raise CheckpointError(f"{at}: qshard cannot decode attributes of type {hint!r}")
-
-
 def _decode_dtype(raw: Any, at: str) -> torch.dtype:
     dtype = getattr(torch, raw, None) if isinstance(raw, str) else None
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"{at}: dtype {raw!r} is not a torch dtype name")
     return dtype
-
-
-def _expect(value: Any, kind: type, what: str, at: str) -> Any:
-    # bool is an int subclass, and an int where a bool is expected is a damaged file.
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise CheckpointError(f"{at}: {what} {value!r} is not a {kind.__name__}")
-    return value
 
 
 def _expect_ints(value: Any, length: int | None, what: str, at: str) -> tuple[int, ...]:
@@ -455,7 +396,3 @@ def _expect_ints(value: Any, length: int | None, what: str, at: str) -> tuple[in
         size = f"{length} " if length else ""
         raise CheckpointError(f"{at}: {what} {value!r} is not a list of {size}sizes >= 0")
     return tuple(value)
-
-
-def _attrs_text(attrs: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={attr_to_json(v)!r}" for k, v in attrs.items())

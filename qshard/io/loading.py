@@ -22,11 +22,13 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..api import _is_dtensor, _local
 from ..errors import CheckpointError, QShardError
-from ..layouts.validation import check_magnitude
+from ..hooks import run_model_hooks
 from ..qtensor import FLOAT_DTYPES, QTensor
+from ..qtensor.validation import check_magnitude
+from ..shards import is_dtensor, local_tensor
 from .checkpoint import Checkpoint
+from .saving import agree_on_failure
 
 __all__ = ["empty_weights", "load"]
 
@@ -60,7 +62,7 @@ def load(
 def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, strict: bool):
     state = model.state_dict(keep_vars=True)
     targets = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    if any(_is_dtensor(t) for t in targets.values()):
+    if any(is_dtensor(t) for t in targets.values()):
         raise QShardError(
             "qshard.load: the model is sharded already; load into the unsharded model (built on "
             "the meta device) and pass mesh= and plan= to shard it while loading"
@@ -99,15 +101,13 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
         dtypes[key] = wanted
     placements, resolved = {}, None
     if mesh is not None:
-        from ..tp.plan import checked_placements
+        from ..tp.plan import checked_placements  # imports torch.distributed.tensor
 
         resolved, placements = checked_placements(model, mesh, plan, metas)
     device = _target_device(device, mesh, targets)
     if mesh is None:
         values = _read_all(checkpoint, keys, placements, device, mesh, dtypes)
     else:  # each rank reads (and checks) other bytes: all raise, or none changes the model
-        from .saving import agree_on_failure
-
         values, failure = None, None
         try:
             values = _read_all(checkpoint, keys, placements, device, mesh, dtypes)
@@ -119,12 +119,10 @@ def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, str
         if failure is not None:
             raise failure
     _assign(model, targets, values)
-    if any(isinstance(_local(v), QTensor) for v in values.values()):
-        from ..api import attach_to_transformers
-
-        attach_to_transformers(model)  # save_pretrained of the loaded model writes qshard's format
+    if any(isinstance(local_tensor(v), QTensor) for v in values.values()):
+        run_model_hooks(model)  # transformers: save_pretrained then writes qshard's format
     if resolved is not None:
-        from ..tp.plan import apply_styles
+        from ..tp.plan import apply_styles  # imports torch.distributed.tensor
 
         apply_styles(model, mesh, resolved, loaded=True)
     if missing or unexpected:
@@ -235,7 +233,7 @@ def _assign(model: nn.Module, targets: Mapping[str, torch.Tensor], values: Mappi
         if attr in owner._parameters:
             tie = (id(old), id(value))
             if tie not in new_params:
-                grad = old.requires_grad and not isinstance(_local(value), QTensor)
+                grad = old.requires_grad and not isinstance(local_tensor(value), QTensor)
                 new_params[tie] = nn.Parameter(value, requires_grad=grad)
             changes.append((owner._parameters, attr, new_params[tie]))
         else:

@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import _is_dtensor, _local
 from ..errors import CheckpointError, QShardError
-from ..layouts.validation import check_qtensor
 from ..qtensor import QTensor
+from ..qtensor.validation import check_qtensor
+from ..shards import is_dtensor, local_tensor
+from ..version import __version__
 from .checkpoint import INDEX_NAME, SHARD_NAME, SINGLE_FILE_NAME, checkpoint_files
 from .format import (
     CHUNK_BYTES,
@@ -94,7 +95,7 @@ class _Entry:
         """Bytes on disk; for a sharded (DTensor) value, those of the full tensor."""
         if self.value is None:
             return 0
-        local = _local(self.value)
+        local = local_tensor(self.value)
         if not isinstance(local, QTensor):
             return self.value.numel() * local.element_size()
         *lead, n, k = self.value.shape
@@ -118,7 +119,7 @@ def save(
     entries = _plan_entries(state)
     # A sharded model is saved by every rank (gathers are collectives) and written by rank 0;
     # anything else is written by whichever process calls save.
-    distributed = any(_is_dtensor(v) for v in state.values())
+    distributed = any(is_dtensor(v) for v in state.values())
     invalid = _invalid_quantized(state)
     if distributed:  # every rank learns of a failure before any collective
         invalid = _agree(state, invalid)
@@ -153,7 +154,7 @@ def _invalid_quantized(state: Mapping[str, torch.Tensor]) -> QShardError | None:
     """What qshard.load would refuse in a quantized value (or this rank's shard of it), which is
     then not written (design.md invariant 9), or None."""
     for key, value in state.items():
-        local = _local(value)
+        local = local_tensor(value)
         if isinstance(local, QTensor):
             try:
                 # (as a reader will see it: canonical storage)
@@ -166,7 +167,7 @@ def _invalid_quantized(state: Mapping[str, torch.Tensor]) -> QShardError | None:
 def _agree(state: Mapping[str, torch.Tensor], failure: QShardError | None) -> QShardError | None:
     """This rank's failure, or one saying that another rank's shard failed: every rank of a
     sharded save agrees (one all_reduce) before the gathers, so none is left waiting in one."""
-    mesh = next(v.device_mesh for v in state.values() if _is_dtensor(v))
+    mesh = next(v.device_mesh for v in state.values() if is_dtensor(v))
     other = ("qshard.save: another rank's shard of a quantized weight failed its checks (that "
              "rank's error names it); nothing was written")  # fmt: skip
     return agree_on_failure(mesh, failure, other)
@@ -202,7 +203,7 @@ def _state_dict(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.
                 "qshard.save: the key '__metadata__' is reserved by the safetensors format; "
                 "rename that entry"
             )
-        local = _local(value)
+        local = local_tensor(value)
         if local.device.type == "meta":
             raise QShardError(f"qshard.save: {key!r} is on the meta device and has no data")
         if isinstance(local, QTensor):  # checked before any file is written
@@ -241,14 +242,14 @@ def _plan_entries(state: Mapping[str, torch.Tensor]) -> list[_Entry]:
 
 
 def _stored_names(key: str, value: torch.Tensor) -> list[str]:
-    local = _local(value)
+    local = local_tensor(value)
     return [f"{key}.{n}" for n in local.inner_names] if isinstance(local, QTensor) else [key]
 
 
 def _signature(value: torch.Tensor) -> tuple | None:
     """What makes two state_dict values the same tensor: the same class, shape and attributes
     over the same memory. None for tensors that cannot alias (empty or sharded)."""
-    if _is_dtensor(value) or value.numel() == 0:
+    if is_dtensor(value) or value.numel() == 0:
         return None
     if isinstance(value, QTensor):
         inner = tuple(_signature(t) for t in value.inner_tensors().values())
@@ -258,9 +259,9 @@ def _signature(value: torch.Tensor) -> tuple | None:
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
-    if not _is_dtensor(value):
+    if not is_dtensor(value):
         return value
-    from ..tp.gather import full_tensor
+    from ..tp.gather import full_tensor  # imports torch.distributed.tensor
 
     return full_tensor(value)
 
@@ -287,9 +288,7 @@ class _Writer:
     failure (and then writes nothing more)."""
 
     def __init__(self, directory: pathlib.Path, count: int):
-        import qshard
-
-        self.directory, self.count, self.version = directory, count, qshard.__version__
+        self.directory, self.count, self.version = directory, count, __version__
         self.save_id = secrets.token_hex(8)
         self.names: list[str] = []  # of the weight files, chosen by `begin`
         self.files: list[tuple[pathlib.Path, pathlib.Path]] = []  # (temporary, final) per file

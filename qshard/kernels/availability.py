@@ -3,7 +3,6 @@ the kernel modules, which import Triton, are loaded only when a kernel is about 
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -12,9 +11,6 @@ import torch.nn.functional as F
 
 __all__ = [
     "cublas_unavailable_reason",
-    "load_gpu_ops",
-    "load_grouped_ops",
-    "load_w4a16_ops",
     "native_int4_problem",
     "triton_unavailable_reason",
 ]
@@ -81,28 +77,8 @@ def native_int4_problem(device: torch.device) -> str | None:
         return f"the native order's kernels run on sm_90 (Hopper), not on {name}"
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install triton)"
-    from .gluon_api import GLUON_IMPORT_ERROR
+    from .gluon_api import GLUON_IMPORT_ERROR  # imports Triton: only on a Hopper GPU
 
     if GLUON_IMPORT_ERROR is not None:
         return f"this Triton has no usable Gluon ({GLUON_IMPORT_ERROR})"
     return None
-
-
-@functools.cache
-def load_gpu_ops() -> None:
-    """Import the kernel modules once: that registers `torch.ops.qshard.fp8_*`."""
-    from . import fp8_blockwise_gpu  # noqa: F401
-
-
-@functools.cache
-def load_w4a16_ops() -> None:
-    """Import the 4-bit weight-only Triton kernels once (registers `torch.ops.qshard.int4_linear`,
-    `.mxfp4_linear` and `.nvfp4_linear`)."""
-    from . import w4a16_triton  # noqa: F401
-
-
-@functools.cache
-def load_grouped_ops() -> None:
-    """Import the grouped (experts) Triton kernels once (registers
-    `torch.ops.qshard.fp8_blockwise_grouped_linear` and `.w4a16_grouped_linear`)."""
-    from . import grouped_triton  # noqa: F401

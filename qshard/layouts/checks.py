@@ -14,9 +14,10 @@ from ..errors import (
     NonFiniteWeightError,
     UnsupportedWeightError,
 )
-from ..kernels.availability import load_grouped_ops, triton_unavailable_reason
+from ..kernels.availability import triton_unavailable_reason
+from ..kernels.loader import load_grouped_ops
 from ..qtensor import FLOAT_DTYPES, QTensor
-from .validation import check_chunk, check_magnitude
+from ..qtensor.validation import check_chunk, check_magnitude
 
 __all__ = [
     "abs_max",

@@ -33,12 +33,7 @@ from ..errors import (
     ConfigError,
     MisalignedSliceError,
 )
-from ..kernels.availability import (
-    cublas_unavailable_reason,
-    load_gpu_ops,
-    load_grouped_ops,
-    triton_unavailable_reason,
-)
+from ..kernels.availability import cublas_unavailable_reason, triton_unavailable_reason
 from ..kernels.fp8_blockwise import (
     E4M3_MAX,
     dequantize_blockwise,
@@ -46,9 +41,10 @@ from ..kernels.fp8_blockwise import (
     fp8_blockwise_linear_reference,
     quantize_weight_blockwise,
 )
+from ..kernels.loader import load_gpu_ops, load_grouped_ops
 from ..qtensor import QTensor
+from ..qtensor.registry import register_layout
 from .checks import abs_max, check_activation, check_float_weight, checked_config, quantized
-from .registry import register_layout
 
 __all__ = ["FP8_MIN_SQNR_DB", "MAX_BLOCK", "MIN_BLOCK", "Fp8BlockwiseConfig", "Fp8BlockwiseTensor"]
 

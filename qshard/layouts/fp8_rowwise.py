@@ -41,8 +41,8 @@ from ..kernels.fp8_rowwise import (
     row_scales,
 )
 from ..qtensor import WHOLE, QTensor
+from ..qtensor.registry import register_layout
 from .checks import abs_max, check_activation, check_float_weight, checked_config, quantized
-from .registry import register_layout
 
 __all__ = ["FP8_ROWWISE_MIN_SQNR_DB", "Fp8RowwiseConfig", "Fp8RowwiseTensor"]
 

@@ -44,7 +44,7 @@ import torch
 
 from ..config import Backend, QuantConfig, parse_backend, parse_enum
 from ..errors import BackendUnavailableError, ConfigError, MisalignedSliceError
-from ..kernels.availability import load_w4a16_ops, native_int4_problem
+from ..kernels.availability import native_int4_problem
 from ..kernels.int4 import SCALE_DTYPE, dequantize_int4, int4_linear_reference, quantize_int4
 from ..kernels.int4_gemlite import gemlite_form, gemlite_linear, gemlite_problem
 from ..kernels.int4_tinygemm import (
@@ -53,8 +53,10 @@ from ..kernels.int4_tinygemm import (
     tinygemm_linear,
     tinygemm_problem,
 )
+from ..kernels.loader import load_w4a16_ops
 from ..kernels.packing import NATIVE_CHUNK, canonical_codes, linear_in_dtype, native_codes
 from ..qtensor import DeviceForm, QTensor
+from ..qtensor.registry import register_layout
 from .checks import (
     abs_max,
     check_activation,
@@ -65,7 +67,6 @@ from .checks import (
     weight_only_backend,
     weight_only_grouped_linear,
 )
-from .registry import register_layout
 
 __all__ = ["INT4_MIN_SQNR_DB", "CodeOrder", "Int4Tensor", "Int4WeightOnlyConfig", "ZeroPointDomain"]
 

@@ -24,7 +24,7 @@ import torch
 
 from ..config import Backend, QuantConfig, parse_backend
 from ..errors import ConfigError, MisalignedSliceError
-from ..kernels.availability import load_w4a16_ops
+from ..kernels.loader import load_w4a16_ops
 from ..kernels.mxfp4 import (
     E2M1_MAX,
     GROUP,
@@ -35,6 +35,7 @@ from ..kernels.mxfp4 import (
 )
 from ..kernels.packing import linear_in_dtype
 from ..qtensor import QTensor
+from ..qtensor.registry import register_layout
 from .checks import (
     abs_max,
     check_activation,
@@ -44,7 +45,6 @@ from .checks import (
     weight_only_backend,
     weight_only_grouped_linear,
 )
-from .registry import register_layout
 
 __all__ = ["MXFP4_MIN_SQNR_DB", "MXFP4WeightOnlyConfig", "Mxfp4Tensor"]
 

@@ -32,7 +32,7 @@ import torch
 
 from ..config import Backend, QuantConfig, parse_backend
 from ..errors import ConfigError, UnsupportedWeightError
-from ..kernels.availability import load_w4a16_ops
+from ..kernels.loader import load_w4a16_ops
 from ..kernels.nvfp4 import (
     E2M1_MAX,
     GROUP,
@@ -44,6 +44,7 @@ from ..kernels.nvfp4 import (
 )
 from ..kernels.packing import linear_in_dtype
 from ..qtensor import QTensor
+from ..qtensor.registry import register_layout
 from .checks import (
     abs_max,
     check_activation,
@@ -53,7 +54,6 @@ from .checks import (
     weight_only_backend,
     weight_only_grouped_linear,
 )
-from .registry import register_layout
 
 __all__ = ["NVFP4_MIN_SQNR_DB", "NVFP4WeightOnlyConfig", "Nvfp4Tensor"]
 

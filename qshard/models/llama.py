@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from .moe import MoEFeedForward
 
 __all__ = ["TP_PLAN", "Llama", "LlamaConfig", "decode_one_token", "generate", "prefill"]
 
@@ -157,8 +158,6 @@ class Block(nn.Module):
         self.attention = Attention(c)
         self.ffn_norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
         if c.n_experts:
-            from .moe import MoEFeedForward
-
             self.feed_forward = MoEFeedForward(c.dim, c.n_experts, c.top_k, c.expert_hidden)
         else:
             self.feed_forward = FeedForward(c)

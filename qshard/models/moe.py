@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..api import register_experts
+from ..targets import register_experts
 
 __all__ = ["EP_PLAN", "Experts", "MoEFeedForward"]
 

@@ -55,6 +55,8 @@ from ..errors import (
     UnsupportedOpError,
     UnsupportedWeightError,
 )
+from .attrs import op_args
+from .validation import check_pickled_state, check_qtensor
 
 __all__ = ["WHOLE", "DeviceForm", "QTensor", "spans_dim", "stored_nbytes"]
 
@@ -95,10 +97,6 @@ def equal_inner(a: torch.Tensor, b: torch.Tensor) -> bool:
 def spans_dim(packing: tuple[int, int] | None, dim: int) -> bool:
     """Whether an inner tensor with this packing is shared by every part cut along `dim`."""
     return packing is None or packing[dim] == WHOLE
-
-
-# The float dtypes a quantized weight can stand in for (outer dtype) and accept as activations.
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,9 +244,7 @@ class QTensor(torch.Tensor):
         (sorted by expert) times W[e].T, + bias[e] ([E, N]); zeros past offs[-1]. The default
         runs each expert's `_linear` inside one custom op (qtensor/grouped.py); a layout with
         a fused grouped kernel overrides it."""
-        from .grouped import _op_args
-
-        inner, layout, attrs, dtype, shape = _op_args(self)
+        inner, layout, attrs, dtype, shape = op_args(self)
         return torch.ops.qshard.experts_linear(x, offs, inner, bias, layout, attrs, dtype, shape)
 
     def matrix_max_magnitude(self) -> float:
@@ -316,7 +312,7 @@ class QTensor(torch.Tensor):
 
     def max_magnitude(self) -> float:
         """An upper bound of |W| over every code each group's scales can dequantize (not only
-        the stored codes), in float64: the validation (layouts/validation.py) refuses a tensor
+        the stored codes), in float64: the validation (qtensor/validation.py) refuses a tensor
         whose bound exceeds its dtype's largest finite value, so no code becomes Inf."""
         if self.experts is None:
             return self.matrix_max_magnitude()
@@ -525,8 +521,6 @@ class QTensor(torch.Tensor):
         # outside data, checked as every reader checks a QTensor (design.md invariant 9), so a
         # crafted pickle cannot declare a shape its data does not hold, shadow a method, or
         # carry NaN scales. A tensor pickled before an attribute was added gets its default.
-        from ..layouts.validation import check_pickled_state, check_qtensor
-
         where = f"torch.load: a pickled {type(self).__name__}"
         state = check_pickled_state(type(self), state, where)
         self.__dict__.update({**self.attr_defaults, **state})

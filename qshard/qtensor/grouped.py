@@ -17,12 +17,12 @@ layout with a fused grouped kernel overrides `grouped_linear`.
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from ..errors import InputMismatchError, UnsupportedOpError
-from .base import FLOAT_DTYPES, QTensor
+from .attrs import op_args, rebuild
+from .base import QTensor
+from .validation import FLOAT_DTYPES
 
 __all__ = ["check_offsets", "experts_linear_reference"]
 
@@ -63,7 +63,7 @@ def experts_linear(
 ) -> torch.Tensor:
     """out[rows of e] = x[rows of e] @ W[e].T (+ bias[e]) for the [E, N, K] experts (`shape`) of
     class `layout` with these inner tensors and JSON attributes (see the module docstring)."""
-    weight = _rebuild(inner, layout, attrs, dtype, shape)
+    weight = rebuild(inner, layout, attrs, dtype, shape)
     return experts_linear_reference(x, offs, weight, bias)
 
 
@@ -93,16 +93,6 @@ def _each_experts_rows(x, offs, weight: QTensor, width: int, fn) -> torch.Tensor
             out[start:end] = fn(e, x[start:end])
         start = end
     return out
-
-
-def _rebuild(inner: list[torch.Tensor], layout: str, attrs: str, dtype, shape) -> QTensor:
-    from ..io.format import decode_attrs
-    from ..layouts.registry import layout_by_name
-
-    cls = layout_by_name(layout)
-    decoded = decode_attrs(cls, json.loads(attrs), f"qshard::experts_linear({layout})")
-    inner = dict(zip(cls.inner_names, inner, strict=True))
-    return cls(inner, shape=tuple(shape), dtype=dtype, **decoded)
 
 
 # ---- the aten ops transformers' experts implementations call --------------------------------
@@ -145,7 +135,7 @@ def _grouped_mm(func, args, kwargs):
     else:  # x @ W[e]: the input gradient of the above, through the dequantized weight
         if bias is not None:
             raise UnsupportedOpError("torch._grouped_mm: x @ W[e] takes no bias")
-        out = torch.ops.qshard.experts_times_weight(x, offs, *_op_args(w))
+        out = torch.ops.qshard.experts_times_weight(x, offs, *op_args(w))
     return out if out_dtype in (None, out.dtype) else out.to(out_dtype)
 
 
@@ -173,7 +163,7 @@ def experts_times_weight(
     """Rows of each expert times its [N, K] weight W[e] (not W[e].T), dequantized: what
     autograd asks for as the input gradient of a grouped linear (as `_mm_grad_input`). One
     op, as `experts_linear`, so that a compiled backward reads no offsets."""
-    w = _rebuild(inner, layout, attrs, dtype, shape)
+    w = rebuild(inner, layout, attrs, dtype, shape)
 
     def times_weight(e: int, rows: torch.Tensor) -> torch.Tensor:
         return rows @ w.expert(e).dequantize(x.dtype)
@@ -184,16 +174,6 @@ def experts_times_weight(
 @experts_times_weight.register_fake
 def _(x, offs, inner, layout, attrs, dtype, shape):
     return x.new_empty(x.shape[0], shape[2])
-
-
-def _op_args(w: QTensor) -> tuple:
-    """(inner tensors, layout name, JSON attributes, dtype, logical shape): how the generic
-    experts ops receive a QTensor."""
-    from ..io.format import attr_to_json
-
-    attrs = json.dumps({name: attr_to_json(v) for name, v in w.attrs().items()})
-    inner = [getattr(w, name) for name in w.inner_names]
-    return inner, type(w).__name__, attrs, w.dtype, list(w.logical_shape)
 
 
 @QTensor.implements(aten.bmm.default)

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from ..errors import InvalidDimError, LayoutMismatchError, UnsupportedOpError
-from .base import FLOAT_DTYPES, QTensor, _outer_layout, as_bytes, equal_inner, join_inner
+from ..errors import InvalidDimError, LayoutMismatchError, NonFiniteWeightError, UnsupportedOpError
+from .base import QTensor, _is_frozen_parameter, _outer_layout, as_bytes, equal_inner, join_inner
+from .validation import FLOAT_DTYPES, check_magnitude
 
 aten = torch.ops.aten
 
@@ -206,9 +207,6 @@ def _to_copy(func, args, kwargs):
         lambda t: t.to(device, non_blocking=non_blocking, copy=True), fresh=True, dtype=dtype
     )
     if dtype != q.dtype:  # `.half()`: the packed data stays; its values must fit float16
-        from ..errors import NonFiniteWeightError
-        from ..layouts.validation import check_magnitude
-
         fix = (f"Keep this weight in {q.dtype} or bfloat16 (model.to(torch.bfloat16)), or "
                f"quantize the {dtype} model instead. In a model.half() / model.to(), the "
                f"modules converted before this one are {dtype} now: convert the model back "
@@ -484,8 +482,6 @@ def _linear_fn(func, types, args, kwargs):
         # in as a detached alias (same inner tensors): the graph's saved `w.t()` must not be a
         # view of the Parameter itself, or `model.half()` / `.to()` cannot swap it while the
         # output is alive; a weight that requires grad keeps its gradient.
-        from .base import _is_frozen_parameter
-
         weight = w.detach() if _is_frozen_parameter(w) else w
         with torch._C.DisableTorchFunctionSubclass():
             return func(x, weight, bias)

@@ -54,6 +54,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..errors import ExpertParallelError, InputMismatchError, MisalignedSliceError, QShardError
 from ..qtensor import QTensor
+from ..targets import experts_params, is_transformers_experts
 from .styles import chunk_bounds, shard_cuts
 
 __all__ = [
@@ -96,11 +97,9 @@ def experts_to_local(model: nn.Module) -> nn.Module:
 
 def _experts_weights(name: str, module: nn.Module, style: str) -> dict[str, bool]:
     """{3-D weight name: stored transposed} of a transformers experts module, or a typed error."""
-    from ..api import _is_transformers_experts, experts_params
-
     params = experts_params(module)
     where = f"qshard.tp.{style}: {name or 'the model'!r}"
-    if not params or not _is_transformers_experts(module):
+    if not params or not is_transformers_experts(module):
         raise ExpertParallelError(
             f"{where} is a {type(module).__name__}, not a transformers experts module (a class "
             f"decorated with use_experts_implementation, called with (hidden_states, "

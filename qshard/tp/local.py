@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from ..errors import ConfigError
+from .experts import experts_to_local, local_experts
 from .plan import APPLIED_STYLES
 
 __all__ = ["LocalLinear", "to_local"]
@@ -69,8 +70,6 @@ def to_local(model: nn.Module) -> nn.Module:
     `model = qshard.tp.to_local(model)`). Everything is checked before
     anything changes: a DTensor anywhere else (a sharded embedding or norm), a style with other
     than its default input / output layouts, or a subclass of nn.Linear is refused."""
-    from .experts import experts_to_local, local_experts
-
     locals_: dict[int, LocalLinear] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         if id(module) not in locals_ and _is_sharded_linear(module):

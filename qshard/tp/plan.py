@@ -32,9 +32,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ..api import _is_dtensor
 from ..errors import MisalignedSliceError, QShardError
 from ..qtensor import QTensor
+from ..shards import is_dtensor
 from .experts import ExpertParallel, ExpertsStyle, ExpertTensorParallel
 from .styles import QuantColwiseParallel, QuantRowwiseParallel, param_placements, shard_cuts
 
@@ -129,7 +129,7 @@ def _check_entry(name: str, module: nn.Module, style: ParallelStyle) -> None:
             f"qshard.tp plan: {name!r} is a {type(module).__name__}; {type(style).__name__} "
             f"shards nn.Linear and nn.Embedding (point the entry at the Linear inside it)"
         )
-    if any(_is_dtensor(p) for p in module.parameters(recurse=False)):
+    if any(is_dtensor(p) for p in module.parameters(recurse=False)):
         raise QShardError(f"qshard.tp plan: {name!r} is already sharded; parallelize once")
     quantized = any(isinstance(p, QTensor) for p in module.parameters(recurse=False))
     quant_aware = isinstance(style, QuantColwiseParallel | QuantRowwiseParallel)

@@ -24,6 +24,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
+
 __all__ = ["deadline", "init_process_group", "shutdown"]
 
 # The watchdog's error handling: 1 = tear down the communicator and the process on a timed-out
@@ -40,8 +42,6 @@ class deadline:  # lower case: called like a function, `qshard.tp.deadline(300)`
 
     def __init__(self, seconds: float):
         if not seconds > 0:
-            from ..errors import ConfigError
-
             raise ConfigError(f"qshard.tp.deadline({seconds!r}): pass a positive number of "
                               f"seconds")  # fmt: skip
         try:

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..errors import QShardError
 from ..qtensor import QTensor
+from ..shards import chunk_bounds, shard_cuts
 
 __all__ = [
     "QuantColwiseParallel",
@@ -42,18 +43,6 @@ __all__ = [
     "param_placements",
     "shard_cuts",
 ]
-
-
-def chunk_bounds(size: int, world: int, rank: int) -> tuple[int, int]:
-    """[start, end) of `rank`'s chunk of `size` elements split `world` ways, as torch.chunk."""
-    step = -(-size // world) if size else 0
-    start = min(rank * step, size)
-    return start, min(start + step, size)
-
-
-def shard_cuts(size: int, world: int) -> list[int]:
-    """Every interior boundary between the `world` chunks of `size` elements."""
-    return sorted({chunk_bounds(size, world, r)[0] for r in range(1, world)} - {0, size})
 
 
 def _mesh_rank(mesh: DeviceMesh) -> tuple[int, int]:

@@ -93,7 +93,7 @@ from torch.utils._pytree import tree_leaves
 
 import qshard
 from qshard import QShardError
-from qshard.layouts.registry import attr_types
+from qshard.qtensor.registry import attr_types
 
 EXAMPLES = int(os.environ.get("QSHARD_FUZZ_EXAMPLES", "100"))
 TIMEOUT = float(os.environ.get("QSHARD_FUZZ_TIMEOUT", "20"))

@@ -15,7 +15,8 @@ from helpers import relative_error
 import qshard
 from qshard import BackendUnavailableError, Fp8BlockwiseConfig, ScaleFormat
 from qshard.kernels import fp8_blockwise as ref
-from qshard.kernels.availability import load_gpu_ops, triton_unavailable_reason
+from qshard.kernels.availability import triton_unavailable_reason
+from qshard.kernels.loader import load_gpu_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(

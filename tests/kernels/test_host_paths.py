@@ -35,12 +35,9 @@ import qshard
 from qshard.config import ScaleFormat
 from qshard.kernels import fp8_blockwise as fp8_ref
 from qshard.kernels import split_k
-from qshard.kernels.availability import (
-    load_gpu_ops,
-    load_grouped_ops,
-    triton_unavailable_reason,
-)
+from qshard.kernels.availability import triton_unavailable_reason
 from qshard.kernels.gluon_api import GLUON_IMPORT_ERROR
+from qshard.kernels.loader import load_gpu_ops, load_grouped_ops
 
 CPU = torch.device("cpu")
 # The launchers run here up to the launch, with the Triton kernels before it (activation

@@ -14,7 +14,8 @@ from helpers import relative_error
 
 import qshard
 from qshard.kernels import int4, mxfp4, nvfp4
-from qshard.kernels.availability import load_w4a16_ops, triton_unavailable_reason
+from qshard.kernels.availability import triton_unavailable_reason
+from qshard.kernels.loader import load_w4a16_ops
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(

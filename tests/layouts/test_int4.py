@@ -11,7 +11,8 @@ from helpers import gaussian
 import qshard
 from qshard import Int4WeightOnlyConfig
 from qshard.kernels import int4 as ref
-from qshard.kernels.availability import load_w4a16_ops, triton_unavailable_reason
+from qshard.kernels.availability import triton_unavailable_reason
+from qshard.kernels.loader import load_w4a16_ops
 
 
 def test_zero_points_are_codes_even_for_groups_that_miss_zero():

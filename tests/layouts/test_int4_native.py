@@ -24,7 +24,8 @@ from qshard.errors import CheckpointError, ConfigError, LayoutMismatchError, Uns
 from qshard.io.checkpoint import read_header
 from qshard.io.format import METADATA_KEY, chunk_crcs
 from qshard.kernels import int4 as ref
-from qshard.kernels.availability import load_w4a16_ops, native_int4_problem
+from qshard.kernels.availability import native_int4_problem
+from qshard.kernels.loader import load_w4a16_ops
 from qshard.kernels.packing import canonical_codes, native_codes, unpack_nibbles
 from qshard.layouts.int4 import CodeOrder
 
@@ -224,7 +225,7 @@ def test_a_checkpoint_or_pickle_that_claims_native_codes_is_refused(tmp_path):
     edit_metadata(path, claim_native, tensors)
     with pytest.raises(CheckpointError, match="outside data"):
         qshard.load(tmp_path)
-    from qshard.layouts.validation import check_qtensor
+    from qshard.qtensor.validation import check_qtensor
 
     with pytest.raises(CheckpointError, match="outside data"):  # what torch.load runs
         check_qtensor(native, "a pickle")

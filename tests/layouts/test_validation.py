@@ -1,4 +1,4 @@
-"""The one validation every reader runs (qshard/layouts/validation.py; design.md invariant 9):
+"""The one validation every reader runs (qshard/qtensor/validation.py; design.md invariant 9):
 crafted torch.load(weights_only=True) pickles, int4 zero points, values that dequantize to Inf
 (quantize_ included), empty weights, NVFP4's global scale on every device (issue 21)."""
 
@@ -14,7 +14,7 @@ from torch import nn
 import qshard
 from qshard import CheckpointError, QShardError, UnsupportedWeightError
 from qshard.kernels.nvfp4 import global_scale_of
-from qshard.layouts.validation import check_qtensor
+from qshard.qtensor.validation import check_qtensor
 
 
 def pickled(tensor: qshard.QTensor, **changes) -> io.BytesIO:

@@ -1,29 +1,66 @@
-"""The layout registry: a layout is usable by `quantize_`, `torch.load(weights_only=True)`,
-`qshard.save`/`qshard.load` and the contract suite by being registered here, with no other list
-to keep."""
+"""The layout registry and the handler table: a layout is usable by `quantize_`,
+`torch.load(weights_only=True)`, `qshard.save`/`qshard.load` and the contract suite by being
+registered here, with no other list to keep. A config class maps to a handler,
+`handler(weight, config) -> QTensor` (`register_handler`; a registered layout's handler is its
+`from_float`)."""
 
 from __future__ import annotations
 
 import enum
 import typing
+from collections.abc import Callable
 
 import torch
 
-from ..api import register_handler
 from ..config import Backend, QuantConfig, ScaleFormat
-from ..qtensor import QTensor
+from ..errors import ConfigError
+
+if typing.TYPE_CHECKING:
+    from .base import QTensor
 
 __all__ = [
     "attr_types",
     "config_class_of",
+    "handler_for",
     "layout_by_name",
     "layout_for",
+    "register_handler",
     "register_layout",
     "registered_layouts",
 ]
 
+Handler = Callable[[torch.Tensor, QuantConfig], "QTensor"]
+
+_HANDLERS: dict[type[QuantConfig], Handler] = {}
 _LAYOUTS: dict[type[QTensor], type[QuantConfig]] = {}
 _ATTR_TYPES: dict[type[QTensor], dict[str, typing.Any]] = {}
+
+
+def register_handler(config_cls: type[QuantConfig], handler: Handler | None = None):
+    """Register `handler(weight, config) -> QTensor` for `config_cls` (usable as a decorator)."""
+
+    def decorator(fn: Handler) -> Handler:
+        _HANDLERS[config_cls] = fn
+        return fn
+
+    return decorator(handler) if handler is not None else decorator
+
+
+def handler_for(config: QuantConfig, caller: str = "quantize_") -> Handler:
+    """The handler registered for `config`'s class; ConfigError for a class or an unknown config."""
+    if isinstance(config, type):
+        raise ConfigError(
+            f"{caller}: got the class {config.__name__}, not a config; pass an instance, "
+            f"e.g. {config.__name__}()"
+        )
+    handler = _HANDLERS.get(type(config))
+    if handler is None:
+        known = ", ".join(sorted(c.__name__ for c in _HANDLERS))
+        raise ConfigError(
+            f"{caller}: no handler for {type(config).__name__}; registered configs: {known}. "
+            f"Register one with qshard.register_handler({type(config).__name__}, fn)"
+        )
+    return handler
 
 
 def register_layout(config_cls: type[QuantConfig], *safe_enums: type[enum.Enum]):

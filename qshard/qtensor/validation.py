@@ -32,10 +32,16 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, QShardError
-from ..qtensor import FLOAT_DTYPES, QTensor
 from .registry import attr_types
 
+if typing.TYPE_CHECKING:
+    from .base import QTensor
+
+# The float dtypes a quantized weight can stand in for (outer dtype) and accept as activations.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 __all__ = [
+    "FLOAT_DTYPES",
     "MAX_SIZE",
     "check_attr_types",
     "check_magnitude",
