@@ -7,6 +7,9 @@ qshard.save(model, "ckpt/")
 model = qshard.load("ckpt/", model_built_on_meta)
 """
 
+import importlib
+import warnings
+
 from ._after_import import after_import
 from ._dtensor_cache_key import patch_dtensor_cache_key
 from .api import (
@@ -60,8 +63,6 @@ def _register_with_transformers() -> None:
         # Imported only now: it imports transformers, an optional dependency.
         from .integrations import transformers  # registers on import  # noqa: F401
     except Exception as e:  # never break transformers' own import
-        import warnings
-
         warnings.warn(f"qshard: not registered with transformers ({e!r})", stacklevel=2)
 
 
@@ -79,8 +80,6 @@ register_model_hook(attach_to_transformers)
 def __getattr__(name: str):
     # `qshard.tp` without `import qshard.tp`: imported on first use (it imports DTensor).
     if name == "tp":
-        import importlib
-
         return importlib.import_module(".tp", __name__)
     raise AttributeError(f"module 'qshard' has no attribute {name!r}")
 

@@ -22,6 +22,7 @@ __all__ = ["patch_dtensor_cache_key"]
 def patch_dtensor_cache_key() -> None:
     if not torch.distributed.is_available():
         return
+    # Already imported by then: this runs once torch.distributed.tensor is (qshard/__init__.py).
     from torch.distributed.tensor import DTensor
 
     original = getattr(DTensor, "_stable_hash_for_caching", None)

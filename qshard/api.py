@@ -131,7 +131,7 @@ def _quantize_weight(handler: Handler, target: Target, config: QuantConfig) -> t
     weight = target.weight
     if not is_dtensor(weight):
         return quantize_tensor(handler, weight, config, target.transposed)
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # start-up time: only for a DTensor weight
 
     if weight.dim() == 2:
         layout = getattr(handler, "__self__", None)  # a registered layout's from_float
@@ -159,7 +159,7 @@ def _quantize_local_experts(handler: Handler, target: Target, config: QuantConfi
     holds every element of each of its experts, and each expert is quantized on its own
     (design.md invariant 8): the result is the full quantized weight's slice, bit for bit.
     Any other cut (inside each expert's rows or columns) is refused."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard  # start-up time: only for DTensors
 
     weight = target.weight
     whole = all(

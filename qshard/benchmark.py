@@ -109,7 +109,7 @@ WIDE_SPREAD = 0.25
 def _timer(device: torch.device):
     """fn -> Timing of one call."""
     if device.type == "cuda":
-        import triton.testing
+        import triton.testing  # Triton: a GPU-only dependency
 
         def cuda_time(fn) -> Timing:
             fn()
@@ -207,10 +207,10 @@ def print_table(results: dict, ms: list[int], out=None) -> None:
 def plot(results: dict, ms: list[int], path: str | os.PathLike, title: str) -> None:
     """Speedup over bf16 per layout against M, as a PNG (needs matplotlib)."""
     try:
-        import matplotlib
+        import matplotlib  # optional: `qshard bench --plot` only
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional (as above)
     except ImportError:
         raise QShardError("qshard bench --plot needs matplotlib (pip install matplotlib)") from None
     figure, axes = plt.subplots(figsize=(6, 4))

@@ -16,6 +16,8 @@ import importlib.util
 import os
 import sys
 
+import torch
+
 from qshard_cli import CONFIG_NAMES, _error, main
 
 from .errors import QShardError
@@ -123,7 +125,6 @@ def _check_plot(path: str) -> None:
 
 
 def _has_cuda() -> bool:
-    import torch
 
     return torch.cuda.is_available()
 

@@ -202,7 +202,7 @@ def _meta_model(model_dir: pathlib.Path):
     if not (model_dir / "config.json").is_file():
         return None, "no config.json"
     try:
-        import transformers
+        import transformers  # optional: for a model directory
     except ImportError:
         return None, "transformers is not installed: pip install transformers"
     # Any failure here (a model_type this transformers does not know, remote code, a config

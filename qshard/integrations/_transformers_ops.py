@@ -41,7 +41,10 @@ names the parameter, the style and what to do instead.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import transformers
 from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.distributed.utils import is_dtensor
@@ -139,7 +142,6 @@ def _resolved_plans(model, config) -> tuple[dict[str, str], dict[str, str]]:
     """{parameter or module name: style} of the tp_plan and ep_plan transformers is about to
     apply (its own resolution, mixin.py:233: overrides merged, EP rules first, `*` expanded),
     without its warnings about rules that match nothing (it gives them itself right after)."""
-    import logging
 
     logger = logging.getLogger("transformers.distributed.mixin")
     disabled, logger.disabled = logger.disabled, True
@@ -166,6 +168,7 @@ def rank_ranges(size: int, placement, world: int, rank: int) -> list[tuple[int, 
     """[start, end) ranges of a dim of `size` that `rank` holds, in order, as transformers cuts
     a checkpoint tensor (sharding_utils.py:139, 204): `Shard` a torch.chunk piece; `_StridedShard(d,
     split_factor=s)` the dim split in s groups of ceil(size / s), a chunk of each."""
+    # Deferred: DTensor's import takes a third of a second; only tp_plan loads need it.
     from torch.distributed.tensor.placement_types import _StridedShard
 
     groups = placement.split_factor if isinstance(placement, _StridedShard) else 1
@@ -183,7 +186,9 @@ def local_part(weight: QTensor, target, key: str, style: str | None, record=None
     """This rank's part of `weight` (the whole QTensor of parameter `key`) for `target`, the
     meta DTensor transformers placed the parameter as: the same rows / columns / experts as
     transformers cuts the float weight, in qshard's layout (a copy in storage of its own)."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard  # deferred, as above
+
+    # Deferred: DTensor's import takes a third of a second; only tp_plan loads need it.
     from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh, placements = target.device_mesh, tuple(target.placements)
@@ -276,7 +281,6 @@ class QShardDeserialize(ConversionOps):
                 weight = quantizer.build(full_layer_name, inner, target.dtype)
                 return {full_layer_name: nn.Parameter(weight, requires_grad=False)}
             if not hasattr(quantizer, "parallel_styles"):  # no update_parallel_plan call
-                import transformers
 
                 raise QShardError(
                     f"from_pretrained with a tp_plan: {full_layer_name!r} is sharded by "

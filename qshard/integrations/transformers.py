@@ -30,12 +30,16 @@ Checkpoints keep the model's own parameter names: a transformers MoE's fused 3-D
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
 import secrets
+import warnings
 
 import torch
+import transformers
+from safetensors import safe_open
 from torch import nn
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
@@ -128,7 +132,6 @@ class QShardConfig(QuantizationConfigMixin):
     @classmethod
     def of_model(cls, model: nn.Module) -> QShardConfig:
         """The config groups of `model`'s QTensors (as qshard.save groups them)."""
-        import json
 
         groups: dict[str, dict] = {}
         for name, value in model.state_dict().items():
@@ -245,7 +248,6 @@ class QShardHfQuantizer(HfQuantizer):
         """{inner name: tensor} of quantized parameter `key`, whole, from the checkpoint files:
         for a parameter transformers shards, whose inner tensors it reads cut as if they were
         the float weight (QShardDeserialize cuts the checked QTensor itself)."""
-        from safetensors import safe_open
 
         inner = {}
         for name, stored in self.records[key].inner.items():
@@ -357,7 +359,6 @@ class QShardHfQuantizer(HfQuantizer):
         """Quantize what loading left in float (tied weights, or one the checkpoint lacks and
         transformers initialized) with quantize_ itself, say which weights stayed float and
         why, then describe the model as a qshard checkpoint, so save_pretrained writes one."""
-        import warnings
 
         qc = self.quantization_config
         left = {**self.selected, **self.tied}
@@ -437,7 +438,6 @@ def _check_float_tensors(records: dict[str, Record], where: dict[str, str]) -> N
     qshard header: transformers loads the float tensors itself, so they are verified here,
     before any is read into the model, as qshard.load verifies every tensor (design.md,
     invariant 9). Costs one more read of the float tensors (the page cache usually has it)."""
-    from safetensors import safe_open
 
     by_file: dict[str, list] = {}
     for key, record in records.items():
@@ -509,7 +509,6 @@ MIN_TRANSFORMERS = (5, 23)
 def register() -> None:
     """Register quant_method "qshard" with transformers (once). An older transformers (whose
     loader has no conversion ops) is not registered with: qshard/__init__.py warns instead."""
-    import transformers
 
     version = tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
     if version < MIN_TRANSFORMERS:

@@ -76,6 +76,6 @@ def gluon_unavailable() -> str | None:
     """Why no Gluon kernel can run with this Triton, or None."""
     if GLUON_IMPORT_ERROR is None:
         return None
-    import triton
+    import triton  # optional: only when Gluon is missing
 
     return f"Gluon is not available in triton {triton.__version__} ({GLUON_IMPORT_ERROR})"

@@ -49,7 +49,7 @@ def gemlite_problem(
 
 @functools.cache
 def _load_gemlite():
-    import gemlite
+    import gemlite  # optional: the gemlite backend
 
     name = torch.cuda.get_device_properties(0).name.lower().replace(" ", "_")
     configs = os.path.join(os.path.dirname(gemlite.__file__), "configs")

@@ -108,7 +108,11 @@ class Fp8RowwiseTensor(QTensor):
         """A rank's shard of a DTensor weight, scaled by the amax of its whole rows: a shard of
         the columns (row-parallel) reduces the amax over every rank's columns. Of a plain
         tensor, a part of whole rows (each row's scale is its own amax)."""
-        from torch.distributed.tensor import DTensor, Partial, Replicate
+        from torch.distributed.tensor import (  # start-up time: DTensors only
+            DTensor,
+            Partial,
+            Replicate,
+        )
 
         if not isinstance(whole, DTensor):
             if part.shape[-1] != whole.shape[-1]:

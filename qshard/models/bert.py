@@ -15,6 +15,7 @@ import pathlib
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 __all__ = ["TP_PLAN", "BertConfig", "BertModel", "mean_pooled_embeddings"]
@@ -141,7 +142,6 @@ class BertModel(nn.Module):
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> BertModel:
         """A float model from a Hugging Face BERT directory (config.json, model.safetensors)."""
-        from safetensors.torch import load_file
 
         directory = pathlib.Path(model_dir)
         model = cls(BertConfig.from_json(directory / "config.json"))

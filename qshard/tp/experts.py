@@ -51,6 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import ExpertParallelError, InputMismatchError, MisalignedSliceError, QShardError
 from ..qtensor import QTensor
@@ -639,7 +640,6 @@ class ExpertTensorParallel(ExpertsStyle):
 def _paired(dim: int) -> Placement:
     """[gate; up] cut into world paired shards: the tensor is first split in two (gate, up),
     then each half is sharded; DTensor's _StridedShard with split_factor 2 says exactly that."""
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=2)
 
