@@ -3,7 +3,7 @@
     python bench/bench_fp8.py            # the table (bench/README.md)
     python bench/bench_fp8.py --sweep    # also: Triton tile configs per (M, shape), best first
 
-Shapes: the four linears of a Llama-3.1-8B layer (summed, as facts.md §1) and DeepSeek-V3's
+Shapes: the four linears of a Llama-3.1-8B layer (summed) and DeepSeek-V3's
 24576x7168, 7168x2048, 18432x7168, 7168x18432; M in {1, 16, 128, 2048, 4096}. Each method is
 timed with CUDA graphs (triton.testing.do_bench_cudagraph, median), over enough weight copies
 that their total exceeds the 50 MB L2, so small-M numbers measure HBM, not cache.
@@ -130,7 +130,8 @@ def load_gemlite_config() -> None:
     import gemlite
 
     config = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
-    gemlite.core.GemLiteLinear.load_config(config)  # H200 has no shipped config (facts.md §4)
+    # The H200 has no shipped config (docs/design.md, "PyTorch behaviour").
+    gemlite.core.GemLiteLinear.load_config(config)
 
 
 def gemlite_method(w):

@@ -61,8 +61,8 @@ def qshard_triton_method(w):
 
 
 def tinygemm_method(w):
-    """aten._weight_int4pack_mm: (u - 8) * s + z' with z' = (8 - zero) * s (facts.md §3), the
-    even element in the high nibble."""
+    """aten._weight_int4pack_mm: (u - 8) * s + z' with z' = (8 - zero) * s (docs/design.md,
+    "PyTorch behaviour"), the even element in the high nibble."""
     packed, scale, zero = quantized(w)
     u = ref.unpack_nibbles(packed, w.shape[1])
     tiny_packed = (u[:, 0::2] << 4) | u[:, 1::2]

@@ -3,7 +3,8 @@
     python bench/bench_moe.py [--shapes deepseek-v3,qwen3-30b-a3b,gpt-oss-120b]
         [--tokens 1,16,128,1024,4096] [--methods bf16-grouped,bf16-loop,...]
 
-Per shape (facts.md §8) and number of tokens: each token routed to top-k experts drawn uniformly
+Per shape (docs/design.md, "Experts in transformers") and number of tokens: each token routed to
+top-k experts drawn uniformly
 at random; the routed rows sorted by expert (as transformers' grouped_mm does; not timed), then
 timed: gate_up grouped matmul -> SiLU(gate) * up -> down grouped matmul, activation
 quantization included for every W8A8 method. CUDA graphs, median (`triton.testing`); for up to

@@ -157,7 +157,7 @@ def _quantize_local_experts(handler: Handler, target: Target, config: QuantConfi
     """This rank's whole experts of a sharded experts weight, quantized here. Sharded by whole
     experts (transformers' ep_plan `grouped_gemm` style is `Shard(0)`) or replicated, a rank
     holds every element of each of its experts, and each expert is quantized on its own
-    (design.md invariant 8): the result is the full quantized weight's slice, bit for bit.
+    (docs/design.md invariant 8): the result is the full quantized weight's slice, bit for bit.
     Any other cut (inside each expert's rows or columns) is refused."""
     from torch.distributed.tensor import Replicate, Shard  # start-up time: only for DTensors
 

@@ -7,7 +7,7 @@ quantize` would quantize, read from the safetensors headers, each distinct [N, K
 count), from a built-in model name (`llama-3.1-8b`: one decoder layer's four fused linears), or
 from "NxK" strings. A layout's time at M is the sum over shapes of count x time(F.linear).
 
-Timing (design.md): on CUDA, CUDA graphs (`triton.testing.do_bench_cudagraph`), over enough
+Timing: on CUDA, CUDA graphs (`triton.testing.do_bench_cudagraph`), over enough
 weight copies that their total exceeds the 50 MB L2 at small M, so a GEMV reads HBM; on the
 CPU, 7 wall-clock runs. Each figure is reported with its spread (`Timing`: fastest, median,
 slowest) and the table warns when the repeats spread widely: on a busy CPU a single median

@@ -321,7 +321,7 @@ def _same_dir(a: pathlib.Path, b: pathlib.Path) -> bool:
 
 
 # Names of the stored parts of quantized weights: those of the formats load_pretrained reads
-# (facts.md §5), and of static input scales, torchao's `_weight_qdata`, GPTQ / AWQ and
+# (docs/design.md, "Formats"), and of static input scales, torchao's `_weight_qdata`, GPTQ / AWQ and
 # bitsandbytes. A float model has none of them, in any dtype.
 QUANTIZED_SUFFIXES = (
     *QUANTIZATION_SUFFIXES, *PACKED_SUFFIXES,

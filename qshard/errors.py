@@ -1,6 +1,6 @@
 """Typed errors. Every user-facing error qshard raises derives from `QShardError`.
 
-Messages give the value, the rule it broke and the fix (design.md, "Style").
+Messages give the value, the rule it broke and the fix.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 weight, selected by include / exclude / keep_float patterns. One rule for `quantize_`, `gptq_`,
 `qshard quantize` and transformers' `from_pretrained`.
 
-Expert weights are the 3-D parameters [E, N, K] of an experts module (design.md §5):
+Expert weights are the 3-D parameters [E, N, K] of an experts module (docs/design.md, "Experts in
+transformers"):
 transformers' experts classes are recognised by what their `use_experts_implementation`
 decorator sets on them (`is_transposed`, `has_bias`, ...; not by name), other classes by
 `register_experts`. Each such parameter is quantized as a whole (`from_float` quantizes each
@@ -136,7 +137,8 @@ def quantization_targets(model: nn.Module) -> list[Target]:
 # which sees every 2-D tensor; embedding-like input projections), output heads (transformers'
 # `lm_head`, GPT-NeoX's `embed_out`, gpt-fast's top-level `output`: the head as a whole name
 # component, so that `lm_head_proj` or `output_proj` are not caught) and poolers, as the
-# checkpoints of facts.md §5 leave them. No norm patterns: norms are no linear targets, and a
+# checkpoints of docs/design.md, "Formats" leave them. No norm patterns: norms are no linear
+# targets, and a
 # name such as diffusers' `norm1.linear` or `layernorm_proj` is a real projection. One rule for
 # `quantize_`, `gptq_` and `qshard quantize` (qshard/convert.py).
 KEEP_FLOAT = ("*embed*", "lm_head", "*.lm_head", "output", "*pooler*")

@@ -1,4 +1,4 @@
-"""The layout contract: every invariant of design.md, run over every registered layout.
+"""The layout contract: every invariant of docs/design.md, run over every registered layout.
 
 A new layout gets all of these by registering (`qshard.register_layout`) and listing the configs
 to exercise in `contract_configs()`.
@@ -71,7 +71,8 @@ def test_flatten_unflatten_round_trip(cls, config):
 
 @cases
 def test_device_form_follows_the_logical_weight(cls, config):
-    """A device form (design.md: one canonical packing, repacked for the device) is kept by ops
+    """A device form (one canonical packing, repacked for the device: docs/design.md invariant 5)
+    is kept by ops
     that keep the weight, re-made by to(), refreshed by copy_, dropped by slicing and pickling;
     a layout without one has none after any of them."""
     q = cls.from_float(gaussian(64, 64), config)

@@ -1,4 +1,4 @@
-"""The layout contract over 3-D experts weights [E, N, K] (design.md invariant 8), for every
+"""The layout contract over 3-D experts weights [E, N, K] (docs/design.md invariant 8), for every
 registered layout, as tests/test_layout_contract.py runs it over 2-D weights.
 
 Expert e of `from_float(W)` is bit for bit `from_float(W[e])`; slicing experts, N and K commutes

@@ -1,5 +1,5 @@
 """Other producers' quantized checkpoints: load them into qshard layouts with no float round
-trip, and export qshard-quantized models to them (facts.md §5).
+trip, and export qshard-quantized models to them (docs/design.md, "Formats").
 
     state = qshard.load_pretrained("DeepSeek-V3-dir")              # state_dict of QTensors
     model = qshard.load_pretrained("dir", model=meta_model)        # into a model
@@ -183,7 +183,7 @@ FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
 
 
 def check_state(state: dict, directory: pathlib.Path, name: str) -> None:
-    """The one validation every reader runs (design.md invariant 9) on a format's state_dict:
+    """The one validation every reader runs (docs/design.md invariant 9) on a format's state_dict:
     each QTensor through `check_qtensor` (attributes, inner shapes and dtypes, finite scales and
     codes, zero points, finite dequantized values), and no plain tensor that is quantized data
     the format did not map to a layout (float8 or integer weights, scale or packed tensors)."""

@@ -1,4 +1,5 @@
-"""DeepSeek-V3/R1 and Qwen3-FP8 block FP8 checkpoints (facts.md §5) <-> Fp8BlockwiseTensor.
+"""DeepSeek-V3/R1 and Qwen3-FP8 block FP8 checkpoints (docs/design.md, "Formats") <->
+Fp8BlockwiseTensor.
 
 config.json `quantization_config`: quant_method "fp8", fmt "e4m3", activation_scheme "dynamic",
 weight_block_size [bn, bk], optionally scale_fmt "ue8m0" (power-of-two scales). A quantized

@@ -1,7 +1,8 @@
 """Mixture-of-experts weights: other producers' per-expert keys <-> transformers' fused experts.
 
 DeepSeek-V3/R1, Qwen3-MoE and compressed-tensors MoE checkpoints store each expert as three
-linears (facts.md §8): `<m>.{e}.gate_proj.weight` [I, H], `<m>.{e}.up_proj.weight` [I, H] and
+linears (docs/design.md, "Experts in transformers"): `<m>.{e}.gate_proj.weight` [I, H],
+`<m>.{e}.up_proj.weight` [I, H] and
 `<m>.{e}.down_proj.weight` [H, I], with `<m>` = `...mlp.experts`; transformers 5.x holds them
 as two 3-D parameters of the experts module, `<m>.gate_up_proj` [E, 2I, H] (each expert's gate
 rows, then its up rows: the module's forward chunks the output in two) and `<m>.down_proj`
@@ -12,7 +13,7 @@ packed bytes and never dequantize.
 Gate and up are joined at row I. Where I is not a multiple of the layout's row packing, the
 join would leave a partial block inside the weight: FP8 blockwise weights are then re-blocked
 to the largest power-of-two row block dividing I (each 128-row scale repeated; the dequantized
-weights are unchanged, design.md invariant 2), as qshard.tp re-blocks a TP shard; the scale
+weights are unchanged, docs/design.md invariant 2), as qshard.tp re-blocks a TP shard; the scale
 memory of gate_up grows by 128 / that block. This is exact and keeps the checkpoint loadable
 (refusing would leave such a model unloadable for no numerical reason). Other layouts, whose
 packing along N is at most 2 rows, and FP8 where no block of at least 16 rows divides I, are

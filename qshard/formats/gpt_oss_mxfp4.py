@@ -1,4 +1,5 @@
-"""gpt-oss MXFP4 checkpoints (quant_method "mxfp4"; facts.md §5, §8) <-> 3-D Mxfp4Tensor experts.
+"""gpt-oss MXFP4 checkpoints (quant_method "mxfp4"; docs/design.md, "Formats" and "Experts in
+transformers") <-> 3-D Mxfp4Tensor experts.
 
 Only the MoE experts are quantized: `<p>_blocks` uint8 [E, rows, K/32, 16] (32 e2m1 codes per
 16 bytes, the even index in the low nibble) and `<p>_scales` uint8 [E, rows, K/32] (e8m0

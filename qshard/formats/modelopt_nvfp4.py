@@ -1,4 +1,4 @@
-"""NVIDIA ModelOpt NVFP4 checkpoints (facts.md §5) <-> Nvfp4Tensor.
+"""NVIDIA ModelOpt NVFP4 checkpoints (docs/design.md, "Formats") <-> Nvfp4Tensor.
 
 `hf_quant_config.json`: quantization.quant_algo "NVFP4" (W4A4) or "W4A16_NVFP4" (weight-only),
 group_size 16, exclude_modules (fnmatch patterns of modules left unquantized); newer exports

@@ -1,5 +1,5 @@
 """torchao's safetensors checkpoints (torchao >= 0.14, the `pytorch/*` models on the hub;
-facts.md §5) -> Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor.
+docs/design.md, "Formats") -> Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor.
 
 config.json `quantization_config.quant_method` "torchao". The safetensors header metadata holds
 `tensor_names` (a JSON list of state_dict keys) and, per key, a JSON object: {"_type":

@@ -436,7 +436,7 @@ class QShardHfQuantizer(HfQuantizer):
 def _check_float_tensors(records: dict[str, Record], where: dict[str, str]) -> None:
     """CheckpointError if a float tensor of the checkpoint does not match its CRC-32 in the
     qshard header: transformers loads the float tensors itself, so they are verified here,
-    before any is read into the model, as qshard.load verifies every tensor (design.md,
+    before any is read into the model, as qshard.load verifies every tensor (docs/design.md,
     invariant 9). Costs one more read of the float tensors (the page cache usually has it)."""
 
     by_file: dict[str, list] = {}

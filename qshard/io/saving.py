@@ -152,7 +152,7 @@ def save(
 
 def _invalid_quantized(state: Mapping[str, torch.Tensor]) -> QShardError | None:
     """What qshard.load would refuse in a quantized value (or this rank's shard of it), which is
-    then not written (design.md invariant 9), or None."""
+    then not written (docs/design.md invariant 9), or None."""
     for key, value in state.items():
         local = local_tensor(value)
         if isinstance(local, QTensor):

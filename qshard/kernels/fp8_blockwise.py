@@ -2,7 +2,7 @@
 
 Weights: float8_e4m3fn [N, K] with one fp32 scale per (bn x bk) block, scale shape
 [ceil(N/bn), ceil(K/bk)], partial edge blocks allowed; the scale is a multiplier,
-W = fp8 * scale (DeepSeek's `weight_scale_inv` convention, facts.md §5).
+W = fp8 * scale (DeepSeek's `weight_scale_inv` convention, docs/design.md, "Formats").
 Activations: quantized on the fly per token per `group` channels (1x128 in DeepSeek-V3, 1x64
 after re-blocking), scales [M, ceil(K/group)].
 
@@ -75,7 +75,7 @@ def e4m3_to_float64(q: torch.Tensor) -> torch.Tensor:
 
 def e4m3_weight_values(q: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn codes of a weight -> a fresh float32 tensor, exactly, for codes already
-    checked finite (every reader and `from_float` do, design.md invariant 9; a NaN code would
+    checked finite (every reader and `from_float` do, docs/design.md invariant 9; a NaN code would
     decode as +-480).
 
     Eager, by bits: each code shifted into an fp16's sign / exponent / mantissa is its value
@@ -214,7 +214,7 @@ def fp8_blockwise_linear_reference(
     e4m3 values has 8 significant bits and spans 2**-18 .. 2**18, so up to 2**9 of them fit in
     53 bits. The result therefore does not depend on the order of the sum (BLAS blocking, the
     output width), which is what makes a column-parallel shard equal the single-device output
-    bit for bit (design.md invariant 6).
+    bit for bit (docs/design.md invariant 6).
     """
     n, k = qdata.shape
     if weight_only:

@@ -1,7 +1,8 @@
 """Grouped (mixture-of-experts) matmul kernels in Triton: one launch over every expert.
 
 The tokens x [T, K] are sorted by expert; offs [E] int32 holds the end row of each expert's
-tokens (transformers' grouped_mm convention, facts.md §8). out[rows of e] = x[rows of e] @
+tokens (transformers' grouped_mm convention, docs/design.md, "Experts in transformers"). out[rows
+of e] = x[rows of e] @
 W[e].T (+ bias[e]) for [E, N, K] experts; rows past offs[-1] are zeros. Their definition is the
 per-expert 2-D reference (qshard/qtensor/grouped.py); tests compare against it.
 

@@ -9,12 +9,12 @@ zero = 8 for every group (not stored). Float zero point (torchao's Int4Tensor, H
 W ~= (u - 8) * scale + zero, with zero a float (the value of code 8), over the group's own
 range: scale = (max - min) / 15, zero = min + 8 * scale, u = clamp(round((w - zero) / scale) +
 8, 0, 15); its dequantization rounds once ((u - 8) * scale + zero, exact in float64, then fp32:
-what one FMA gives). Scales and zeros are bfloat16 (4.25 bits per weight at g128, facts.md §2);
+what one FMA gives). Scales and zeros are bfloat16 (4.25 bits per weight at g128);
 u is computed with the bf16-rounded scale (and zero), so that the stored values are the ones the
 quantization used.
 
 Packing: two weights per byte along K, the even index in the low nibble (the convention of
-NVFP4, gpt-oss MXFP4 and compressed-tensors' LSB-first order, facts.md §5):
+NVFP4, gpt-oss MXFP4 and compressed-tensors' LSB-first order, docs/design.md, "Formats"):
 packed[n, j] = u[n, 2j] | (u[n, 2j + 1] << 4); an odd K leaves the last high nibble zero.
 These plain-PyTorch functions run on any device and define what the kernels must compute.
 """

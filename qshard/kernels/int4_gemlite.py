@@ -1,4 +1,5 @@
-"""The gemlite backend of the int4 layout: gemlite's A16Wn kernels (facts.md §4) on a device form
+"""The gemlite backend of the int4 layout: gemlite's A16Wn kernels (docs/design.md, "PyTorch
+behaviour") on a device form
 made from the canonical packing (`kernels/int4.py`).
 
 gemlite's int4 weight is W = (W_q - zeros) * scales with W_q in 0..15 and one (scale, zero)
@@ -7,8 +8,10 @@ symmetric layout's zero point 8 is written out). gemlite packs for one activatio
 scales are cast to it), so the form is made for the weight's outer dtype.
 
 gemlite is optional and imported lazily: importing it queries the CUDA device and raises on a
-machine without one (facts.md §4). On a GPU with no shipped gemlite config (H200) the H100
-config is loaded, or gemlite would autotune for minutes per shape (facts.md §4).
+machine without one (docs/design.md, "PyTorch behaviour"). On a GPU with no shipped gemlite config
+(H200) the H100
+config is loaded, or gemlite would autotune for minutes per shape (docs/design.md, "PyTorch
+behaviour").
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 on CUDA, `aten._weight_int4pack_mm_for_cpu` on the CPU), on a device form made from the
 canonical packing (`kernels/int4.py`).
 
-tinygemm's weight is W = (q - 8) * scale + zero with q in 0..15 (facts.md §3), so the canonical
+tinygemm's weight is W = (q - 8) * scale + zero with q in 0..15 (docs/design.md, "PyTorch
+behaviour"), so the canonical
 W = (u - z) * s maps to q = u, scale = s and zero = (8 - z) * s. That zero is rounded once to
 the scale dtype (bf16 on CUDA; on the CPU the activation's dtype), so the weights differ from
 the canonical ones by at most 8 * s * 2^-9 (bf16): symmetric weights (z = 8) are exact. A

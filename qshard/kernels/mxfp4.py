@@ -13,7 +13,7 @@ partial: W ~= e2m1 * 2**e, one e8m0 scale 2**e per row per block.
 - Values: w / 2**e (exact), clamped to +-6, rounded to nearest on the e2m1 grid, ties to even
   (to 0, 1, 2, 4: the codes with an even mantissa bit). A value that rounds to 0 keeps its sign.
 - Packing: two codes per byte along K, the even index in the low nibble (OCP, gpt-oss,
-  ModelOpt; facts.md §5), as the int4 layout.
+  ModelOpt; docs/design.md, "Formats"), as the int4 layout.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """NVFP4 weight-only quantization and matmul: the reference definitions (NVIDIA's NVFP4, as
-ModelOpt writes it; facts.md §5).
+ModelOpt writes it; docs/design.md, "Formats").
 
 W ~= e2m1 * block_scale * global_scale:
 - e2m1 codes as MXFP4 (`mxfp4.py`: grid 0, 0.5, 1, 1.5, 2, 3, 4, 6, sign in bit 3, round to

@@ -1,4 +1,5 @@
-"""Input checks shared by the layouts' `from_float` and `_linear` (typed errors, design.md)."""
+"""Input checks shared by the layouts' `from_float` and `_linear` (typed errors, docs/design.md
+invariant 4)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ Attributes:
 Packing for the shape ops: qdata (1, 1), scale (bn, bk). A slice whose offsets are not multiples
 of the block but are multiples of a finer power-of-two block (>= 16) re-blocks exactly: each
 parent scale is repeated over the finer blocks it covers, so `dequantize()` is unchanged
-(facts.md §6: a TP-32 shard of DeepSeek's 18432 columns is 576 = 4.5 x 128 -> 64x64 blocks).
+(docs/design.md, "Tensor parallelism and blocks": a TP-32 shard of DeepSeek's 18432 columns is 576
+= 4.5 x 128 -> 64x64 blocks).
 """
 
 from __future__ import annotations

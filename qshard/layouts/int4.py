@@ -73,7 +73,7 @@ __all__ = ["INT4_MIN_SQNR_DB", "CodeOrder", "Int4Tensor", "Int4WeightOnlyConfig"
 GROUP_SIZES = (32, 64, 128, 256)
 MIN_GROUP = 16  # the finest re-grouping of a TP cut
 # F.linear vs float on Gaussian weights: asymmetric g128 gives ~20 dB (relative error 0.10,
-# facts.md §1), finer groups more.
+# measured), finer groups more.
 INT4_MIN_SQNR_DB = 17.0
 AVAILABLE_BACKENDS = (
     Backend.AUTO, Backend.REFERENCE, Backend.TRITON, Backend.TINYGEMM, Backend.GEMLITE,

@@ -19,7 +19,8 @@ one device (tinygemm's tiles, gemlite's packing), made from the canonical inner 
 `repack_for_device()`. It is a cache, not part of the layout: `inner_tensors()`, checkpoints and
 the shape ops see only the canonical tensors; ops that keep the logical weight (detach, t, view,
 clone, to, copy_) keep or re-make the form, ops that change it (slice, split, cat) drop it, and
-pickling drops it (design.md: one canonical packing, repacked for the device after loading).
+pickling drops it (one canonical packing, repacked for the device after loading: docs/design.md
+invariant 5).
 Its tensors are attributes named in `device_names`, flattened after the inner tensors so that
 torch.compile sees them as graph inputs; `device_meta` holds its non-tensor arguments.
 
@@ -27,7 +28,7 @@ The logical shape is the quantized weight's [N, K]; `transposed` flips the outer
 without moving data (so `F.linear`'s decomposition `x @ w.t()` routes back to the layout). The
 outer dtype is the float dtype that `dequantize()` returns and that activations are expected in.
 
-Expert weights (design.md invariant 8) are the same classes with a leading expert dim: logical
+Expert weights (docs/design.md invariant 8) are the same classes with a leading expert dim: logical
 [E, N, K], every inner tensor [E, ...] of what one expert's [N, K] weight holds (a whole-tensor
 value such as NVFP4's global scale becomes one per expert), outer [E, N, K] or, transposed,
 [E, K, N]. The layouts write only the 2-D hooks (`quantize_matrix`, `matrix_specs`,
@@ -260,7 +261,7 @@ class QTensor(torch.Tensor):
     def quantize_like(self, weight: torch.Tensor, at: tuple[int, ...] = (0, 0)) -> QTensor:
         """`weight` (a part of the float weight this tensor came from, whose first element is
         logical element `at` of this one) quantized as this tensor quantized it: its config,
-        and any state a part cannot recompute. Slicing commutes with this (design.md
+        and any state a part cannot recompute. Slicing commutes with this (docs/design.md
         invariant 1). For experts, `at` = (expert, row, column) and `weight` is a part of one
         expert ([n, k]) or of several ([e, n, k]), each quantized as its own expert was."""
         if self.experts is None:
@@ -386,7 +387,8 @@ class QTensor(torch.Tensor):
         """Whether the matmul quantizes activations with scales taken over the whole of K (per-row
         FP8 W8A8: one scale per token). A row-parallel shard then quantizes its own slice of K,
         so the TP output is the sum of the parts' products (as in vLLM's and torchao's TP), not
-        the single-device product up to summation order; design.md invariant 6 holds per part."""
+        the single-device product up to summation order; docs/design.md invariant 6 holds per
+        part."""
         return False
 
     def canonical(self) -> QTensor:
@@ -506,7 +508,8 @@ class QTensor(torch.Tensor):
 
     def __getstate__(self):
         # What torch.save pickles: the canonical storage, without the device form (it belongs
-        # to one device and is re-made by repack_for_device() after loading; design.md).
+        # to one device and is re-made by repack_for_device() after loading; docs/design.md
+        # invariant 5).
         state = {k: v for k, v in self.__dict__.items() if k not in self.device_names}
         source = self.canonical()
         if source is not self:
@@ -518,7 +521,7 @@ class QTensor(torch.Tensor):
 
     def __setstate__(self, state):
         # What torch.load (weights_only=True included) calls on a rebuilt tensor: the state is
-        # outside data, checked as every reader checks a QTensor (design.md invariant 9), so a
+        # outside data, checked as every reader checks a QTensor (docs/design.md invariant 9), so a
         # crafted pickle cannot declare a shape its data does not hold, shadow a method, or
         # carry NaN scales. A tensor pickled before an attribute was added gets its default.
         where = f"torch.load: a pickled {type(self).__name__}"

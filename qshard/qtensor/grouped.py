@@ -1,6 +1,7 @@
 """Matmuls on quantized experts: `torch._grouped_mm` / `F.grouped_mm` and `torch.bmm`.
 
-transformers' experts implementations (facts.md §8) multiply tokens sorted by expert with the
+transformers' experts implementations (docs/design.md, "Experts in transformers") multiply tokens
+sorted by expert with the
 [E, N, K] experts weight: `grouped_mm` calls `_grouped_mm(x, w.transpose(-2, -1), offs=offs)`
 (or `_grouped_mm(x, w, offs)` for gpt-oss's transposed [E, K, N] storage), `batched_mm` calls
 `bmm(w[ids], x[..., None])` (or `bmm(x[:, None], w[ids])`) on the experts gathered per token,

@@ -1,4 +1,4 @@
-"""The one validation of a quantized tensor built from outside data (design.md invariant 9).
+"""The one validation of a quantized tensor built from outside data (docs/design.md invariant 9).
 
 Every reader runs `check_qtensor` on every QTensor it builds: `qshard.load` (whole and per-rank
 sliced reads), `qshard.load_pretrained` (every format), `torch.load(weights_only=True)` (through

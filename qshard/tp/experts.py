@@ -1,6 +1,7 @@
 """Expert parallelism and tensor parallelism of an experts module's 3-D (quantized) weights.
 
-An experts module (transformers 5.x, facts.md §8) holds `gate_up_proj` [E, 2I, H] and
+An experts module (transformers 5.x, docs/design.md, "Experts in transformers") holds
+`gate_up_proj` [E, 2I, H] and
 `down_proj` [E, H, I] (gpt-oss: transposed [E, H, 2I] / [E, I, H], gate and up interleaved, with
 per-expert biases) and is called as `experts(hidden [T, H], top_k_index [T, k], top_k_weights)`
 with global expert ids. The styles, for `qshard.tp.parallelize` over a 1-D mesh:

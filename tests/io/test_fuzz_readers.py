@@ -1,4 +1,4 @@
-"""Every reader of outside data, fuzzed (design.md invariant 9, issue 21): `qshard.load` (with
+"""Every reader of outside data, fuzzed (docs/design.md invariant 9, issue 21): `qshard.load` (with
 and without a model, single file and sharded), `qshard.load_pretrained` for every format (with
 and without a model) and `torch.load(weights_only=True)` of saved QTensors and state_dicts.
 

@@ -1,4 +1,5 @@
-"""Other producers' checkpoints (facts.md §5): each written here in the producer's exact
+"""Other producers' checkpoints (docs/design.md, "Formats"): each written here in the producer's
+exact
 convention, loaded with qshard.load_pretrained, and checked against that format's own
 dequantization formula written out from its spec; a wrong convention must fail those checks;
 qshard.export -> load_pretrained must give the same tensors bit for bit."""

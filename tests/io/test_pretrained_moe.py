@@ -1,4 +1,5 @@
-"""Mixture-of-experts checkpoints other producers write (facts.md §5, §8), written here in each
+"""Mixture-of-experts checkpoints other producers write (docs/design.md, "Formats", §8), written
+here in each
 producer's own per-expert or 3-D convention from transformers' tiny random MoE models, loaded
 with qshard.load_pretrained into the models' fused 3-D experts (gate_up_proj, down_proj) with no
 float round trip: every loaded experts weight dequantizes to exactly what the format's formula
@@ -26,7 +27,7 @@ TOKENS = torch.tensor([[3, 17, 42, 99, 5, 64, 120, 8, 31, 77]])
 # Relative error of the logits against the model with the dequantized weights. Weight-only
 # layouts on the CPU reference path run the same bf16 weights (0.0 measured; summation order
 # at most); W8A8 FP8 also quantizes activations per 1x128 group (0.014 / 0.026 measured for
-# Qwen3-MoE / DeepSeek-V3; facts.md §1: 0.037 per matmul on random weights).
+# Qwen3-MoE / DeepSeek-V3; measured: 0.037 per matmul on random weights).
 WEIGHT_ONLY_TOLERANCE = 1e-3
 W8A8_TOLERANCE = 0.06
 

@@ -1,4 +1,5 @@
-"""Every reader runs the same checks (design.md invariant 9; issue 21): NaN/Inf codes and scales
+"""Every reader runs the same checks (docs/design.md invariant 9; issue 21): NaN/Inf codes and
+scales
 in every foreign format, index entries outside the directory, a tensor in two files, JSON
 bombs, corrupt safetensors, a float64 model, attributes beyond their bounds, and sliced
 (tensor-parallel) reads that verify every byte they read."""

@@ -1,7 +1,8 @@
 """The FP8 blockwise Triton kernels (and the cuBLAS backend on a GPU) against the reference.
 
 Without a GPU these run under the Triton interpreter (conftest sets TRITON_INTERPRET=1), with
-float16 activations where a bf16 dot would be involved (facts.md §3); on a GPU they run the
+float16 activations where a bf16 dot would be involved (docs/design.md, "PyTorch behaviour"); on a
+GPU they run the
 compiled kernels. Fresh random inputs every run, odd shapes, partial edge blocks.
 """
 

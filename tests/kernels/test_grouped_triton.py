@@ -1,5 +1,6 @@
 """The grouped (experts) Triton kernels against the per-expert reference: under the Triton
-interpreter on the CPU (float16 activations, facts.md §3), compiled on a GPU. Fresh random
+interpreter on the CPU (float16 activations, docs/design.md, "PyTorch behaviour"), compiled on a
+GPU. Fresh random
 inputs each run; odd N and K (partial blocks and groups), experts with no tokens, token counts
 that straddle the token block, rows past offs[-1] (zeros), a bias per expert, every format."""
 

@@ -1,5 +1,6 @@
 """The 4-bit weight-only Triton kernels (int4, MXFP4, NVFP4) against their references: under
-the Triton interpreter on the CPU (float16 activations, facts.md §3), compiled on a GPU. Fresh
+the Triton interpreter on the CPU (float16 activations, docs/design.md, "PyTorch behaviour"),
+compiled on a GPU. Fresh
 random inputs each run, odd shapes, partial groups, every kernel (GEMV, split-K small-M,
 dequantize + matmul) and every format."""
 

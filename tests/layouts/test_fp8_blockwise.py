@@ -123,7 +123,8 @@ def test_copy_into_a_reblocked_slice_refuses_instead_of_losing_the_write():
 
 
 def test_deepseek_tp32_shard_reblocks_to_64x64_and_reassembles():
-    """facts.md §6: 18432 / 32 = 576 = 4.5 x 128 columns per shard (here 4 shards of 576)."""
+    """docs/design.md, "Tensor parallelism and blocks": 18432 / 32 = 576 = 4.5 x 128 columns per
+    shard (here 4 shards of 576)."""
     n, k, tp = 256, 4 * 576, 4
     w = gaussian(n, k)
     q = Fp8BlockwiseTensor.from_float(w)

@@ -38,7 +38,7 @@ GEMLITE_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
 
 
 def tinygemm_weight(q: qshard.Int4Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
-    """The weight tinygemm multiplies, from its definition (facts.md §3):
+    """The weight tinygemm multiplies, from its definition (docs/design.md, "PyTorch behaviour"):
     (q - 8) * scale + zero, q the 4-bit code, zero = (8 - z) * s rounded to the scale dtype."""
     n, k = q.logical_shape
     codes = torch.stack([q.qdata & 15, q.qdata >> 4], dim=-1).reshape(n, -1)[:, :k].double()

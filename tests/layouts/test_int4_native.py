@@ -336,7 +336,8 @@ KERNEL_TOLERANCE = {
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_the_op_reads_native_codes(config, m, dtype):
     """The op on native codes: the word GEMV at one token (K = 384: its step shrinks to 16
-    words), dequantize (un-permuting) + BLAS above (fp16 activations: facts.md section 3)."""
+    words), dequantize (un-permuting) + BLAS above (fp16 activations: docs/design.md, "PyTorch
+    behaviour")."""
     load_w4a16_ops()
     canonical, native = pair(config, n=24, k=384 if config.group_size == 128 else 512,
                              dtype=torch.float16)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The one validation every reader runs (qshard/qtensor/validation.py; design.md invariant 9):
+"""The one validation every reader runs (qshard/qtensor/validation.py; docs/design.md invariant 9):
 crafted torch.load(weights_only=True) pickles, int4 zero points, values that dequantize to Inf
 (quantize_ included), empty weights, NVFP4's global scale on every device (issue 21)."""
 

@@ -179,7 +179,7 @@ def _assert_shards_hold_the_whole_weights(whole: nn.Module, sharded: nn.Module, 
 
 
 def _column_parallel_worker(rank, world, mesh):
-    # Bit for bit under the reference (design.md invariant 6: its sums are exact, whatever the
+    # Bit for bit under the reference (docs/design.md invariant 6: its sums are exact, whatever the
     # shard's width); `auto` on CPU is dequantize-then-BLAS, whose sums follow the BLAS's
     # blocking of each call's width, so there the shards agree up to summation order.
     for cls, config in LAYOUT_CASES:
