@@ -106,16 +106,18 @@ def test_demo_under_tensor_parallelism_matches_one_device(capfd):
 
 
 EXAMPLES = {
-    # file: (the line rank 0 prints starts with, what it must contain)
-    "tp_inference.py": ("TP 2", "Fp8BlockwiseTensor [2048, 1024] of [4096, 1024]"),
-    "tp_checkpoint.py": ("TP 2", "Fp8BlockwiseTensor [2048, 1024] of [4096, 1024]"),
+    # file: (the page that prints it whole, the line rank 0 prints starts with, what it holds)
+    "tp_inference.py": ("README.md", "TP 2", "Fp8BlockwiseTensor [2048, 1024] of [4096, 1024]"),
+    "tp_checkpoint.py": (
+        "docs/checkpoints.md", "TP 2", "Fp8BlockwiseTensor [2048, 1024] of [4096, 1024]"
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_readme_tp_examples_are_the_example_files_and_run_under_torchrun(name):
+def test_the_tp_examples_are_the_example_files_and_run_under_torchrun(name):
     example = README.parent / "examples" / name
-    text = README.read_text()
+    text = (README.parent / EXAMPLES[name][0]).read_text()
     assert f"```python examples/{name}\n{example.read_text()}```" in text
     assert f"torchrun --standalone --nproc-per-node 2 examples/{name}" in text
     run = subprocess.run(
@@ -127,7 +129,7 @@ def test_readme_tp_examples_are_the_example_files_and_run_under_torchrun(name):
         cwd=README.parent,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    start, expected = EXAMPLES[name]
+    _, start, expected = EXAMPLES[name]
     line = next(x for x in run.stdout.splitlines() if x.startswith(start))
     assert expected in line, line
     if name == "tp_inference.py":
