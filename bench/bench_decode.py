@@ -60,8 +60,6 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 import qshard
 import qshard.tp
 from qshard.cli.configs import config_named

@@ -23,13 +23,10 @@ Issue 9's floors: int4 g64 0.98, MXFP4 and NVFP4 0.97 (the min over the sentence
 from __future__ import annotations
 
 import copy
-import os
 import sys
 
 import torch
 from torch import nn
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from qshard.cli.demo import MINILM_CALIBRATION as CALIBRATION
 from qshard.cli.demo import _minilm_inputs
