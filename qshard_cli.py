@@ -14,13 +14,17 @@ themselves run in qshard/cli.py.
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import sys
 
 __all__ = ["CONFIG_NAMES", "main"]
 
-# `qshard quantize --config` names (qshard/convert.py CONFIGS; listed here so that --help needs
-# no torch import).
-CONFIG_NAMES = ["fp8-block", "fp8-row", "int4-g128", "int4-g64", "mxfp4", "nvfp4"]
+# The `--config` names: the keys of qshard/cli/configs.json, the one table of them (each a
+# config's `to_dict()`, built by qshard.cli.config_named), read here as a file so that --help
+# needs no torch import (importing any qshard module imports torch).
+CONFIGS_FILE = pathlib.Path(__file__).resolve().parent / "qshard" / "cli" / "configs.json"
+CONFIG_NAMES = list(json.loads(CONFIGS_FILE.read_text()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except _UsageError as e:
         return _error(str(e), 2)
-    from qshard.cli import run  # imports torch
+    from qshard.cli import run  # on use: it imports torch (about a second)
 
-    return run(args)
+    status, message = run(args)
+    return _error(message, status) if message else status
 
 
 class _UsageError(Exception):

@@ -19,14 +19,10 @@ one graph (a buffer reused before a peer finished reading it would show here).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import qshard.tp
 

@@ -60,11 +60,9 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 import qshard
 import qshard.tp
-from qshard.convert import CONFIGS
+from qshard.cli.configs import config_named
 from qshard.models import EP_PLAN, TP_PLAN, Llama, LlamaConfig, decode_one_token, generate, prefill
 
 
@@ -113,8 +111,8 @@ def build(config: LlamaConfig, layout: str, device: torch.device) -> Llama:
         torchao_quantize(model, torchao_config(layout))
     elif layout != "bf16":
         for layer in model.layers:  # a layer at a time: the peak is the bf16 model + a layer
-            qshard.quantize_(layer, CONFIGS[layout]())
-        qshard.quantize_(model.output, CONFIGS[layout]())
+            qshard.quantize_(layer, config_named(layout))
+        qshard.quantize_(model.output, config_named(layout))
     return model
 
 

@@ -12,16 +12,9 @@ Missing optional packages are reported, not silently skipped.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from bench_fp8 import LLAMA, bf16_method, load_gemlite_config
 from bench_int4 import Weight4, machine_header, sweep, weight_only_args, weight_only_table
+from harness import LLAMA, bf16_method, load_gemlite_config
 
 from qshard.kernels import mxfp4, nvfp4
 

@@ -19,50 +19,28 @@ packages are reported, not silently skipped.
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from harness import (
+    DEEPSEEK,
+    LLAMA,
+    MS,
+    best_four,
+    bf16_method,
+    copies_for,
+    load_gemlite_config,
+    measure,
+    sweep_results,
+    time_us,
+    versions_line,
+)
 
 import qshard
 from qshard.kernels import fp8_blockwise as ref
 from qshard.kernels.loader import load_gpu_ops
 
-LLAMA = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-DEEPSEEK = {"24576x7168": (24576, 7168), "7168x2048": (7168, 2048),
-            "18432x7168": (18432, 7168), "7168x18432": (7168, 18432)}  # fmt: skip
-MS = (1, 16, 128, 2048, 4096)
-L2_BYTES = 50 * 2**20
-
-
-def copies_for(bytes_per_weight: int, m: int) -> int:
-    """Enough weight copies that one pass over them does not fit in L2 (small M only)."""
-    return 1 if m >= 2048 else max(1, math.ceil(3 * L2_BYTES / bytes_per_weight))
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want|| / ||want||, in fp32."""
-    want = want.float()
-    return ((got.float() - want).norm() / want.norm()).item()
-
-
-def time_us(fn, count: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3 / count
-
-
 # ---- methods: each builds per-weight state and returns a callable x -> y ----------------------
-
-
-def bf16_method(w):
-    return lambda x: F.linear(x, w)
 
 
 def qshard_method(backend):
@@ -126,14 +104,6 @@ def torchao_perrow_method(w):
     return linear
 
 
-def load_gemlite_config() -> None:
-    import gemlite
-
-    config = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
-    # The H200 has no shipped config (docs/design.md, "PyTorch behaviour").
-    gemlite.core.GemLiteLinear.load_config(config)
-
-
 def gemlite_method(w):
     from gemlite.helper import A8W8_fp8_dynamic
 
@@ -155,25 +125,6 @@ METHODS = {
     "qshard-perrow-compiled": qshard_perrow_method(compiled=True),
     "torchao-perrow": torchao_perrow_method,
 }
-
-
-def measure(build, shapes: dict, m: int, bytes_per_weight: float = 1.0) -> float | str:
-    """Summed time (us) over `shapes` at M = m of the callables `build(weight)` returns (one
-    per weight copy, `bytes_per_weight` sizing the copies), or the error that stopped it. x is
-    bf16 unless `build.x_dtype` names another (a baseline that takes fp16 only)."""
-    x_dtype = getattr(build, "x_dtype", torch.bfloat16)
-    total = 0.0
-    for n, k in shapes.values():
-        try:
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-            count = copies_for(int(n * k * bytes_per_weight), m)
-            fns = [build(w if i == 0 else w.clone()) for i in range(count)]
-            x = torch.randn(m, k, device="cuda", dtype=x_dtype)
-            total += time_us(lambda fns=fns, x=x: [f(x) for f in fns], count)
-            del fns
-        except Exception as e:  # reported in the table, e.g. a baseline that cannot run
-            return f"fails: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
-    return total
 
 
 def table(shapes: dict, title: str, methods, ms=MS) -> None:
@@ -265,41 +216,6 @@ def sweep(shapes: dict, sweep_ms=SWEEP_MS) -> None:
     for m, results in sweep_results(sweep_ms, shapes, sweep_candidates, time_shape):
         cublas = next((f"{r[0]:.0f} us" for r in results if r[1] == "cublas"), "fails")
         print(f"- M={m}: cuBLAS {cublas}; best: {best_four(results)}", flush=True)
-
-
-def sweep_results(ms, shapes: dict, candidates, time_shape):
-    """For each M: (M, [(summed us, label, per-shape us)] best first) over `candidates(m)`,
-    (label, config_for(n, k)) pairs, each shape timed by `time_shape(name, n, k, m, config)`.
-    A candidate that fails (e.g. does not compile) is printed and left out."""
-    for m in ms:
-        results = []
-        for label, config_for in candidates(m):
-            try:
-                per_shape = [time_shape(name, n, k, m, config_for(n, k))
-                             for name, (n, k) in shapes.items()]  # fmt: skip
-            except Exception as e:  # a config that does not compile: shown, not fatal
-                print(f"  (M={m} {label}: {type(e).__name__}: {str(e).splitlines()[0][:80]})")
-                continue
-            results.append((sum(per_shape), label, per_shape))
-        yield m, sorted(results, key=lambda r: r[0])
-
-
-def best_four(results) -> str:
-    return "; ".join(
-        f"{t:.0f} us {label} ({'/'.join(f'{p:.0f}' for p in per)})" for t, label, per in results[:4]
-    )
-
-
-def versions_line(optional) -> str:
-    """The line GPU: <name>; torch <v>, triton <v>, each optional package <v or why not>."""
-    versions = {"torch": torch.__version__, "triton": triton.__version__}
-    for name in optional:
-        try:
-            versions[name] = __import__(name).__version__
-        except Exception as e:  # reported, not hidden
-            versions[name] = f"unavailable ({type(e).__name__})"
-    listed = ", ".join(f"{k} {v}" for k, v in versions.items())
-    return f"GPU: {torch.cuda.get_device_name()}; {listed}"
 
 
 def act_quant_bandwidth() -> None:

@@ -13,17 +13,11 @@ matmul peak). Also the output's relative error vs the float linear, per method, 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 import triton
-
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from bench_fp8 import (
+from harness import (
     LLAMA,
     best_four,
     bf16_method,

@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import qshard
 from qshard.layouts import layout_for

@@ -1,14 +1,14 @@
 """The 4-bit op (`linear_launch` with its own choice of kernel, on the codes as the layout
 holds them on this GPU) against bf16 F.linear on the Llama-3.1-8B layer, per linear and summed;
-each result checked against the reference first. Prints which kernel the op chose. Notes:
-docs/kernels/w4a16_register.md, "Session 24" and "Session 26".
+each result checked against the reference first. Prints which kernel the op chose (how each
+works: docs/kernels/w4a16_register.md).
 
     PYTHONPATH=$PWD python bench/bench_op_layer.py [--format int4|mxfp4|nvfp4]
         [--ms 1,2,8,16,32,64,128] [--shapes qkv,o,gate_up,down] [--canonical] [--marlin]
 
 int4 with groups of 128 on a Hopper GPU: the op reads the codes in the native order
 (`packing.native_codes`, what an Int4Tensor holds there: layouts/int4.py). --canonical: also
-the op and the wgmma kernel on the canonical codes (what the op ran before session 26).
+the op and the wgmma kernel on the canonical codes (what other int4 weights run).
 --marlin: also Marlin (fp16 x; built by bench/build_marlin.sh, on PYTHONPATH), checked against
 the float linear.
 
@@ -18,18 +18,19 @@ Timed as bench_fp8.py does (CUDA-graph median per call, weight copies rotated pa
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from bench_fp8 import relative_error, versions_line
-from bench_register import FORMATS, add_to_layer, layer_weights, print_layer, timed
-from bench_register_ws import reference
+from harness import (
+    FORMATS,
+    add_to_layer,
+    layer_weights,
+    print_layer,
+    reference,
+    relative_error,
+    timed,
+    versions_line,
+)
 
 from qshard.kernels.availability import native_int4_problem
 from qshard.kernels.packing import native_codes

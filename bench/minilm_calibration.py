@@ -11,7 +11,7 @@ Methods, per format (int4 g64 asymmetric, MXFP4, NVFP4):
 - mse: per group, the candidate scale (a clipped range for int4, the e8m0 exponent -1/0/+1 for
   MXFP4, the e4m3 scale of 0.8x to 1.2x the amax for NVFP4) with the least squared error.
 - gptq: GPTQ (Frantar et al. 2022) with the demo's calibration sentences, none of them the
-  evaluated ones (`qshard.demo.MINILM_CALIBRATION`, 96; `--sentences N` takes the first N),
+  evaluated ones (`qshard.cli.demo.MINILM_CALIBRATION`, 96; `--sentences N` takes the first N),
   over the real tokens only (`qshard.gptq_` takes every position of its batches, padding
   included), static groups (each group's scale from the unquantized weight), columns in decreasing
   order of their input's second moment (act-order), dampening 0.1 of the mean diagonal.
@@ -23,16 +23,13 @@ Issue 9's floors: int4 g64 0.98, MXFP4 and NVFP4 0.97 (the min over the sentence
 from __future__ import annotations
 
 import copy
-import os
 import sys
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from qshard.demo import MINILM_CALIBRATION as CALIBRATION
-from qshard.demo import _minilm_inputs
+from qshard.cli.demo import MINILM_CALIBRATION as CALIBRATION
+from qshard.cli.demo import _minilm_inputs
 from qshard.kernels.mxfp4 import E2M1_VALUES, block_exponents, e2m1_codes
 from qshard.models import BertModel, mean_pooled_embeddings
 

@@ -15,15 +15,9 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import os
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 from bench_decode import build
 
 from qshard.models import LlamaConfig, decode_one_token, generate, prefill

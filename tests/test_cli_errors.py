@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 import qshard
-import qshard.convert
-from qshard.cli import main
+import qshard.cli.quantize
+from qshard_cli import main
 
 
 def float_model(directory: pathlib.Path, shards: int = 1, extra=None) -> pathlib.Path:
@@ -201,7 +201,7 @@ def test_quantize_checks_its_input_directory(tmp_path, capsys):
 def test_quantize_checks_its_out_before_reading_a_tensor(tmp_path, capsys, monkeypatch):
     model = float_model(tmp_path / "m")
     (tmp_path / "file.txt").write_text("x")
-    monkeypatch.setattr(qshard.convert.SafetensorsDir, "get", lambda *a: pytest.fail("read"))
+    monkeypatch.setattr(qshard.cli.quantize.SafetensorsDir, "get", lambda *a: pytest.fail("read"))
     assert quantize(model, tmp_path / "file.txt") == 1
     assert "file.txt" in error_line(capsys)
     assert quantize(model, tmp_path / "file.txt" / "q") == 1
@@ -210,7 +210,7 @@ def test_quantize_checks_its_out_before_reading_a_tensor(tmp_path, capsys, monke
     (tmp_path / "other" / "notes.txt").write_text("mine")
     assert quantize(model, tmp_path / "other") == 1
     assert "not empty" in error_line(capsys)
-    monkeypatch.setattr(qshard.convert.os, "access", lambda *a, **k: False)
+    monkeypatch.setattr(qshard.cli.quantize.os, "access", lambda *a, **k: False)
     assert quantize(model, tmp_path / "q") == 1  # (root may write anywhere: os.access mocked)
     assert "cannot write" in error_line(capsys)
 
@@ -227,7 +227,7 @@ def test_a_failing_write_is_one_line(tmp_path, capsys, monkeypatch, error, expec
     def save(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(qshard.convert, "save", save)
+    monkeypatch.setattr(qshard.cli.quantize, "save", save)
     assert quantize(float_model(tmp_path / "m"), tmp_path / "q") == 1
     assert expected in error_line(capsys, after_progress=True)
 
@@ -248,11 +248,11 @@ def test_bench_refuses_bad_arguments_with_status_2(capsys, args, expected):
 
 
 def test_bench_on_cuda_without_a_gpu_fails_before_timing(capsys, monkeypatch):
-    import qshard.benchmark
     import qshard.cli
+    import qshard.cli.bench
 
     monkeypatch.setattr(qshard.cli, "_has_cuda", lambda: False)
-    monkeypatch.setattr(qshard.benchmark, "bench_linears", lambda *a: pytest.fail("timed"))
+    monkeypatch.setattr(qshard.cli.bench, "bench_linears", lambda *a: pytest.fail("timed"))
     assert main(["bench", "32x32", "--device", "cuda"]) == 1
     assert "--device cpu" in error_line(capsys)
 
@@ -264,7 +264,7 @@ def test_debug_shows_the_exception_and_internal_errors_say_so(tmp_path, capsys, 
     def bug(*args, **kwargs):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(qshard.convert, "quantize_directory", bug)
+    monkeypatch.setattr(qshard.cli.quantize, "quantize_directory", bug)
     assert quantize(tmp_path / "m", tmp_path / "q") == 1
     line = error_line(capsys)
     assert "internal error" in line and "ZeroDivisionError" in line and "--debug" in line
@@ -272,7 +272,7 @@ def test_debug_shows_the_exception_and_internal_errors_say_so(tmp_path, capsys, 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(qshard.convert, "quantize_directory", interrupt)
+    monkeypatch.setattr(qshard.cli.quantize, "quantize_directory", interrupt)
     assert quantize(tmp_path / "m", tmp_path / "q") == 130
     assert "interrupted" in capsys.readouterr().err
 

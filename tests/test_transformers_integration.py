@@ -539,7 +539,7 @@ def test_a_qshard_quantize_output_is_a_model_directory_transformers_loads(tmp_pa
     """`qshard quantize` (quantize_directory) writes config.json with qshard's
     quantization_config and copies the tokenizer and generation files: from_pretrained loads
     it as the model quantize_ gives (the same selection rule), weight for weight."""
-    from qshard.convert import quantize_directory
+    from qshard.cli.quantize import quantize_directory
 
     model = tiny_llama()
     model.save_pretrained(tmp_path / "float")

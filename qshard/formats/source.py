@@ -27,8 +27,8 @@ from ..io.checkpoint import (
 )
 from ..layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor
 from ..qtensor import QTensor
-from ..safejson import read_json_file
 from ..shards import chunk_bounds, shard_cuts
+from ..strict_json import read_json_file
 
 __all__ = [
     "MemorySource",
@@ -44,7 +44,7 @@ __all__ = [
 
 def read_json(path: pathlib.Path) -> dict | None:
     """The JSON object in `path`, None if there is no such file; CheckpointError if it is not a
-    readable JSON object (nesting bombs and huge integers included: qshard/safejson.py)."""
+    readable JSON object (nesting bombs and huge integers included: qshard/strict_json.py)."""
     if not path.exists():
         return None
     return read_json_file(path)

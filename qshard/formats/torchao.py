@@ -37,7 +37,7 @@ from ..config import Backend, ScaleFormat
 from ..errors import CheckpointError
 from ..layouts import Fp8BlockwiseTensor, Int4Tensor
 from ..layouts.int4 import GROUP_SIZES, ZeroPointDomain
-from ..safejson import parse_json
+from ..strict_json import parse_json
 from .configs import Fields, check_stored, quantization_config
 from .source import exact_bf16, fp8_block_attrs, fp8_rows
 

@@ -22,8 +22,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..qtensor.validation import check_qtensor
-from ..safejson import parse_json, read_json_file
 from ..shards import chunk_bounds, shard_cuts
+from ..strict_json import parse_json, read_json_file
 from .format import (
     METADATA_KEY,
     SAFETENSORS_DTYPES,

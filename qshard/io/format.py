@@ -53,7 +53,7 @@ from ..qtensor import QTensor
 from ..qtensor.attrs import attr_to_json, attrs_text, decode_attrs, expect
 from ..qtensor.registry import layout_by_name, registered_layouts
 from ..qtensor.validation import FLOAT_DTYPES, MAX_SIZE
-from ..safejson import parse_json
+from ..strict_json import parse_json
 
 __all__ = [
     "FORMAT_VERSION",

@@ -89,7 +89,7 @@ def test_working_sizes_are_listed_beyond_powers_of_two():
 
 def test_dtensors_of_different_quantized_layouts_do_not_share_compiled_graphs(tmp_path):
     """torch keys a DTensor in the AOT autograd cache by its spec alone; qshard adds the local
-    QTensor's hash (qshard/_dtensor_cache_key.py), or an int4 TP block ran the FP8 block's graph."""
+    QTensor's hash (qshard/dtensor_cache_key.py), or an int4 TP block ran the FP8 block's graph."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -26,36 +26,21 @@ import sys
 
 import torch
 
-from .api import quantize_tensor
-from .errors import CheckpointError, QShardError
-from .formats import PACKED_SUFFIXES, QUANTIZATION_SUFFIXES, load_pretrained
-from .formats.experts import expert_count, expert_modules, rename_legacy_experts
-from .formats.source import SafetensorsDir
-from .io import load, save
-from .io.format import METADATA_KEY
-from .io.saving import QUANTIZATION_CONFIG_NAME
-from .layouts import (
-    Fp8BlockwiseConfig,
-    Fp8RowwiseConfig,
-    Int4WeightOnlyConfig,
-    MXFP4WeightOnlyConfig,
-    NVFP4WeightOnlyConfig,
-)
-from .qtensor import FLOAT_DTYPES, QTensor, stored_nbytes
-from .qtensor.registry import handler_for
-from .safejson import read_json_file
-from .targets import KEEP_FLOAT, Target, check_patterns, selected_targets
+from ..api import quantize_tensor
+from ..errors import CheckpointError, QShardError
+from ..formats import PACKED_SUFFIXES, QUANTIZATION_SUFFIXES, load_pretrained
+from ..formats.experts import expert_count, expert_modules, rename_legacy_experts
+from ..formats.source import SafetensorsDir
+from ..io import load, save
+from ..io.format import METADATA_KEY
+from ..io.saving import QUANTIZATION_CONFIG_NAME
+from ..qtensor import FLOAT_DTYPES, QTensor, stored_nbytes
+from ..qtensor.registry import handler_for
+from ..strict_json import read_json_file
+from ..targets import KEEP_FLOAT, Target, check_patterns, selected_targets
+from .configs import CONFIG_NAMES, config_named
 
-__all__ = ["CONFIGS", "inspect_checkpoint", "quantize_directory"]
-
-CONFIGS = {
-    "fp8-block": Fp8BlockwiseConfig,
-    "fp8-row": Fp8RowwiseConfig,
-    "int4-g128": Int4WeightOnlyConfig,
-    "int4-g64": lambda: Int4WeightOnlyConfig(group_size=64),
-    "nvfp4": NVFP4WeightOnlyConfig,
-    "mxfp4": MXFP4WeightOnlyConfig,
-}
+__all__ = ["inspect_checkpoint", "quantize_directory"]
 
 
 def _is_excluded(module: str, patterns) -> bool:
@@ -82,9 +67,9 @@ def quantize_directory(
     writable, is neither the input nor inside it nor around it, and is new, empty or a qshard
     checkpoint."""
     progress = sys.stderr if progress else None
-    if config not in CONFIGS:
-        raise QShardError(f"qshard quantize: --config {config!r} is not one of {list(CONFIGS)}")
-    quant_config = CONFIGS[config]()
+    if config not in CONFIG_NAMES:
+        raise QShardError(f"qshard quantize: --config {config!r} is not one of {CONFIG_NAMES}")
+    quant_config = config_named(config)
     model_dir, out_dir = pathlib.Path(model_dir), pathlib.Path(out_dir)
     _check_model_dir(model_dir)
     _check_out_dir(out_dir, model_dir)

@@ -22,19 +22,19 @@ import warnings
 import torch
 from torch import nn
 
-from .api import quantize_
-from .benchmark import WIDE_SPREAD, Timing
-from .calibration import gptq_
-from .io import load, save
-from .layouts import (
+from ..api import quantize_
+from ..calibration import gptq_
+from ..io import load, save
+from ..layouts import (
     Fp8BlockwiseConfig,
     Int4WeightOnlyConfig,
     MXFP4WeightOnlyConfig,
     NVFP4WeightOnlyConfig,
 )
-from .metrics import cosine_similarity, sqnr_db
-from .models import BertModel, Llama, LlamaConfig, mean_pooled_embeddings
-from .qtensor import stored_nbytes
+from ..metrics import cosine_similarity, sqnr_db
+from ..models import BertModel, Llama, LlamaConfig, mean_pooled_embeddings
+from ..qtensor import stored_nbytes
+from .bench import WIDE_SPREAD, Timing
 
 __all__ = [
     "MINILM_CALIBRATION",
@@ -63,7 +63,7 @@ MINILM_SENTENCES = [
 
 
 def _time_ms(fn, repeats: int = 7):
-    """The Timing (qshard.benchmark's: fastest, median, slowest) of one call, in ms."""
+    """The Timing (qshard.cli.bench's: fastest, median, slowest) of one call, in ms."""
 
     fn()
     runs = []

@@ -1,5 +1,8 @@
-"""The `qshard` command's work. Its arguments are parsed in the top-level module `qshard_cli`
-(the entry point; it imports no torch, so `qshard --help` is quick), which calls `run` here.
+"""The `qshard` command's work: `run` runs a parsed command line. The arguments are parsed in
+the top-level module `qshard_cli` (the entry point; it imports no torch, so `qshard --help` is
+quick), which calls `run` and prints its error line. The commands: `quantize` and `inspect`
+(quantize.py), `bench` (bench.py), `demo` (demo.py, demo_tp.py); the `--config` names are
+configs.json's (`config_named`).
 
 An error prints one line on stderr, `qshard: error: <what, which file, what to do>`, and exits
 with status 2 for a usage error (an unknown option, a bad argument value), 1 for any other (a
@@ -18,11 +21,10 @@ import sys
 
 import torch
 
-from qshard_cli import CONFIG_NAMES, _error, main
+from ..errors import QShardError
+from .configs import CONFIG_NAMES, config_named
 
-from .errors import QShardError
-
-__all__ = ["CONFIG_NAMES", "main", "run"]
+__all__ = ["CONFIG_NAMES", "config_named", "run"]
 
 # What to do about an OSError, by errno.
 _OS_ERROR_HINTS = {
@@ -37,20 +39,21 @@ _OS_ERROR_HINTS = {
 }
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the parsed command line (qshard_cli.main parsed it); returns the exit status."""
+def run(args: argparse.Namespace) -> tuple[int, str | None]:
+    """Run the parsed command line (qshard_cli.main parsed it): (exit status, the error line to
+    print, or None)."""
     try:
         _run(args)
     except KeyboardInterrupt:
         if args.debug:
             raise
         print("qshard: interrupted", file=sys.stderr)
-        return 130
+        return 130, None
     except Exception as e:
         if args.debug:
             raise
-        return _error(_describe(e), 1)
-    return 0
+        return 1, _describe(e)
+    return 0, None
 
 
 def _describe(e: Exception) -> str:
@@ -82,7 +85,7 @@ def _run(args: argparse.Namespace) -> None:
         else:
             demos.run_demo(seed=args.seed)
     elif args.command == "quantize":
-        from .convert import quantize_directory  # on use (as above)
+        from .quantize import quantize_directory  # on use (as above)
 
         done = quantize_directory(args.model_dir, args.out, args.config, args.exclude or ())
         print(f"{len(done['quantized'])} weights quantized ({args.config}, "
@@ -95,7 +98,7 @@ def _run(args: argparse.Namespace) -> None:
                               "on a machine with a GPU")  # fmt: skip
         if args.plot:
             _check_plot(args.plot)
-        from .benchmark import bench_linears, model_shapes, plot, print_table  # on use
+        from .bench import bench_linears, model_shapes, plot, print_table  # on use
 
         shapes = model_shapes(args.source)
         where = args.device or ("cuda" if _has_cuda() else "cpu")
@@ -106,7 +109,7 @@ def _run(args: argparse.Namespace) -> None:
             plot(results, args.ms, args.plot, f"{args.source} linears")
             print(f"wrote {args.plot}")
     elif args.command == "inspect":
-        from .convert import inspect_checkpoint  # on use (as above)
+        from .quantize import inspect_checkpoint  # on use (as above)
 
         inspect_checkpoint(args.path)
 
@@ -125,9 +128,5 @@ def _check_plot(path: str) -> None:
 
 
 def _has_cuda() -> bool:
-
     return torch.cuda.is_available()
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -23,13 +23,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from .api import quantize_
+from ..api import quantize_
+from ..io import load, save
+from ..layouts import Fp8BlockwiseConfig, Int4WeightOnlyConfig
+from ..metrics import cosine_similarity
+from ..models import BERT_TP_PLAN, TP_PLAN, BertModel, Llama, LlamaConfig, mean_pooled_embeddings
+from ..qtensor import QTensor
 from .demo import MINILM_LAYOUTS, MINILM_SENTENCES, _minilm_inputs, minilm_available
-from .io import load, save
-from .layouts import Fp8BlockwiseConfig, Int4WeightOnlyConfig
-from .metrics import cosine_similarity
-from .models import BERT_TP_PLAN, TP_PLAN, BertModel, Llama, LlamaConfig, mean_pooled_embeddings
-from .qtensor import QTensor
 
 __all__ = ["run_tp_demo"]
 

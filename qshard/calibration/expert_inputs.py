@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .targets import Target
+from ..targets import Target
 
 __all__ = ["ExpertsInputs", "ExpertsWeight"]
 

@@ -37,12 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .api import QuantizationReport, quantize_with
-from .errors import ConfigError, QShardError, UnsupportedWeightError
-from .expert_inputs import ExpertsInputs, ExpertsWeight
-from .kernels import int4, mxfp4, nvfp4
-from .kernels.packing import expand_groups, group_reduce
-from .layouts import (
+from ..api import QuantizationReport, quantize_with
+from ..errors import ConfigError, QShardError, UnsupportedWeightError
+from ..kernels import int4, mxfp4, nvfp4
+from ..kernels.packing import expand_groups, group_reduce
+from ..layouts import (
     Int4Tensor,
     Int4WeightOnlyConfig,
     Mxfp4Tensor,
@@ -50,10 +49,18 @@ from .layouts import (
     Nvfp4Tensor,
     NVFP4WeightOnlyConfig,
 )
-from .layouts.checks import check_float_weight
-from .layouts.int4 import ZeroPointDomain
-from .shards import is_dtensor
-from .targets import KEEP_FLOAT, FilterFn, Target, check_patterns, quantization_targets, skip_reason
+from ..layouts.checks import check_float_weight
+from ..layouts.int4 import ZeroPointDomain
+from ..shards import is_dtensor
+from ..targets import (
+    KEEP_FLOAT,
+    FilterFn,
+    Target,
+    check_patterns,
+    quantization_targets,
+    skip_reason,
+)
+from .expert_inputs import ExpertsInputs, ExpertsWeight
 
 __all__ = ["gptq_"]
 

@@ -1,7 +1,7 @@
 """Run a function once a module is imported, without importing it now.
 
 `import qshard` must not import `torch.distributed.tensor` (a third of a second, mostly sympy),
-yet DTensor needs qshard's cache-key fix (qshard/_dtensor_cache_key.py) before any DTensor of a
+yet DTensor needs qshard's cache-key fix (qshard/dtensor_cache_key.py) before any DTensor of a
 QTensor is compiled. `after_import("torch.distributed.tensor", fix)` runs `fix` at once if the
 module is imported already, else right after whoever imports it first has executed it.
 """

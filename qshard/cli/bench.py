@@ -31,11 +31,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .convert import CONFIGS, _is_excluded
-from .errors import QShardError
-from .formats.source import SafetensorsDir
-from .layouts import layout_for
-from .targets import KEEP_FLOAT
+from ..errors import QShardError
+from ..formats.source import SafetensorsDir
+from ..layouts import layout_for
+from ..targets import KEEP_FLOAT
+from .configs import CONFIG_NAMES, config_named
+from .quantize import _is_excluded
 
 __all__ = ["MODEL_SHAPES", "WIDE_SPREAD", "Timing", "bench_linears", "model_shapes", "plot",
            "print_table"]
@@ -154,13 +155,13 @@ def bench_linears(
     """{"bf16" or config name: {M: the Timing summed over the shapes, or the error that
     stopped it}}."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = [c for c in configs if c not in CONFIG_NAMES]
     if unknown:
-        raise QShardError(f"qshard bench: configs {unknown} are not among {list(CONFIGS)}")
+        raise QShardError(f"qshard bench: configs {unknown} are not among {CONFIG_NAMES}")
     timer = _timer(device)
     makers = {"bf16": lambda w: w}
     for name in configs:
-        config = CONFIGS[name]()
+        config = config_named(name)
         makers[name] = lambda w, c=config: layout_for(c).from_float(w, c)
     results: dict[str, dict[int, Timing | str]] = {}
     for name, make in makers.items():
