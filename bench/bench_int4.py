@@ -219,8 +219,8 @@ WORDS_SWEEP = [  # (weight rows, 32-bit words (8 codes) per step, warps, codes e
     (16, 128, 4, 0),
 ]
 FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages, prefetch depths)
-    # Depth 2 (codes loaded two steps ahead, docs/kernels/w4a16.md, v8) on the configs that
-    # won before it.
+    # Depth 2 (codes loaded two steps ahead; docs/kernels/w4a16.md, "The small-M tensor-core
+    # kernel") on the configs that are the fastest with depth 1.
     (64, 128, 2, 4, 3, (1, 2)),
     (128, 128, 2, 8, 3, (1,)),
     (64, 256, 2, 4, 3, (1,)),
@@ -228,7 +228,8 @@ FUSED_SWEEP = [  # (weight rows, K per step, programs per SM, warps, stages, pre
     (128, 256, 2, 8, 3, (1,)),
     (64, 64, 4, 4, 4, (1, 2)),
     # 8 programs per SM: the only ones that split K for gate_up (448 tiles of 64 rows) at 16-64
-    # tokens, where the kernel waits on latency (docs/decode.md, session 9).
+    # tokens, where the kernel waits on latency (H100, 32 tokens, ~3.4 programs per SM: a 128-K
+    # step of gate_up took 2.4 us, its instructions issuing in ~1.0 us).
     (64, 128, 8, 4, 3, (1, 2)),
     (64, 64, 8, 4, 4, (1,)),
 ]
@@ -240,7 +241,7 @@ def sweep_candidates(m: int):
 
     device = torch.device("cuda", torch.cuda.current_device())
     if m <= 4:
-        for bn, bw, warps, evict in WORDS_SWEEP:  # every format (e2m1 since v7)
+        for bn, bw, warps, evict in WORDS_SWEEP:  # every format, e2m1 included
             label = f"gemv-words {bn}x{bw}w {warps}w" + (" evict-first" if evict else "")
             yield label, lambda n, k, c=(bn, bw, warps, evict): dict(
                 KERNEL="gemv_words", BLOCK_N=c[0], BLOCK_W=c[1], num_warps=c[2], EVICT=c[3]

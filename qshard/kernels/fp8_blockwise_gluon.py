@@ -2,12 +2,13 @@
 a warp-specialized, persistent kernel in which one warp streams the weight and activation tiles
 by TMA into a ring of shared-memory slots while two warpgroups multiply them with wgmma and
 promote each group's sums with its scales (issue 24, Deliver 4; notes and measurements:
-docs/kernels/fp8_blockwise.md, "Gluon kernel").
+docs/kernels/fp8_blockwise.md, "Gluon kernel: 2-64 tokens on Hopper").
 
-Why (docs/kernels/fp8_blockwise.md, session 7): at 16 tokens the Triton small-M kernel streams
-gate_up at 74 % of DRAM peak but the smaller linears at 39-61 %, and at 128 tokens it reaches
-55 % against cuBLAS's persistent, warp-specialized kernel's 75 %: its loads, MMAs and the fp32
-promotion share the same warps, and plain Triton 3.6 cannot specialize warps on pointer loops.
+Why (H100, Nsight Compute; docs/kernels/fp8_blockwise.md, "Gluon kernel: 2-64 tokens on Hopper" and
+"Where the gaps are"): at 16 tokens the Triton small-M kernel streams gate_up at 74 % of DRAM peak
+but the smaller linears at 39-61 %, and at 128 tokens it reaches 55 % against cuBLAS's persistent,
+warp-specialized kernel's 75 %: its loads, MMAs and the fp32 promotion share the same warps, and
+plain Triton 3.6 cannot specialize warps on pointer loops.
 
 out^T = W xq^T with the weight rows on the MMA's M side ("swap AB"): a tile is 128 weight rows
 (one weight block: one scale per tile and group) by BLOCK_T tokens (16..128, all of them), and
@@ -131,10 +132,11 @@ def half_tile_workspace(splits: int, tiles: int, block_t: int, out: torch.Tensor
         return out, out
     partials = torch.empty(splits * tiles * TILE_ROWS * block_t, dtype=torch.float32,
                            device=out.device)  # fmt: skip
-    # zeroed per launch (a memset): session 18 kept them per device and stream, re-zeroed by
-    # the last arrivals, but a cached tensor first allocated under torch.compile's CUDA graphs
-    # (warm-up and capture allocate from the graph's pool) broke them: "Detected 1 tensor(s) in
-    # the cudagraph pool not tracked as outputs" (decode at batch 32, session 21)
+    # zeroed per launch (a memset): counters kept per device and stream and re-zeroed by the
+    # last arrivals break when the cached tensor is first allocated under torch.compile's CUDA
+    # graphs (warm-up and capture allocate from the graph's pool): "Detected 1 tensor(s) in the
+    # cudagraph pool not tracked as outputs" (Llama fp8-block decode at batch 32;
+    # docs/kernels/fp8_blockwise.md, "Gluon kernel: 2-64 tokens on Hopper")
     return partials, torch.zeros(2 * tiles, dtype=torch.int32, device=out.device)
 
 
@@ -231,8 +233,10 @@ if GLUON_IMPORT_ERROR is None:
         """One warpgroup, rows [64 half, 64 half + 64) of each tile: per chunk, the fp8 wgmma
         of its weight half and x's group into a fresh accumulator, the group's scales read
         from the slot, the slot released, and the sums promoted into the tile with
-        x_scale[token] * w_scale[tile, group]. (v1 and v2 loaded the scales from global memory
-        here: their latency, a chunk ahead or not, was on every chunk's path.)"""
+        x_scale[token] * w_scale[tile, group]. (Loaded from global memory here, even a chunk
+        ahead, the scales put their latency on every chunk's path: 42 % of the stall samples on
+        down at 16 tokens, H100; docs/kernels/fp8_blockwise.md, "Gluon kernel: 2-64 tokens on
+        Hopper".)"""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 32])
         PER_TOKEN: gl.constexpr = gl.SliceLayout(0, MMA)
@@ -271,7 +275,7 @@ if GLUON_IMPORT_ERROR is None:
         if SPLIT:
             # partial sums in fragment order, [8-token column block][row][8 tokens]: a warp's
             # rows g (lane / 4) and columns 2t, 2t + 1 (lane % 4) are 256 contiguous bytes, so
-            # stores and loads are whole lines (v1 wrote them at out's [token, row] offsets)
+            # stores and loads are whole lines (at out's [token, row] offsets they are not)
             at = (toks // 8 * (8 * _HALF_ROWS))[None, :] + (r * 8)[:, None] + (toks % 8)[None, :]
             half_tile = (2 * tile + half) * (_HALF_ROWS * BLOCK_T)
             stride = 2 * tiles * _HALF_ROWS * BLOCK_T  # one split's partial sums

@@ -376,7 +376,7 @@ def w4a16_grouped_config(fmt: Format, tokens: int, experts: int, k: int) -> dict
       64 words (512 K) per step on 2 warps where K / 8 is a multiple of 64, else 16 x 32 words
       on 1 warp (Qwen3's down, K = 768; gpt-oss, K = 2880, with a masked last step): the best
       of the H100 sweeps on the Qwen3-30B-A3B and gpt-oss-120b experts (docs/kernels/grouped.md,
-      v6-v7);
+      "Why these configs (H100 sweeps)");
     - else the tensor-core kernel, 64 weight rows x `token_block` tokens x 128 K per step."""
     if k % 8 == 0 and tokens <= GEMV_MAX_ROWS_PER_EXPERT * experts:
         wide = (k // 8) % 64 == 0

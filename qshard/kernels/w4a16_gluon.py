@@ -34,7 +34,8 @@ x's chunk in one copy), STAGES - 1 chunks in flight, across item boundaries and 
 the scales of the next item are loaded into registers an item ahead. STEPS is a multiple of
 STAGES, so each chunk's slot is known at compile time and each slot is its own buffer: Triton's
 shared-memory hazard analysis, which cannot tell slots of one buffer apart, then adds no
-barrier of its own (it added four per chunk before: docs/kernels/w4a16_register.md, v3).
+barrier of its own (with one shared x buffer it added four per chunk, the largest stall on the
+H100: docs/kernels/w4a16_register.md, "The mma.sync register kernel (`w4a16_gluon.py`)").
 Split K: fp32 partial sums, the last program of a tile to arrive sums them in split order and
 writes the tile (`split_k.py`).
 
@@ -109,10 +110,12 @@ def register_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """BLOCK_M tokens per tile, STEPS chunks of 128 columns per work item, a ring of STAGES
     chunks, PER_SM programs per SM (persistent grid) of WARPS warps (16 weight rows each),
     registers capped at MAXNREG (0: no cap) so that PER_SM programs fit. Up to 16 tokens:
-    8 / 4 / 2 programs of 8 warps under 128 registers, the best single config of the v4 sweep
-    on the Llama-3.1-8B layer (H100; docs/kernels/w4a16_register.md). 32 and 64 tokens: the
-    best of that sweep; 128: v2's best with STAGES 2 (the v4 sweep stopped at 64). The op does
-    not choose them (the Triton kernel is faster there)."""
+    8 / 4 / 2 programs of 8 warps under 128 registers, the best single config of an H100 sweep
+    of 8-warp configs on the Llama-3.1-8B layer (docs/kernels/w4a16_register.md, "The mma.sync
+    register kernel (`w4a16_gluon.py`)"). 32 and 64 tokens: the best of that sweep; 128: 8 / 2
+    / 1 of 4 warps, the best of the three configs that fit in shared memory in an H100 sweep of
+    4-warp programs (the 8-warp sweep stopped at 64). The op does not choose them (the Triton
+    kernel is faster there)."""
     block_m = 8 if m <= 8 else max(16, triton.next_power_of_2(m))
     steps, stages, per_sm, warps, maxnreg = _CONFIGS[block_m]
     return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm,

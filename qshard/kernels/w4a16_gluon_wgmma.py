@@ -1,33 +1,33 @@
-"""The register-operand W4A16 kernel on wgmma (issue 24, v8; notes and measurements:
-docs/kernels/w4a16_register.md, "Session 23" and "Session 24"): the dequantized weight is
-wgmma's register A operand, x's chunk its shared-memory B operand, the MMAs asynchronous, so
-that a chunk's decode runs while the previous chunk's MMAs do. Read `w4a16_gluon.py`'s
-docstring first (the K permutation, the decode, the scales) and `w4a16_gluon_ws.py`'s (the
-warp-specialized ring).
+"""The register-operand W4A16 kernel on wgmma (issue 24; notes and measurements:
+docs/kernels/w4a16_register.md, "The wgmma kernel (`w4a16_gluon_wgmma.py`)"): the dequantized
+weight is wgmma's register A operand, x's chunk its shared-memory B operand, the MMAs
+asynchronous, so that a chunk's decode runs while the previous chunk's MMAs do. Read
+`w4a16_gluon.py`'s docstring first (the K permutation, the decode, the scales) and
+`w4a16_gluon_ws.py`'s (the warp-specialized ring).
 
-**Why x must be permuted, and the two ways it is.** mma.sync (v4, v6) takes B from registers,
-so those kernels give x the canonical packing's K permutation on its way into shared memory, 16
-bytes at a time. wgmma reads B from shared memory in its own K order, in which each thread's A
-fragment holds logical columns 2t, 2t + 1, 2t + 8, 2t + 9 of every 16: with the weight decoded
-from the canonical packing in place, B's row for MMA column 32j + 8b + 2t + h must hold x's
-actual column 32t + 8j + 2b + h of the chunk, a permutation of 4-byte pairs, finer than a TMA
-box (16 bytes) can make. Below X_BY_TMA_MIN_T tokens (token tiles of 16 and 32) the producer,
-four warps, copies x's chunk by 4-byte cp.async straight into that order (`_copy_x`); from it
-(tiles of 64 and 128) the launcher writes x once in that order (`permute_x`, one M x K copy,
+**Why x must be permuted, and the two ways it is.** mma.sync (`w4a16_gluon.py`, `w4a16_gluon_ws.py`)
+takes B from registers, so those kernels give x the canonical packing's K permutation on its way
+into shared memory, 16 bytes at a time. wgmma reads B from shared memory in its own K order, in
+which each thread's A fragment holds logical columns 2t, 2t + 1, 2t + 8, 2t + 9 of every 16: with
+the weight decoded from the canonical packing in place, B's row for MMA column 32j + 8b + 2t + h
+must hold x's actual column 32t + 8j + 2b + h of the chunk, a permutation of 4-byte pairs, finer
+than a TMA box (16 bytes) can make. Below X_BY_TMA_MIN_T tokens (token tiles of 16 and 32) the
+producer, four warps, copies x's chunk by 4-byte cp.async straight into that order (`_copy_x`); from
+it (tiles of 64 and 128) the launcher writes x once in that order (`permute_x`, one M x K copy,
 2.3-5.9 us on the Llama linears) and the producer copies it by TMA boxes: there the producer's
-copies, 4-8 times as many as at 16 tokens, were slower than the copy made beforehand (session
-24: the layer at 64 tokens 128.4 against 116.4 us). Either way the slots are 128-byte-swizzled
-and wgmma reads them as they are.
+copies, 4-8 times as many as at 16 tokens, were slower than the copy made beforehand (H100: the
+layer at 64 tokens 128.4 against 116.4 us). Either way the slots are 128-byte-swizzled and wgmma
+reads them as they are.
 
 **The native code order (config NATIVE = 1).** Codes repacked once by `packing.native_codes`
 (per 128-column chunk, thread t's word j holds the 8 codes of MMA columns 32 j + 8 b + 2 t + h
 with pair b as nibbles b and b + 4) decode into x's own columns: x needs no permutation and TMA
 copies it at every tile, and each pair is one shift and one and-or
-(`_DECODE_PAIRS_NATIVE`) instead of a byte permute and an and-or. Measured (session 25, the
-Llama layer, int4 g128): 77.7 / 83.0 / 98.7 us at 16 / 32 / 64 tokens against 85.2 / 94.9 /
-115.2 on the canonical codes (docs/kernels/w4a16_register.md, "Session 25"). Since session 26
-an int4 weight with groups of 128 on Hopper holds its codes in that order (layouts/int4.py), and
-the op runs this config on it (`w4a16_triton.native_choice`).
+(`_DECODE_PAIRS_NATIVE`) instead of a byte permute and an and-or. Measured (H100, the Llama
+layer, int4 g128): 77.7 / 83.0 / 98.7 us at 16 / 32 / 64 tokens against 85.2 / 94.9 / 115.2 on
+the canonical codes (docs/kernels/w4a16_register.md, "The native code order (int4 with groups
+of 128 on Hopper)"). An int4 weight with groups of 128 on Hopper holds its codes in that order
+(layouts/int4.py), and the op runs this config on it (`w4a16_triton.native_choice`).
 
 **Sums scaled per chunk (config PROMOTE = 1; int4 asymmetric / symmetric, groups of a multiple
 of 128, bf16 x, token tiles up to 32).** A chunk lies in one group, so a row's scale is one
@@ -36,8 +36,8 @@ bf16; `_DECODE_BF16_UNSCALED`, one bf16 multiply per pair fewer), each chunk's t
 into a fresh accumulator, and once they are done (the wait the ring already makes for the
 previous chunk) the accumulator is added to the tile's sums times its rows' fp32 scales: 8
 FFMAs a chunk and thread at 16 tokens against 32 HMUL2. The weight is not rounded to bf16
-before the product, so the sums are nearer the exact product. Measured (session 28, the Llama
-layer on native codes, H100): 77.3 -> 75.0 us at 16 tokens, 73.4 with groups of 2 chunks
+before the product, so the sums are nearer the exact product. Measured (the Llama layer on
+native codes, H100): 77.3 -> 75.0 us at 16 tokens, 73.4 with groups of 2 chunks
 (`promote_config`, what the op runs on native int4 codes up to 32 tokens); at BLOCK_T 64 the
 consumers spill.
 
@@ -56,9 +56,10 @@ edge, and fully unrolled items of 16-32 chunks missed the instruction cache. The
 written as the FP8 Gluon kernel's halves are (`_finish_half`: split K with fp32 partial sums, a
 counter per half).
 
-Measured (H100, int4 g128, bf16, Llama-3.1-8B layer; docs/kernels/w4a16_register.md, "Session
-24"): 16 / 32 / 64 / 128 tokens 85.7 / 94.6 / 115.5 / 160.1 us against bf16's 167.7 / 167.9 /
-169.3 / 178.6; the op runs it where it was the faster (`w4a16_triton.wgmma_chosen`).
+Measured (H100, int4 g128, bf16, Llama-3.1-8B layer; docs/kernels/w4a16_register.md, "The
+wgmma kernel (`w4a16_gluon_wgmma.py`)"): 16 / 32 / 64 / 128 tokens 85.7 / 94.6 / 115.5 / 160.1
+us against bf16's 167.7 / 167.9 / 169.3 / 178.6; the op runs it where it was the faster
+(`w4a16_triton.wgmma_chosen`).
 
 Scope: Hopper, bf16 / fp16 activations, the int4 formats with groups of 32..256, MXFP4, NVFP4,
 K % 128 == 0 (x is permuted per 128-column chunk), 16-byte aligned codes.
@@ -120,7 +121,8 @@ def wgmma_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) ->
 def promote_config(fmt: int, x: torch.Tensor, group: int, block_t: int) -> dict:
     """PROMOTE (module docstring) where it runs, with the unrolled groups of 2 chunks measured
     fastest with it (H100, native int4 codes, the Llama layer at 2-32 tokens: 77.3 -> 73.4 us at
-    16; docs/kernels/w4a16_register.md, "Session 28"); else nothing."""
+    16; docs/kernels/w4a16_register.md, "The wgmma kernel (`w4a16_gluon_wgmma.py`)"); else
+    nothing."""
     if _promotes(fmt, group, x.dtype) and block_t <= PROMOTE_MAX_T:
         return {"PROMOTE": 1, "GROUP_CHUNKS": 2}
     return {}

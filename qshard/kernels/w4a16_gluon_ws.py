@@ -1,19 +1,22 @@
-"""The register-operand W4A16 kernel, warp-specialized (issue 24, v6; notes and measurements:
-docs/kernels/w4a16_register.md, "Session 19" and "Session 20"): a producer partition streams the
-codes and the activations by TMA into a ring of shared-memory slots while the compute warps
-decode and multiply, as `w4a16_gluon.py`'s kernel does (the same K permutation, decode, MMAs,
-scales and split-K epilogue; read its docstring first). The producer is a 4-warp partition (one
-thread issues the copies; Triton pads a 1-warp partition to a warpgroup anyway).
+"""The register-operand W4A16 kernel, warp-specialized (issue 24; notes and measurements:
+docs/kernels/w4a16_register.md, "The warp-specialized kernel (`w4a16_gluon_ws.py`)"): a producer
+partition streams the codes and the activations by TMA into a ring of shared-memory slots while
+the compute warps decode and multiply, as `w4a16_gluon.py`'s kernel does (the same K
+permutation, decode, MMAs, scales and split-K epilogue; read its docstring first). The producer
+is a 4-warp partition (one thread issues the copies; Triton pads a 1-warp partition to a
+warpgroup anyway).
 
-Why: session 17's ablations of that kernel found its parts adding up instead of overlapping:
-with the cp.async copies cut out, the Llama-3.1-8B layer took 75.8 us at 16 tokens (115.4 us as
-shipped). Here no compute warp issues a copy or waits for one: the producer waits for a slot to
-be free (`empty`, one arrival per chunk from the compute warps), and the compute warps for its
-bytes (`ready`, TMA's transaction count).
+Why: ablations of that kernel (H100; docs/kernels/w4a16_register.md, "The mma.sync register
+kernel (`w4a16_gluon.py`)") found its parts adding up instead of overlapping: with the cp.async
+copies cut out, the Llama-3.1-8B layer took 75.8 us at 16 tokens (115.4 us as shipped). Here
+no compute warp issues a copy or waits for one: the producer waits for a slot to be free
+(`empty`, one arrival per chunk from the compute warps), and the compute warps for its bytes
+(`ready`, TMA's transaction count).
 
 The copies, by TMA, into the layouts the compute warps read:
 - codes: the tile's rows by the chunk's 16 words ([TILE_ROWS, 16] int32, unswizzled), so each
-  thread reads back the 16-byte runs it decodes, as before (conflict-free: 64-byte rows);
+  thread reads back the 16-byte runs it decodes, as in `w4a16_gluon.py` (conflict-free:
+  64-byte rows);
 - x: the K permutation done by the copy itself, through a 5-D view of x with strides
   (128, 8, K, 32, 1) over (chunk, j, token, t, e): the box [1, 4, BLOCK_M, 4, 8] lands as
   x_slot[j][token][8t + e] = x[token, 128 chunk + 32t + 8j + e], the slot the other kernel
@@ -24,11 +27,12 @@ The copies, by TMA, into the layouts the compute warps read:
 **The proxy fence.** The compute warps read a slot with ordinary shared loads (the generic
 proxy); TMA writes it (the async proxy). The PTX memory model orders the two only through a
 `fence.proxy.async`: each compute thread fences after its reads of a slot and before the
-arrival that releases it to the producer. Without the fence (session 19's build) the refill
-overwrote slots still being read: 30 of 30 launches gave different bits, up to 4 % off, with two
-programs per SM and an 8-slot ring; with the fence 0 of 30 in every config tried (H100,
-docs/kernels/w4a16_register.md, "Session 20"). The FP8 Gluon kernel needs none: its consumers
-read the TMA-written slots with wgmma, itself in the async proxy.
+arrival that releases it to the producer. Without the fence the refill overwrote slots still
+being read: 30 of 30 launches gave different bits, up to 4 % off, with two programs per SM and
+an 8-slot ring; with the fence 0 of 30 in every config tried (H100,
+docs/kernels/w4a16_register.md, "The warp-specialized kernel (`w4a16_gluon_ws.py`)"). The FP8
+Gluon kernel needs none: its consumers read the TMA-written slots with wgmma, itself in the
+async proxy.
 
 Scope: `w4a16_gluon.py`'s kernel's (Hopper, bf16 / fp16, the int4 formats with groups of
 32..256, MXFP4, NVFP4), with K % 128 == 0. The op chooses it at
@@ -63,7 +67,8 @@ WS_BLOCK_M = (8, 16, 32, 64, 128)  # the token tiles
 # whole K of 4096 in one item, two programs per SM under 80 registers. MXFP4 / NVFP4: their
 # longer decode, unrolled over 32 chunks, ran at half the speed of 16 (gate_up at 16 tokens:
 # 118.8 against 54.8 us, MXFP4); at 16 the register cap for two programs per SM gained nothing
-# (qkv 16.2 against 16.1 us): one program per SM, no cap (H100, "Session 20").
+# (qkv 16.2 against 16.1 us): one program per SM, no cap (H100; docs/kernels/w4a16_register.md,
+# "The warp-specialized kernel (`w4a16_gluon_ws.py`)").
 WS_PLANS = {"int4": (32, 2, 80), "fp4": (16, 1, 0)}
 
 
@@ -83,10 +88,10 @@ def ws_config(m: int, n: int, k: int, device: torch.device, fmt: int = 0,
     split in as few parts as leave at least half as many work items (tiles x splits) as SMs,
     trying splits of the plan's most chunks, then half as many, ..., then balanced (STEPS =
     chunks / splits, rounded up). Fitted to the H100 sweeps at 8 and 16 tokens
-    (docs/kernels/w4a16_register.md, "Session 20"): on the Llama-3.1-8B layer it gives each
-    linear the best of the configs measured (int4: K in 2 / 4 / 1 / 4 splits for qkv / o /
-    gate_up / down; MXFP4, NVFP4: 16 / 8 / 16 / 16 chunks per item). `sms`: the device's SM
-    count unless given."""
+    (docs/kernels/w4a16_register.md, "The warp-specialized kernel (`w4a16_gluon_ws.py`)"): on
+    the Llama-3.1-8B layer it gives each linear the best of the configs measured (int4: K in 2
+    / 4 / 1 / 4 splits for qkv / o / gate_up / down; MXFP4, NVFP4: 16 / 8 / 16 / 16 chunks per
+    item). `sms`: the device's SM count unless given."""
     block_m = 8 if m <= 8 else max(16, triton.next_power_of_2(m))
     most, per_sm, maxnreg = WS_PLANS["fp4" if fmt >= MXFP4 else "int4"]
     warps = 8
@@ -256,7 +261,7 @@ if GLUON_IMPORT_ERROR is None:
                                 FORMAT, BLOCK_M, dtype)  # fmt: skip
                 # the slot's reads (generic proxy) ordered before the TMA (async proxy) that
                 # refills it: without this fence the refill overwrote slots still being read
-                # (30 of 30 launches differed with two programs per SM; measured, session 20)
+                # (30 of 30 launches differed with two programs per SM; measured on the H100)
                 fence_async_shared()
                 mbarrier.arrive(empty.index(slot), count=1)
                 chunk += 1

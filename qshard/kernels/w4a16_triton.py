@@ -15,7 +15,8 @@ kernel with 1): Triton pipelines only loads that feed a dot.
   Hopper, layouts/int4.py): `native_choice` picks the word GEMV at one token, the wgmma kernel at
   2..128 tokens and dequantize + cuBLAS otherwise, each reading that order (H100, Llama-3.1-8B
   layer at 1 / 16 / 32 / 64 / 128 tokens: 2.92x / 2.15x / 2.02x / 1.72x / 1.26x of bf16;
-  docs/kernels/w4a16_register.md, "Session 26"). The bullets below are the canonical codes'.
+  docs/kernels/w4a16_register.md, "The native code order (int4 with groups of 128 on Hopper)").
+  The bullets below are the canonical codes'.
 - M = 1 (decode): a GEMV. With K a multiple of its step, `_gemv_words_kernel` (every format),
   which decodes whole 32-bit words in place and never rebuilds the K order: int4 codes as the
   exact u - 8 (`_int4_exact`: one LOP3 and one subtraction), e2m1 pairs as fp16 halves; the
@@ -26,8 +27,9 @@ kernel with 1): Triton pipelines only loads that feed a dot.
   dtype as the reference does: within the activation dtype's rounding for bf16/fp16 (the tests'
   tolerance). In `_gemv_kernel`, for fp32 activations, the int4 zero-point term, 16 * sum v x -
   (16 + z) * sum x, cancels and costs a few fp32 ulps of the group sums (up to ~1e-5 relative
-  on activations with a large mean). On the H100 (v9) the Llama layer at M = 1 takes int4 58 us,
-  MXFP4 61 us, NVFP4 68 us (63-66 % / 60 % of the copy bandwidth).
+  on activations with a large mean). On the H100 the Llama layer at M = 1 takes int4 58 us,
+  MXFP4 61 us, NVFP4 68 us (63-66 % / 60 % of the copy bandwidth; docs/kernels/w4a16.md,
+  "The one-token word GEMV").
 - 2 <= M <= REGISTER_CHOICE_MAX_M on Hopper (int4 with groups >= 32, MXFP4, NVFP4; bf16/fp16;
   K % 32 == 0): the register-operand Gluon kernel (`w4a16_gluon.py`; H100, Llama-3.1-8B layer
   at M = 2..12: int4 1.57-1.95x of bf16 where the kernel below gives 1.39x; MXFP4 1.48-1.72x
@@ -42,14 +44,15 @@ kernel with 1): Triton pipelines only loads that feed a dot.
   weight and from 2 on weights of >= WGMMA_BIG_WEIGHTS; MXFP4 / NVFP4 from 17 on every weight
   and from 9 on the big ones): the register operand on wgmma, asynchronous
   (`w4a16_gluon_wgmma.py`; H100, Llama-3.1-8B layer at M = 16 / 32 / 64 / 128: int4 1.96x /
-  1.77x / 1.47x / 1.12x of bf16 where the op gave 1.62x / 1.29x / 0.96x / 0.72x; MXFP4 at
-  M = 32 / 128 1.48x / 1.10x where it gave 1.16x / 0.66x; docs/kernels/w4a16_register.md,
-  "Session 24").
+  1.77x / 1.47x / 1.12x of bf16 where the kernels otherwise chosen give 1.62x / 1.29x / 0.96x /
+  0.72x; MXFP4 at M = 32 / 128 1.48x / 1.10x where they give 1.16x / 0.66x;
+  docs/kernels/w4a16_register.md, "The wgmma kernel (`w4a16_gluon_wgmma.py`)").
 - 2 <= M <= FUSED_MAX_M otherwise: a tensor-core kernel, "swap AB" (weight rows on the MMA's M
   side, the tokens on its N side), K split over programs so a 4096-wide layer fills the GPU
   (`split_k.py`). The weight tile is dequantized in fp32 and rounded to the activation dtype,
-  as the reference. On the H100 (v8) the Llama layer at M = 32 takes int4 129 us, MXFP4
-  146 us, NVFP4 176 us.
+  as the reference. On the H100, with the tuned configs, the Llama layer at M = 32 takes int4
+  129 us, MXFP4 146 us, NVFP4 176 us (docs/kernels/w4a16.md, "The small-M tensor-core
+  kernel").
 - Above: the weight is dequantized once into the activation dtype (bit-exact vs the reference)
   and cuBLAS multiplies (`F.linear`): compute-bound there.
 Configs: a tuned one for this GPU, shape and M bucket where a shipped (or loaded) tuned file has
@@ -62,9 +65,10 @@ Formats (FORMAT, a constexpr), each weight exactly the reference's fp32 value:
     MXFP4      W = e2m1(c) * 2**(e - 127), e8m0 byte e           (v * 2**14) * 2**(e - 127)
     NVFP4      W = (e2m1(c) * e4m3 scale) * global_scale         the reference's order
 Compiled kernels flush fp32 subnormal results to zero (weights below 1.2e-38; the reference
-keeps them). Measured on an H200 (docs/kernels/w4a16.md): the Llama-3.1-8B layer at 1.53x /
-0.84x / 0.49x / 0.92x of bf16 (int4 g128) at M = 1 / 16 / 128 / 2048; on an H100 with the word
-GEMV and tuned configs 2.29x / 1.19x / 0.67x / 0.88x (M = 1: 2.78x since v9).
+keeps them). Measured on an H200: the Llama-3.1-8B layer at 1.53x / 0.84x / 0.49x / 0.92x
+of bf16 (int4 g128) at M = 1 / 16 / 128 / 2048; on an H100 with the word GEMV and tuned
+configs 2.78x / 1.19x / 0.67x / 0.88x (M = 1: docs/kernels/w4a16.md, "The one-token word
+GEMV").
 Ops: `torch.ops.qshard.int4_linear`, `.mxfp4_linear`, `.nvfp4_linear` (fake implementations
 beside them); references: `int4.py`, `mxfp4.py`, `nvfp4.py`.
 """
@@ -124,16 +128,18 @@ _NVFP4: tl.constexpr = tl.constexpr(int(Format.NVFP4))
 GEMV_MAX_M = 1
 FUSED_MAX_M = 128
 # The register kernel (w4a16_gluon.py) runs up to 128 tokens, but measured on an H100 it beats
-# the small-M kernel below up to 12 (at 16 a tie; docs/kernels/w4a16_register.md, v4); its
-# warp-specialized form (w4a16_gluon_ws.py, K % 128 == 0) beats both at 8..16 (at 4 a tie with
-# the register kernel, at 2 slower: "Session 20").
+# the small-M kernel below up to 12 (at 16 a tie; docs/kernels/w4a16_register.md, "The
+# mma.sync register kernel (`w4a16_gluon.py`)"); its warp-specialized form (w4a16_gluon_ws.py,
+# K % 128 == 0) beats both at 8..16 (at 4 a tie with the register kernel, at 2 slower: "The
+# warp-specialized kernel (`w4a16_gluon_ws.py`)").
 REGISTER_CHOICE_MAX_M = 12
 WS_CHOICE_MIN_M, WS_CHOICE_MAX_M = 8, 16
 # The wgmma register kernel (w4a16_gluon_wgmma.py, K % 128 == 0), measured on the H100 against
-# the kernels above on the Llama-3.1-8B linears ("Session 24"): int4 faster on all four from 9
-# tokens to 128; at 2..8 faster on gate_up (N x K = 117M), even on down (59M) and 1 us slower
-# on qkv and o (25M, 17M). MXFP4 and NVFP4 faster on all four from 17 tokens; at 9..16 on
-# gate_up and down, slower at 16 on qkv and o; not timed below 9.
+# the kernels above on the Llama-3.1-8B linears (docs/kernels/w4a16_register.md, "The wgmma
+# kernel (`w4a16_gluon_wgmma.py`)"): int4 faster on all four from 9 tokens to 128; at 2..8
+# faster on gate_up (N x K = 117M), even on down (59M) and 1 us slower on qkv and o (25M,
+# 17M). MXFP4 and NVFP4 faster on all four from 17 tokens; at 9..16 on gate_up and down,
+# slower at 16 on qkv and o; not timed below 9.
 WGMMA_CHOICE_MAX_M = 128
 WGMMA_BIG_WEIGHTS = 40_000_000  # N x K: "big" below
 
@@ -438,8 +444,8 @@ def _word_pair(words, j: tl.constexpr):
 def _halves_to_fp32(pair):
     """The low and high 16 bits of an int32 tensor read as fp16, exactly, in fp32. Compiled,
     by PTX on each register: Triton's own conversion packs the halves of two registers
-    together first (a PRMT per value; docs/kernels/w4a16.md, v7). The interpreter, which runs
-    no PTX, converts with Triton's casts (the same values)."""
+    together first (a PRMT per value; docs/kernels/w4a16.md, "Formats and decoding"). The
+    interpreter, which runs no PTX, converts with Triton's casts (the same values)."""
     if _INTERPRETED:
         return _fp16_bits_to_fp32(pair), _fp16_bits_to_fp32(pair >> 16)
     else:
@@ -687,9 +693,10 @@ def _small_m_kernel(
     decoding. The compiler places a load whose value the next iteration uses at the end of the
     loop body, next to the MMA (SASS for sm_90), so one step ahead leaves the loads only the MMA's
     time; two steps ahead costs registers and moves. Neither wins everywhere (measured:
-    docs/kernels/w4a16.md, v8). With 1 the activations are loaded by hand a step ahead too; with
-    2 at the top of their step (hidden behind the decoding). A load past this program's last
-    step loads nothing with 2, and the next split's first step (not used) with 1."""
+    docs/kernels/w4a16.md, "The small-M tensor-core kernel"). With 1 the activations are loaded
+    by hand a step ahead too; with 2 at the top of their step (hidden behind the decoding). A
+    load past this program's last step loads nothing with 2, and the next split's first step
+    (not used) with 1."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     first_step = tl.program_id(1) * steps_per_split
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -743,9 +750,9 @@ def _native_bytes(q_ptr, offs_n, k0, n_ok, stride_qn):
     d = 32 w_hi + 8 w_lo + 4 n_hi + n_lo (word w = 4 w_hi + w_lo, nibble n = 4 n_hi + n_lo)
     holds column c = 32 w_lo + 8 n_lo + 2 w_hi + n_hi (`packing.native_codes`), so the chunk's
     nibbles, loaded as they lie (64 contiguous bytes a row: whole 16-byte loads), reach the
-    canonical order by one reshape and permute of their index digits. (Session 26's version
-    gathered each byte twice at its permuted offset: the dequantize + BLAS path at 2048 tokens
-    took 2110 us for the Llama layer against 1491 us on canonical codes, session 30.)"""
+    canonical order by one reshape and permute of their index digits. (Gathering each byte twice
+    at its permuted offset instead made dequantize + cuBLAS at 2048 tokens take 2110 us for the
+    Llama layer against 1491 us on canonical codes, H100.)"""
     rows = q_ptr + offs_n[:, None] * stride_qn + k0 // 2
     raw = tl.load(rows + tl.arange(0, 64)[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
     ROWS: tl.constexpr = raw.shape[0]
@@ -786,7 +793,8 @@ def gemv_words_config(fmt: Format, n: int, k: int, sms: int) -> dict:
     16 rows per SM (Llama-3.1-8B's qkv and gate_up on an H100), else 8 (o, down: 16-row bands
     would leave half the SMs idle); int4 with 8 rows and a long K (>= 8192, a multiple of 2048:
     down) takes 256 words per step. NVFP4 always 8 x 128. On the H100 sweep each choice was
-    its shape's fastest or within 3 % of it (6 % for MXFP4's down; docs/kernels/w4a16.md, v9)."""
+    its shape's fastest or within 3 % of it (6 % for MXFP4's down; docs/kernels/w4a16.md, "The
+    one-token word GEMV")."""
     rows = 16 if fmt != Format.NVFP4 and triton.cdiv(n, 16) >= 2.5 * sms else 8
     long_k = fmt < Format.MXFP4 and rows == 8 and k >= 8192 and k % 2048 == 0
     return {"KERNEL": "gemv_words", "BLOCK_N": rows, "BLOCK_W": 256 if long_k else 128,
@@ -806,8 +814,8 @@ def small_m_config(m: int, n: int, k: int, device: torch.device) -> dict:
     per SM up to 64 tokens (~2 above): the best of the H200 sweep at M = 16 and 128. The codes
     are loaded two steps ahead for 128-token tiles: with PREFETCH 2 this config took 11-19 %
     less time than with 1 on the H100 on each shape where both were timed (o and down at
-    M = 128, every format; docs/kernels/w4a16.md, v8); at 16-64 tokens neither depth wins
-    everywhere."""
+    M = 128, every format; docs/kernels/w4a16.md, "The small-M tensor-core kernel"); at 16-64
+    tokens neither depth wins everywhere."""
     block_n, block_m, block_k = 64, min(128, max(16, triton.next_power_of_2(m))), 128
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     waves = 4 if m <= 64 else 2
@@ -852,7 +860,8 @@ def kernel_for(m: int, config: dict | None) -> str:
 
 # Two tokens on a small weight: the word GEMV with both tokens in each program (the codes
 # decoded once for both) beat the kernels the op ran there, measured on the H100 on the
-# Llama-3.1-8B linears (bench/README.md, "Session 27"): int4 (native codes) on o (N x K = 17M;
+# Llama-3.1-8B linears (bench/README.md, "int4 on an H100, with tinygemm, gemlite and Marlin";
+# docs/kernels/w4a16.md, "Two tokens: the pair GEMV"): int4 (native codes) on o (N x K = 17M;
 # not on qkv, 25M), MXFP4 and NVFP4 (canonical) on qkv and o. On larger weights, and from 3
 # tokens, the decode's cost per token makes it the slower.
 PAIR_GEMV_MAX_WEIGHTS = {"int4": 20_000_000, "fp4": 30_000_000}
@@ -889,8 +898,8 @@ def register_choice(fmt: Format, x, qdata, group: int) -> dict | None:
 
 def native_gemv_step(k: int) -> int:
     """Code words per step of the one-token word GEMV on native codes: 256 on a long K (down's,
-    the fastest of session 26's H100 sweep), else 128, halved until a step divides K (K % 128
-    == 0: a step of 16 words always does)."""
+    the fastest in the H100 sweep of the native read), else 128, halved until a step divides K
+    (K % 128 == 0: a step of 16 words always does)."""
     block_w = 256 if k >= 8192 and k % 2048 == 0 else 128
     while k % (8 * block_w):
         block_w //= 2
@@ -903,13 +912,13 @@ def native_choice(fmt: Format, x, qdata, group: int) -> dict:
     words up to 128 or 256 that divides K) and at two on a small weight (`pair_gemv_choice`),
     the wgmma kernel up to 128 tokens where it runs (its sums scaled per chunk up to 32 tokens:
     `promote_config`), else dequantize (un-permuting the codes) + cuBLAS. Measured on the
-    H100: bench/README.md, "Session 26" to "Session 28"."""
+    H100: bench/README.md, "int4 on an H100, with tinygemm, gemlite and Marlin"."""
     m, k = x.shape
     n = qdata.shape[0]
     if m <= GEMV_MAX_M:
         # 16 rows on every Llama-3.1-8B linear (o and down too, where the canonical codes take
         # 8): the fastest of the H100 sweep of the native read (bench/bench_gemv.py --native;
-        # bench/README.md, "Session 26")
+        # bench/README.md, "int4 on an H100, with tinygemm, gemlite and Marlin")
         return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": native_gemv_step(k),
                 "num_warps": 4, "EVICT": 1, "NATIVE": 1}  # fmt: skip
     pair = pair_gemv_choice(fmt, m, n, k, native=True)
@@ -1054,7 +1063,7 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
                            scale.stride(0), out.stride(0), EVEN_K=k % config["BLOCK_K"] == 0,
                            **common, **config)  # fmt: skip
         return out
-    config = {"PREFETCH": 1, **config}  # (tuned files before v8 have no PREFETCH: 1)
+    config = {"PREFETCH": 1, **config}  # a tuned entry without PREFETCH loads one step ahead
     if config["PREFETCH"] not in (1, 2):
         raise ValueError(f"small-M config PREFETCH={config['PREFETCH']!r}: the codes are loaded "
                          "1 or 2 steps ahead; give 1 or 2 (or leave it out for 1)")  # fmt: skip

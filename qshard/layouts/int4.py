@@ -17,7 +17,8 @@ Attributes:
                 int4 kernels, CPU and CUDA) or GEMLITE (CUDA, gemlite installed)
     code_order  CANONICAL (above) or NATIVE: each 128-column chunk's codes permuted as
                 `kernels/packing.native_codes` does, the order the Hopper register kernels
-                read (the word GEMV, the wgmma kernel; docs/kernels/w4a16_register.md, v9)
+                read (the word GEMV, the wgmma kernel; docs/kernels/w4a16_register.md, "The
+                native code order (int4 with groups of 128 on Hopper)")
 Device form (TINYGEMM, GEMLITE; see qtensor/base.py): the kernel's own arrangement, made from the
 canonical tensors by `repack_for_device()` (kernels/int4_tinygemm.py, kernels/int4_gemlite.py).
 The canonical tensors stay: they are what is sliced and saved (the weight takes its memory twice).

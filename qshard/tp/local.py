@@ -5,8 +5,9 @@ for compiled inference (decode).
 saving and loading need, but a compiled graph over DTensor weights cannot be frozen: inductor's
 freezing makes every graph input a constant, and the DeviceMesh that each DTensor carries is
 an input it cannot hold (torch 2.13 with gloo: "cannot assign ... FakeScriptObject ... to buffer
-'_frozen_param'", docs/decode.md). Unfrozen, every call of the graph unwraps each quantized
-weight in Python, which made the TP 1 int4 decode CPU-bound (docs/decode.md, session 7).
+'_frozen_param'"). Unfrozen, every call of the graph unwraps each quantized weight in Python,
+which made the TP 1 int4 decode CPU-bound (H100: a 7.79-10.47 ms step against 3.29 ms frozen;
+docs/decode.md, "Compiling the step: inductor freezing").
 
 `to_local` swaps each sharded `nn.Linear` for a `LocalLinear` that holds the rank's shard as a
 plain tensor (a QTensor for quantized weights), as gpt-fast does its tensor parallelism:

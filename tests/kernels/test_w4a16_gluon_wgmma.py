@@ -235,7 +235,7 @@ def test_split_rule_fills_the_gpu_and_keeps_whole_tiles():
 def test_the_op_chooses_it_where_it_was_measured_faster(m):
     """int4 from 9 tokens to 128 on every weight, from 2 on weights as large as gate_up and
     down; MXFP4 / NVFP4 from 17 on every weight, from 9 on the large ones (the H100's Llama
-    layer, session 24)."""
+    layer; docs/kernels/w4a16_register.md, "The wgmma kernel (`w4a16_gluon_wgmma.py`)")."""
     from qshard.kernels.w4a16_triton import Format, wgmma_chosen
 
     llama = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),

@@ -104,8 +104,8 @@ def test_the_fence_check_sees_a_missing_fence():
 
 
 # Llama-3.1-8B's linears (N, K) on an H100 (132 SMs): the best of the configs measured at 8 and
-# 16 tokens (docs/kernels/w4a16_register.md, "Session 20"): int4 in K splits, MXFP4 / NVFP4 in
-# chunks per work item
+# 16 tokens (docs/kernels/w4a16_register.md, "The warp-specialized kernel
+# (`w4a16_gluon_ws.py`)"): int4 in K splits, MXFP4 / NVFP4 in chunks per work item
 LLAMA_BEST = {(6144, 4096): (2, 16), (4096, 4096): (4, 8), (28672, 4096): (1, 16),
               (4096, 14336): (4, 16)}  # fmt: skip
 
@@ -244,7 +244,7 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
         want = int4.int4_linear_reference(x, w.qdata, w.scale, w.zero, 128, lin.bias)
         assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
     x = torch.randn(WS_CHOICE_MAX_M, 4096, device="cuda", dtype=torch.bfloat16)
-    odd = x[:, :4064]  # K % 128 != 0: the Triton kernel at 16 tokens, v4 at 9..12
+    odd = x[:, :4064]  # K % 128 != 0: the Triton kernel at 16 tokens, the register one at 9..12
     assert register_choice(Format.INT4_ASYM, odd, w.qdata[:, :2032], 32) is None
     kernel = register_choice(Format.INT4_ASYM, odd[:9], w.qdata[:, :2032], 32)["KERNEL"]
     assert kernel == "register"

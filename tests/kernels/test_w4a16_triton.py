@@ -178,10 +178,10 @@ def test_the_word_gemv_matches_the_reference(name, group, n, k, block_w, m):
     check(weight.launch(x, bias, config), weight.reference(x, bias), ACT_DTYPE)
 
 
-# The word GEMV's options (docs/kernels/w4a16.md, v9): K split over programs (the last split of
-# a row band sums the partial sums), uneven splits, the codes loaded two steps ahead and
-# evict-first, every int4 group size and the re-grouped 16 of a TP cut, odd N, two tokens, and
-# fp32 activations (the int4 codes decoded to the exact u - 8: an fp32 product sum).
+# The word GEMV's options (docs/kernels/w4a16.md, "The one-token word GEMV"): K split over programs
+# (the last split of a row band sums the partial sums), uneven splits, the codes loaded two steps
+# ahead and evict-first, every int4 group size and the re-grouped 16 of a TP cut, odd N, two tokens,
+# and fp32 activations (the int4 codes decoded to the exact u - 8: an fp32 product sum).
 WORD_GEMV_OPTIONS = [
     ("int4-asym", 32, 40, 1024, dict(BLOCK_N=16, BLOCK_W=16, SPLIT_K=3, PREFETCH=2), 1),
     ("int4-asym", 64, 33, 768, dict(BLOCK_N=32, BLOCK_W=32, SPLIT_K=2), 2),
