@@ -143,7 +143,7 @@ def _quantize_weight(handler: Handler, target: Target, config: QuantConfig) -> t
     else:
         local = _quantize_local_experts(handler, target, config)
         stride = _outer_stride(weight.shape, target.transposed)
-    return DTensor.fromlocal_tensor(
+    return DTensor.from_local(
         local,
         weight.device_mesh,
         weight.placements,

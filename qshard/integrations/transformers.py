@@ -38,7 +38,6 @@ import secrets
 import warnings
 
 import torch
-import transformers
 from safetensors import safe_open
 from torch import nn
 from transformers.quantizers.auto import (
@@ -509,6 +508,8 @@ MIN_TRANSFORMERS = (5, 23)
 def register() -> None:
     """Register quant_method "qshard" with transformers (once). An older transformers (whose
     loader has no conversion ops) is not registered with: qshard/__init__.py warns instead."""
+    # Imported here: the transformers in sys.modules now, whose version this checks.
+    import transformers
 
     version = tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
     if version < MIN_TRANSFORMERS:
