@@ -917,8 +917,8 @@ def native_choice(fmt: Format, x, qdata, group: int) -> dict:
     n = qdata.shape[0]
     if m <= GEMV_MAX_M:
         # 16 rows on every Llama-3.1-8B linear (o and down too, where the canonical codes take
-        # 8): the fastest of the H100 sweep of the native read (bench/bench_gemv.py --native;
-        # bench/README.md, "int4 on an H100, with tinygemm, gemlite and Marlin")
+        # 8): the fastest of the H100 sweep of the native read (bench/bench_gemv.py --native, in
+        # git at 22781c1; bench/README.md, "int4 on an H100, with tinygemm, gemlite and Marlin")
         return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": native_gemv_step(k),
                 "num_warps": 4, "EVICT": 1, "NATIVE": 1}  # fmt: skip
     pair = pair_gemv_choice(fmt, m, n, k, native=True)
