@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, QShardError
+from .attrs import attrs_text
 from .registry import attr_types
 
 if typing.TYPE_CHECKING:
@@ -87,7 +88,7 @@ def check_qtensor(tensor: QTensor, where: str, error: type[QShardError] = Checkp
                         f"plain torch.Tensor")  # fmt: skip
         if tuple(inner.shape) != tuple(spec_shape) or inner.dtype != spec_dtype:
             raise error(
-                f"{at} {list(shape)} with {_attrs_text(tensor.attrs())}: inner tensor "
+                f"{at} {list(shape)} with {attrs_text(tensor.attrs())}: inner tensor "
                 f"{inner_name!r} is {_dtype(inner.dtype)}{list(inner.shape)}, the layout needs "
                 f"{_dtype(spec_dtype)}{list(spec_shape)}"
             )
@@ -227,7 +228,7 @@ def check_attr_types(
     try:
         cls.check_attrs(attrs)
     except QShardError as e:
-        raise error(f"{where}: attributes {_attrs_text(attrs)} are invalid: {e}") from None
+        raise error(f"{where}: attributes {attrs_text(attrs)} are invalid: {e}") from None
 
 
 def _has_type(value: Any, hint: Any) -> bool:
@@ -265,7 +266,3 @@ def _hint_text(hint: Any) -> str:
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _attrs_text(attrs: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={getattr(v, 'value', v)!r}" for k, v in attrs.items())
