@@ -11,7 +11,7 @@ which are no nn.Linear, stay float). Per-expert linears (`<m>.experts.{e}.gate_p
 ...) of an experts module the model holds fused are joined as transformers' loader joins them,
 `<m>.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and
 `<m>.experts.down_proj` [E, H, I]: each expert quantized alone and the experts stacked, which
-is bit for bit `quantize_` of the 3-D weight (docs/design invariant 8). Without such a model,
+is bit for bit `quantize_` of the 3-D weight (docs/design.md invariant 8). Without such a model,
 every 2-D `*.weight` not excluded or kept float is quantized (by name and shape).
 """
 

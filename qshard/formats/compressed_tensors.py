@@ -1,6 +1,5 @@
 """compressed-tensors checkpoints (llm-compressor; docs/design.md, "Formats") <-> Int4Tensor /
-Nvfp4Tensor /
-Mxfp4Tensor / Fp8RowwiseTensor / Fp8BlockwiseTensor.
+Nvfp4Tensor / Mxfp4Tensor / Fp8RowwiseTensor / Fp8BlockwiseTensor.
 
 config.json `quantization_config`: quant_method "compressed-tensors", `config_groups` ({name:
 {targets, weights, input_activations, format}}), the model's `format` (one format, or

@@ -1,14 +1,13 @@
 """Mixture-of-experts weights: other producers' per-expert keys <-> transformers' fused experts.
 
-DeepSeek-V3/R1, Qwen3-MoE and compressed-tensors MoE checkpoints store each expert as three
-linears (docs/design.md, "Experts in transformers"): `<m>.{e}.gate_proj.weight` [I, H],
-`<m>.{e}.up_proj.weight` [I, H] and
-`<m>.{e}.down_proj.weight` [H, I], with `<m>` = `...mlp.experts`; transformers 5.x holds them
-as two 3-D parameters of the experts module, `<m>.gate_up_proj` [E, 2I, H] (each expert's gate
-rows, then its up rows: the module's forward chunks the output in two) and `<m>.down_proj`
-[E, H, I]. A format's loader maps each linear into its layout (2-D QTensors); `fuse_experts`
-then joins them with the QTensor shape ops (cat along N, stack over experts), which move
-packed bytes and never dequantize.
+DeepSeek-V3/R1, Qwen3-MoE and compressed-tensors MoE checkpoints store each expert as three linears
+(docs/design.md, "Experts in transformers"): `<m>.{e}.gate_proj.weight` [I, H],
+`<m>.{e}.up_proj.weight` [I, H] and `<m>.{e}.down_proj.weight` [H, I], with `<m>` =
+`...mlp.experts`; transformers 5.x holds them as two 3-D parameters of the experts module,
+`<m>.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows: the module's forward
+chunks the output in two) and `<m>.down_proj` [E, H, I]. A format's loader maps each linear into its
+layout (2-D QTensors); `fuse_experts` then joins them with the QTensor shape ops (cat along N, stack
+over experts), which move packed bytes and never dequantize.
 
 Gate and up are joined at row I. Where I is not a multiple of the layout's row packing, the
 join would leave a partial block inside the weight: FP8 blockwise weights are then re-blocked

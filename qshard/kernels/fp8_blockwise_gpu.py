@@ -17,11 +17,10 @@ Triton tensor-core GEMM from M = 128 to 4096 (bench/README.md); Triton also serv
 cuBLAS cannot take (re-blocked 64-blocks, partial edge blocks, sm_89).
 
 cuBLAS: `F.scaled_mm` with BlockWise1x128 activations x BlockWise128x128 weights (torch >= 2.10,
-CUDA >= 12.9, sm_90 only; docs/design.md, "PyTorch behaviour"): `a` fp8 [M, K] row-major with
-scales [M, K/128] of
-strides (1, M) (exactly the group-major scales the Triton act-quant kernel writes), `b` = W.t()
-with scales = the [N/128, K/128] block scales `.t()`. M is padded to a multiple of 16 (M = 1 is
-refused by cuBLAS).
+CUDA >= 12.9, sm_90 only; docs/design.md, "PyTorch behaviour"): `a` fp8 [M, K] row-major with scales
+[M, K/128] of strides (1, M) (exactly the group-major scales the Triton act-quant kernel writes),
+`b` = W.t() with scales = the [N/128, K/128] block scales `.t()`. M is padded to a multiple of 16 (M
+= 1 is refused by cuBLAS).
 """
 
 from __future__ import annotations

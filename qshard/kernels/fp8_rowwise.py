@@ -1,11 +1,10 @@
 """FP8 per-row ("per-channel") quantization and matmul: the reference and the cuBLAS path.
 
-Weights: float8_e4m3fn [N, K] with one fp32 multiplier per output row, scale [N, 1]:
-W = fp8 * scale (torchao's PerRow Float8Tensor, compressed-tensors' `channel` strategy, FBGEMM's
-rowwise FP8; docs/design.md, "Formats"). Activations (W8A8): quantized on the fly per token, one
-fp32 scale per
-row of x, x ~= xq * x_scale. The scale of a row (token) is amax / 448, 1.0 for an all-zero row,
-as in the blockwise layout (`scales_from_amax`).
+Weights: float8_e4m3fn [N, K] with one fp32 multiplier per output row, scale [N, 1]: W = fp8 * scale
+(torchao's PerRow Float8Tensor, compressed-tensors' `channel` strategy, FBGEMM's rowwise FP8;
+docs/design.md, "Formats"). Activations (W8A8): quantized on the fly per token, one fp32 scale per
+row of x, x ~= xq * x_scale. The scale of a row (token) is amax / 448, 1.0 for an all-zero row, as
+in the blockwise layout (`scales_from_amax`).
 
 The cuBLAS path is `torch._scaled_mm` with row-wise scales (scale_a [M, 1], scale_b [1, N]), the
 kernel torchao's per-row config runs on Hopper; the activation quantization is plain torch ops,

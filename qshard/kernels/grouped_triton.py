@@ -1,10 +1,9 @@
 """Grouped (mixture-of-experts) matmul kernels in Triton: one launch over every expert.
 
-The tokens x [T, K] are sorted by expert; offs [E] int32 holds the end row of each expert's
-tokens (transformers' grouped_mm convention, docs/design.md, "Experts in transformers"). out[rows
-of e] = x[rows of e] @
-W[e].T (+ bias[e]) for [E, N, K] experts; rows past offs[-1] are zeros. Their definition is the
-per-expert 2-D reference (qshard/qtensor/grouped.py); tests compare against it.
+The tokens x [T, K] are sorted by expert; offs [E] int32 holds the end row of each expert's tokens
+(transformers' grouped_mm convention, docs/design.md, "Experts in transformers"). out[rows of e] =
+x[rows of e] @ W[e].T (+ bias[e]) for [E, N, K] experts; rows past offs[-1] are zeros. Their
+definition is the per-expert 2-D reference (qshard/qtensor/grouped.py); tests compare against it.
 
 Work split: the rows of each expert are cut into blocks of BLOCK_M tokens; a program takes one
 (BLOCK_N weight rows, token block) tile, "swap AB" as the 2-D small-M kernels: the weight rows

@@ -1,6 +1,5 @@
 """The gemlite backend of the int4 layout: gemlite's A16Wn kernels (docs/design.md, "PyTorch
-behaviour") on a device form
-made from the canonical packing (`kernels/int4.py`).
+behaviour") on a device form made from the canonical packing (`kernels/int4.py`).
 
 gemlite's int4 weight is W = (W_q - zeros) * scales with W_q in 0..15 and one (scale, zero)
 per row per group: the canonical definition itself, so the form holds the same weights (the
@@ -9,9 +8,8 @@ scales are cast to it), so the form is made for the weight's outer dtype.
 
 gemlite is optional and imported lazily: importing it queries the CUDA device and raises on a
 machine without one (docs/design.md, "PyTorch behaviour"). On a GPU with no shipped gemlite config
-(H200) the H100
-config is loaded, or gemlite would autotune for minutes per shape (docs/design.md, "PyTorch
-behaviour").
+(H200) the H100 config is loaded, or gemlite would autotune for minutes per shape (docs/design.md,
+"PyTorch behaviour").
 """
 
 from __future__ import annotations

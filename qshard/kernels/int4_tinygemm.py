@@ -3,12 +3,11 @@ on CUDA, `aten._weight_int4pack_mm_for_cpu` on the CPU), on a device form made f
 canonical packing (`kernels/int4.py`).
 
 tinygemm's weight is W = (q - 8) * scale + zero with q in 0..15 (docs/design.md, "PyTorch
-behaviour"), so the canonical
-W = (u - z) * s maps to q = u, scale = s and zero = (8 - z) * s. That zero is rounded once to
-the scale dtype (bf16 on CUDA; on the CPU the activation's dtype), so the weights differ from
-the canonical ones by at most 8 * s * 2^-9 (bf16): symmetric weights (z = 8) are exact. A
-float zero point (zero_point_domain 'float') is tinygemm's own zero, exact on CUDA.
-The CPU form is made for the weight's dtype, so `.to(dtype)` re-makes it.
+behaviour"), so the canonical W = (u - z) * s maps to q = u, scale = s and zero = (8 - z) * s. That
+zero is rounded once to the scale dtype (bf16 on CUDA; on the CPU the activation's dtype), so the
+weights differ from the canonical ones by at most 8 * s * 2^-9 (bf16): symmetric weights (z = 8) are
+exact. A float zero point (zero_point_domain 'float') is tinygemm's own zero, exact on CUDA. The CPU
+form is made for the weight's dtype, so `.to(dtype)` re-makes it.
 
 tinygemm takes groups of 32..256, K a multiple of the group (and, on CUDA, of its 16 *
 inner_k_tiles columns) and N a multiple of 16 (CPU) or 8 (CUDA). The form pads to those with
