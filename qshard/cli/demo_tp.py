@@ -67,6 +67,10 @@ def _worker(rank: int, world: int, directory: str, use_minilm: bool, env_init: b
     device = torch.device(f"cuda:{rank}") if gpus else torch.device("cpu")
     if gpus:
         torch.cuda.set_device(device)
+    elif not env_init:  # (torchrun sets OMP_NUM_THREADS=1 itself)
+        # The ranks share the CPU's cores: each taking all of them oversubscribes, and the
+        # idle-spinning threads of one rank slow the others several times over.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         # Under torchrun each rank made its own temporary directory: use rank 0's.
         shared = [directory]

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import multiprocessing
 import os
 import signal
 import tempfile
@@ -60,6 +61,7 @@ def spawn(worker, world: int, *args, backend: str = "gloo",
             args=(world, init, backend, tmp, worker, args, deadline_s - RANK_DEADLINE_MARGIN_S),
             nprocs=world,
             join=False,
+            start_method=_start_method(backend),
         )
         deadline = time.monotonic() + deadline_s
         try:
@@ -76,6 +78,19 @@ def spawn(worker, world: int, *args, backend: str = "gloo",
                 process.kill()
 
 
+# The modules every rank imports, loaded once by the fork server that starts the ranks (a
+# rank forked from it starts in well under a second; a spawned one imports torch again).
+PRELOADED = ["torch", "torch.distributed.tensor", "torch._dynamo", "qshard", "qshard.tp",
+             "transformers", "helpers", "test_tensor_parallel"]  # fmt: skip
+
+
+def _start_method(backend: str) -> str:
+    if backend == "nccl":
+        return "spawn"  # a CUDA context cannot cross a fork
+    multiprocessing.set_forkserver_preload(PRELOADED)
+    return "forkserver"
+
+
 def _dump_and_kill(processes) -> None:
     for process in processes:
         if process.is_alive():
@@ -88,6 +103,7 @@ def _dump_and_kill(processes) -> None:
 def _entry(rank: int, world: int, init: str, backend: str, tmp: str, worker, args,
            rank_deadline_s: float) -> None:  # fmt: skip
     device_type = "cuda" if backend == "nccl" else "cpu"
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     with qshard.tp.deadline(rank_deadline_s):
