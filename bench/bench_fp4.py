@@ -20,14 +20,14 @@ from qshard.kernels import mxfp4, nvfp4
 
 
 def mxfp4_weight(w):
-    from qshard.kernels.w4a16_triton import Format
+    from qshard.kernels.w4a16.format import Format
 
     packed, scale = mxfp4.quantize_mxfp4(w, 32)
     return Weight4(Format.MXFP4, (packed, scale, packed, packed), 32)
 
 
 def nvfp4_weight(w):
-    from qshard.kernels.w4a16_triton import Format
+    from qshard.kernels.w4a16.format import Format
 
     global_scale = nvfp4.global_scale_of(w)
     packed, scale = nvfp4.quantize_nvfp4(w, global_scale)
@@ -36,7 +36,7 @@ def nvfp4_weight(w):
 
 def qshard_method(make):
     def build(w):
-        from qshard.kernels.w4a16_triton import linear_launch
+        from qshard.kernels.w4a16.ops import linear_launch
 
         weight = make(w)
         return lambda x: linear_launch(weight.fmt, x, *weight.inner, None, weight.group)

@@ -142,6 +142,19 @@ def table(shapes: dict, title: str, methods, ms=MS) -> None:
                 flops = 2 * m * sum(n * k for n, k in shapes.values())
                 cells.append(f"{t:.0f} us ({base[m] / t:.2f}x, {flops / t / 1e6:.0f} TF/s)")
         print(f"| {method} | " + " | ".join(cells) + " |", flush=True)
+    print_choices(shapes, ms)
+
+
+def print_choices(shapes: dict, ms) -> None:
+    """The kernel the op runs at each M on each shape (`kernels/fp8/select.py`)."""
+    from qshard.kernels.fp8.select import choose
+
+    for name, (n, k) in shapes.items():
+        q = torch.empty(n, k, device="cuda", dtype=torch.float8_e4m3fn)
+        picks = [choose(torch.empty(m, k, device="cuda", dtype=torch.bfloat16), q, 128, 128, 128)
+                 for m in ms]  # fmt: skip
+        print(f"- the op's kernel on {name}: " + ", ".join(
+            f"M={m} {c.kernel.value}" for m, c in zip(ms, picks, strict=True)))
 
 
 GEMV_SWEEP = [
@@ -168,7 +181,7 @@ SWEEP_MS = (1, 4, 16, 32, 64, 128, 256)
 
 def sweep_candidates(m: int):
     """(name, config for one (n, k) shape or None for cuBLAS) to try at M = m."""
-    from qshard.kernels.fp8_blockwise_triton import small_m_config
+    from qshard.kernels.fp8.small_m import config as small_m_config
 
     device = torch.device("cuda", torch.cuda.current_device())
     yield "cublas", lambda n, k: None
@@ -191,8 +204,8 @@ def sweep_candidates(m: int):
 
 def sweep(shapes: dict, sweep_ms=SWEEP_MS) -> None:
     """Every kernel and config per M over the shapes (summed us), best first, with cuBLAS."""
-    from qshard.kernels.fp8_blockwise_gpu import cublas_linear
-    from qshard.kernels.fp8_blockwise_triton import linear_launch
+    from qshard.kernels.fp8.cublas import launch as cublas_linear
+    from qshard.kernels.fp8.ops import triton_linear_launch as linear_launch
 
     print("\n### Kernel and config sweep (Llama-3.1-8B layer, summed us)\n")
     weights = {}
@@ -220,7 +233,7 @@ def sweep(shapes: dict, sweep_ms=SWEEP_MS) -> None:
 
 def act_quant_bandwidth() -> None:
     """The activation-quantization kernel alone at large M (part of every cuBLAS call)."""
-    from qshard.kernels.fp8_blockwise_triton import act_quant_launch
+    from qshard.kernels.fp8.act_quant import act_quant_launch
 
     print("\n### Activation quantization kernel alone\n")
     for m, k in ((4096, 7168), (8192, 4096), (4096, 14336)):  # each moves more than the L2

@@ -264,15 +264,15 @@ def sweep_candidates(m: int):
             depth = f" prefetch {prefetch}" if prefetch > 1 else ""
             yield f"small-m {bn}x{bk} {waves}/SM {warps}w {stages}s{depth}", config
     if m >= 16:
-        from qshard.kernels.w4a16_triton import DEQUANTIZE
+        from qshard.kernels.w4a16 import dequantize
 
-        yield "dequantize + cuBLAS", lambda n, k: DEQUANTIZE
+        yield "dequantize + cuBLAS", lambda n, k: dequantize.config()
 
 
 def time_launch(copies: list, k: int, m: int, config) -> float:
     """us per call of `linear_launch` with `config` on M tokens, over the weight `copies`
     (`Weight4`s of one shape, enough of them to pass the L2: `copies_for`)."""
-    from qshard.kernels.w4a16_triton import linear_launch
+    from qshard.kernels.w4a16.ops import linear_launch
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     fn = lambda: [linear_launch(w.fmt, x, *w.inner, None, w.group, config) for w in copies]  # noqa: E731
@@ -308,7 +308,7 @@ class Weight4:
 
 
 def int4_weight(w):
-    from qshard.kernels.w4a16_triton import Format
+    from qshard.kernels.w4a16.format import Format
 
     packed, scale, zero = quantized(w)
     return Weight4(Format.INT4_ASYM, (packed, scale, zero, scale), GROUP)

@@ -118,7 +118,8 @@ def fp8_rowwise_method(gate_up, down):
 def dequant_method(gate_up, down):
     """int4 g128 experts, all dequantized to bf16 (one 2-D dequantize launch per weight: the
     experts' rows stacked), then bf16 torch._grouped_mm."""
-    from qshard.kernels.w4a16_triton import Format, dequantize_launch
+    from qshard.kernels.w4a16.dequantize import dequantize_weight as dequantize_launch
+    from qshard.kernels.w4a16.format import Format
 
     config = QSHARD_CONFIGS["qshard-int4"]
     up_q, down_q = (qshard.Int4Tensor.from_float(w, config) for w in (gate_up, down))
@@ -205,6 +206,11 @@ def bench_shape(name: str, tokens_list, methods) -> None:
     for method, cells in results.items():
         row = " | ".join(cells[t] for t in tokens_list)
         print(f"| {method} | {row} | {errors.get(method, '-')} |")
+    from qshard.kernels.grouped.select import choose_w4a16  # (imports Triton)
+
+    picks = [choose_w4a16(0, t * top_k, experts, hidden).kernel.value for t in tokens_list]
+    print("\n4-bit gate_up kernel (`kernels/grouped/select.py`): " + ", ".join(
+        f"T={t} {k}" for t, k in zip(tokens_list, picks, strict=True)))
     sys.stdout.flush()
 
 
@@ -231,8 +237,9 @@ W4_SWEEP = [  # (BLOCK_N, BLOCK_M or None, BLOCK_K, warps, stages)
 def sweep(shape: str, tokens_list) -> None:
     """The gate_up grouped matmul alone under each candidate config (launchers called
     directly): the data for the launchers' defaults."""
-    from qshard.kernels import grouped_triton as g
-    from qshard.kernels.w4a16_triton import Format
+    from qshard.kernels.grouped import ops as g
+    from qshard.kernels.grouped.common import token_block
+    from qshard.kernels.w4a16.format import Format
 
     experts, hidden, inter, top_k = SHAPES[shape]
     torch.manual_seed(0)
@@ -244,7 +251,7 @@ def sweep(shape: str, tokens_list) -> None:
     for tokens in tokens_list:
         count = 4 if tokens <= ROTATE_UP_TO else 1
         routings = [routing(tokens, experts, top_k, hidden, seed=s) for s in range(count)]
-        block_m = g.token_block(tokens * top_k, experts)
+        block_m = token_block(tokens * top_k, experts)
         cells = []
         for bn, bm, pre, warps, stages in FP8_SWEEP:
             config = {"BLOCK_N": bn, "BLOCK_M": bm or block_m, "PREQUANT": pre,
@@ -290,8 +297,9 @@ GEMV_SWEEP = [  # (BLOCK_N, BLOCK_W, warps)
 def sweep_w4(shape: str, tokens_list, formats=tuple(W4_FORMATS)) -> None:
     """Each 4-bit format's gate_up and down grouped matmuls alone (launchers called directly)
     under the default config and, at up to 2 rows per expert, each GEMV config."""
-    from qshard.kernels import grouped_triton as g
-    from qshard.kernels.w4a16_triton import Format
+    from qshard.kernels.grouped import ops as g
+    from qshard.kernels.grouped.select import GEMV_MAX_ROWS_PER_EXPERT
+    from qshard.kernels.w4a16.format import Format
 
     experts, hidden, inter, top_k = SHAPES[shape]
     torch.manual_seed(0)
@@ -316,7 +324,7 @@ def sweep_w4(shape: str, tokens_list, formats=tuple(W4_FORMATS)) -> None:
                 routings = [routing(tokens, experts, top_k, k, seed=s) for s in range(count)]
                 rows = tokens * top_k
                 configs = [("default", None)]
-                if rows <= g.GEMV_MAX_ROWS_PER_EXPERT * experts:
+                if rows <= GEMV_MAX_ROWS_PER_EXPERT * experts:
                     configs.append(("tc", {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128,
                                            "num_warps": 4, "num_stages": 3}))  # fmt: skip
                     configs += [(f"{bn}w{bw}n{nw}", {"KERNEL": "gemv", "BLOCK_N": bn,
@@ -354,9 +362,9 @@ def main() -> None:
     args = parser.parse_args()
     print(versions())
     if args.no_gemv:
-        from qshard.kernels import grouped_triton
+        from qshard.kernels.grouped import select
 
-        grouped_triton.GEMV_MAX_ROWS_PER_EXPERT = 0
+        select.GEMV_MAX_ROWS_PER_EXPERT = 0
         print("4-bit decode GEMV off (tensor-core kernel at every size)")
     tokens = [int(t) for t in args.tokens.split(",")]
     for shape in args.shapes.split(","):

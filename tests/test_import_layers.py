@@ -158,6 +158,27 @@ def test_an_import_inside_a_function_says_why():
     assert not silent, "\n".join(silent)
 
 
+def private_imports() -> list[str]:
+    """`from <a qshard module> import _name` in another qshard module: what a module shares it
+    names without the underscore (docs/design.md, "Layers")."""
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            targets = _targets(module, node, path.name == "__init__.py")
+            if not targets or all(t == module for t in targets):
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_")
+                       and not a.name.endswith("__")]  # fmt: skip (a dunder is public)
+            found += [f"{module}:{node.lineno} imports {n} from {targets[0]}" for n in private]
+    return found
+
+
+def test_no_private_name_is_imported_across_modules():
+    assert not private_imports(), "\n".join(private_imports())
+
+
 def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's algorithm, iterative."""
     index: dict[str, int] = {}

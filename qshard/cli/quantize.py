@@ -43,7 +43,7 @@ from .configs import CONFIG_NAMES, config_named
 __all__ = ["inspect_checkpoint", "quantize_directory"]
 
 
-def _is_excluded(module: str, patterns) -> bool:
+def is_excluded(module: str, patterns) -> bool:
     return any(fnmatch.fnmatchcase(module, p) for p in patterns)
 
 
@@ -164,7 +164,7 @@ class _Plan:
         if self.targets is None:
             module = key.removesuffix(".weight")
             linear = key.endswith(".weight") and tensor.dim() == 2
-            return Target(module, None, "weight") if linear and not _is_excluded(
+            return Target(module, None, "weight") if linear and not is_excluded(
                 module, self.exclude) else None  # fmt: skip
         target = self.targets.get(key.removesuffix(".weight")) if key.endswith(".weight") else None
         if target is not None and target.param == "weight" and tensor.dim() == 2:

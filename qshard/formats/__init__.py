@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, NotQuantizedError, QShardError
-from ..io.loading import _load_into, load
-from ..io.saving import QUANTIZATION_CONFIG_NAME, _full, _state_dict
+from ..io.loading import load, load_into
+from ..io.saving import QUANTIZATION_CONFIG_NAME, checked_state_dict, full_tensor
 from ..qtensor import QTensor
 from ..qtensor.validation import check_qtensor
 from ..targets import quantization_targets
@@ -168,7 +168,7 @@ def load_pretrained(
         return {k: v.to(device) if v.device != device else v for k, v in state.items()}
     if (mesh is None) != (plan is None):
         raise QShardError("qshard.load_pretrained: pass both mesh and plan, or neither")
-    return _load_into(MemorySource(state), model, device, mesh, plan, strict=True)
+    return load_into(MemorySource(state), model, device, mesh, plan, strict=True)
 
 
 # Tensors a format stores beside its quantized weights: left in a loaded state_dict as plain
@@ -221,7 +221,7 @@ def export(
     Everything is checked before anything is written, and the directory appears whole."""
     if format not in EXPORT_FORMATS:
         raise QShardError(f"qshard.export: format {format!r} is not one of {list(EXPORT_FORMATS)}")
-    state = {k: _full(v) for k, v in _state_dict(model).items()}
+    state = {k: full_tensor(v) for k, v in checked_state_dict(model).items()}
     if not any(isinstance(v, QTensor) for v in state.values()):
         raise NotQuantizedError(
             f"qshard.export: the model holds no quantized weight ({len(state)} tensors, none a "

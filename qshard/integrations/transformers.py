@@ -406,7 +406,7 @@ class QShardHfQuantizer(HfQuantizer):
                 f"qshard saves sharded models with qshard.save(model, directory), which gathers "
                 f"them (config.json: model.config.save_pretrained(directory))"
             )
-        state = saving._state_dict(state)  # meta, dtypes, reserved keys, registered layouts
+        state = saving.checked_state_dict(state)  # meta, dtypes, reserved keys, registered layouts
         failure = saving._invalid_quantized(state)  # what a reader would refuse is not written
         if failure is not None:
             raise failure

@@ -56,10 +56,10 @@ def load(
                 raise QShardError("qshard.load: mesh and plan shard a model; pass model=")
             device = torch.device("cpu") if device is None else torch.device(device)
             return _read_all(checkpoint, checkpoint.keys(), {}, device, None, {})
-        return _load_into(checkpoint, model, device, mesh, plan, strict)
+        return load_into(checkpoint, model, device, mesh, plan, strict)
 
 
-def _load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, strict: bool):
+def load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, strict: bool):
     state = model.state_dict(keep_vars=True)
     targets = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     if any(is_dtensor(t) for t in targets.values()):

@@ -115,7 +115,7 @@ def save(
     directory = pathlib.Path(path)
     if directory.exists() and not directory.is_dir():
         raise QShardError(f"qshard.save: {directory} is a file; pass a directory to save into")
-    state = _state_dict(model_or_state_dict)
+    state = checked_state_dict(model_or_state_dict)
     entries = _plan_entries(state)
     # A sharded model is saved by every rank (gathers are collectives) and written by rank 0;
     # anything else is written by whichever process calls save.
@@ -133,7 +133,7 @@ def save(
     for group in groups:
         # One file's worth gathered at a time; every rank takes part even after a failure on
         # rank 0, so that no rank waits forever in a collective.
-        full = [dataclasses.replace(e, value=_full(e.value)) for e in group]
+        full = [dataclasses.replace(e, value=full_tensor(e.value)) for e in group]
         if writing:
             writer.run(writer.write_file, full)
     if writing:
@@ -186,7 +186,7 @@ def agree_on_failure(mesh, failure: Exception | None, other: str) -> Exception |
     return failure
 
 
-def _state_dict(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def checked_state_dict(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     state = obj.state_dict() if isinstance(obj, nn.Module) else obj
     if not isinstance(state, Mapping):
         raise QShardError(
@@ -258,7 +258,7 @@ def _signature(value: torch.Tensor) -> tuple | None:
     return (value.dtype, value.device, value.data_ptr(), tuple(value.shape), value.stride())
 
 
-def _full(value: torch.Tensor) -> torch.Tensor:
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(value):
         return value
     from ..tp.gather import full_tensor  # imports torch.distributed.tensor

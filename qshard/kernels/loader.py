@@ -14,18 +14,18 @@ __all__ = ["load_gpu_ops", "load_grouped_ops", "load_w4a16_ops"]
 @functools.cache
 def load_gpu_ops() -> None:
     """Import the kernel modules once: that registers `torch.ops.qshard.fp8_*`."""
-    from . import fp8_blockwise_gpu  # noqa: F401  (imports Triton)
+    from .fp8 import ops  # noqa: F401  (imports Triton)
 
 
 @functools.cache
 def load_w4a16_ops() -> None:
     """Import the 4-bit weight-only Triton kernels once (registers `torch.ops.qshard.int4_linear`,
     `.mxfp4_linear` and `.nvfp4_linear`)."""
-    from . import w4a16_triton  # noqa: F401  (imports Triton)
+    from .w4a16 import ops  # noqa: F401  (imports Triton)
 
 
 @functools.cache
 def load_grouped_ops() -> None:
     """Import the grouped (experts) Triton kernels once (registers
     `torch.ops.qshard.fp8_blockwise_grouped_linear` and `.w4a16_grouped_linear`)."""
-    from . import grouped_triton  # noqa: F401  (imports Triton)
+    from .grouped import ops  # noqa: F401  (imports Triton)

@@ -59,7 +59,7 @@ def _permute_chunks(qdata: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def native_codes(qdata: torch.Tensor) -> torch.Tensor:
     """int4 codes [..., K / 2] (the canonical packing) in the native order of the register
-    kernels (w4a16_gluon_wgmma.py's config NATIVE = 1, and the word GEMV's): in each 128-column
+    kernels (w4a16/register_wgmma.py's config NATIVE = 1, and the word GEMV's): in each 128-column
     chunk, 32-bit word w (of 16), nibble n holds column 32 (w % 4) + 8 (n % 4) + 2 (w // 4) +
     n // 4, so that thread t's word j decodes, nibbles b and b + 4 as pair b, into MMA columns
     32 j + 8 b + 2 t + h: x's own columns, which TMA then copies as they are."""

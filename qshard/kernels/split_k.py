@@ -21,18 +21,26 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["finish_tile", "split_count", "store_tile", "workspace"]
+__all__ = ["finish_tile", "programs_of", "sm_count", "split_count", "store_tile", "workspace"]
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
+    """The SMs of CUDA device `device_index` (cached: a device query per launch costs host
+    time)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def programs_of(device: torch.device) -> int:
+    """The SMs that size a launch on `device`; on the CPU (the interpreter) 4, as if a GPU of
+    4 SMs, so that tests exercise the splits."""
+    return 4 if device.type == "cpu" else sm_count(device.index or 0)
 
 
 def split_count(tiles: int, steps: int, min_steps: int, waves: float, device: torch.device) -> int:
     """Programs per tile so that about `waves` programs per SM run, each with >= min_steps K
     steps. On the CPU (the interpreter) as if 4 SMs, so that tests exercise the split."""
-    sms = 4 if device.type == "cpu" else _sm_count(device.index or 0)
+    sms = programs_of(device)
     return max(1, min(steps // min_steps, round(waves * sms / tiles)))
 
 

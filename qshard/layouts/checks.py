@@ -124,7 +124,7 @@ def checked_config(layout: str, config_cls: type, config: Any) -> Any:
 def weight_only_backend(weight: QTensor, x: torch.Tensor) -> Backend:
     """The backend of a 4-bit weight-only matmul (int4, MXFP4, NVFP4) for input x.
 
-    `auto`: the Triton kernels (`kernels/w4a16_triton.py`) on a CUDA GPU where they can run
+    `auto`: the Triton kernels (`kernels/w4a16/`) on a CUDA GPU where they can run
     (sm_80+), else REFERENCE, which the layouts' `_linear` runs as dequantize + BLAS (never the
     interpreter) unless the weight's backend is `reference` itself. `reference`: always the
     float64 reference. `triton`: the kernels, or BackendUnavailableError naming why they cannot
@@ -148,7 +148,7 @@ def weight_only_grouped_linear(
     group: int, zero: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`grouped_linear` of 4-bit experts (int4, MXFP4, NVFP4; `fmt` names the kernel's format):
-    the fused grouped kernel (kernels/grouped_triton.py) where `weight_only_backend` picks
+    the fused grouped kernel (kernels/grouped/) where `weight_only_backend` picks
     Triton, else each expert's reference (QTensor.grouped_linear)."""
     check_activation(weight, x)
     if weight_only_backend(weight, x) is not Backend.TRITON:

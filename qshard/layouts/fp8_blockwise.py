@@ -251,7 +251,7 @@ class Fp8BlockwiseTensor(QTensor):
         )
 
     def grouped_linear(self, x, offs, bias=None):
-        """Experts: the fused grouped kernel (kernels/grouped_triton.py) where the Triton
+        """Experts: the fused grouped kernel (kernels/grouped/) where the Triton
         kernels run, else each expert's reference (QTensor.grouped_linear)."""
         check_activation(self, x)
         if self.backend is Backend.CUBLAS:
@@ -272,7 +272,7 @@ class Fp8BlockwiseTensor(QTensor):
 
         `auto`: the GPU kernels where they can run (W8A8 on a CUDA GPU with Triton, sm_89+),
         else the reference; between Triton and cuBLAS the op itself picks by the number of
-        tokens at run time (kernels/fp8_blockwise_gpu.py). A forced `triton` or `cublas` that
+        tokens at run time (kernels/fp8/select.py). A forced `triton` or `cublas` that
         cannot run here raises BackendUnavailableError; nothing is substituted silently.
         """
         if self.backend is Backend.REFERENCE:

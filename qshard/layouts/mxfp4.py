@@ -6,7 +6,7 @@ Inner tensors (logical weight [N, K], G = ceil(K / group_size)):
     scale  float8_e8m0fnu [N, G]         2**e per row per block (the last block may be partial)
 Attributes:
     group_size  32 (the MX block); finer (16) after a TP cut re-groups a block exactly
-    backend     AUTO (the fused Triton kernels, `kernels/w4a16_triton.py`, on a CUDA GPU;
+    backend     AUTO (the fused Triton kernels, `kernels/w4a16/`, on a CUDA GPU;
                 dequantize + BLAS elsewhere), REFERENCE, or TRITON (forced)
 
 Quantization (scale rule, rounding, saturation): `qshard/kernels/mxfp4.py`. Packing for the

@@ -7,7 +7,7 @@ Inner tensors (logical weight [N, K], G = ceil(K / 16)):
     global_scale  float32 [1, 1]         the per-tensor multiplier amax / (6 * 448) (ModelOpt's
                                          weight_scale_2): W = e2m1 * scale * global_scale
 Attributes:
-    backend       AUTO (the fused Triton kernels, `kernels/w4a16_triton.py`, on a CUDA GPU;
+    backend       AUTO (the fused Triton kernels, `kernels/w4a16/`, on a CUDA GPU;
                   dequantize + BLAS elsewhere), REFERENCE, or TRITON (forced)
     global_divisor  None, or the fp32 divisor d a compressed-tensors checkpoint stored, whose
                   fl(1/d) is global_scale: x -> 1/x is not injective on fp32, so d cannot be

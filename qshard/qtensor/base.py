@@ -149,7 +149,7 @@ class QTensor(torch.Tensor):
         device_form: DeviceForm | None = None,
         **attrs: Any,
     ):
-        outer, strides = _outer_layout(shape, transposed)
+        outer, strides = outer_layout(shape, transposed)
         device = inner[cls.inner_names[0]].device
         # Never an inference tensor: a view op's output under inference_mode gets its base's
         # version counter, which torch refuses to give an inference tensor ("Cannot set
@@ -467,7 +467,7 @@ class QTensor(torch.Tensor):
             # (torch's "Couldn't swap"): use a detached alias (the same inner tensors; no
             # gradient flows to a frozen weight). Not under no_grad, where no graph keeps it:
             # the detach doubles a view's cost (19 -> 37 us), paid per expert in eager MoE loops.
-            args = tuple(a.detach() if _is_frozen_parameter(a) else a for a in args)
+            args = tuple(a.detach() if is_frozen_parameter(a) else a for a in args)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -532,7 +532,7 @@ class QTensor(torch.Tensor):
         # that overlap) are not trusted.
         for name in self.inner_names:
             setattr(self, name, getattr(self, name).contiguous())
-        expected, strides = _outer_layout(self.logical_shape, self.transposed)
+        expected, strides = outer_layout(self.logical_shape, self.transposed)
         if tuple(self.shape) != expected or self.stride() != strides:
             raise CheckpointError(
                 f"{where}: the pickled outer tensor is {list(self.shape)} with strides "
@@ -783,7 +783,7 @@ class QTensor(torch.Tensor):
     __str__ = __repr__
 
 
-def _outer_layout(shape: tuple[int, ...], transposed: bool) -> tuple[tuple, tuple]:
+def outer_layout(shape: tuple[int, ...], transposed: bool) -> tuple[tuple, tuple]:
     """(outer shape, outer strides) of a QTensor of logical [N, K] or [E, N, K]: [..., K, N]
     viewed from [..., N, K] storage when transposed."""
     *lead, n, k = shape
@@ -850,5 +850,5 @@ _USES_OF_WEIGHTS = frozenset({
 })  # fmt: skip
 
 
-def _is_frozen_parameter(t: Any) -> bool:
+def is_frozen_parameter(t: Any) -> bool:
     return isinstance(t, torch.nn.Parameter) and isinstance(t, QTensor) and not t.requires_grad

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..errors import InvalidDimError, LayoutMismatchError, NonFiniteWeightError, UnsupportedOpError
-from .base import QTensor, _is_frozen_parameter, _outer_layout, as_bytes, equal_inner, join_inner
+from .base import QTensor, as_bytes, equal_inner, is_frozen_parameter, join_inner, outer_layout
 from .validation import FLOAT_DTYPES, check_magnitude
 
 aten = torch.ops.aten
@@ -166,7 +166,7 @@ def _as_strided(func, args, kwargs):
     # The aliases a quantized weight has are itself and its swap of the last two dims.
     q, size, stride, offset = _as_strided_args(*args, **kwargs)
     for transposed in (q.transposed, not q.transposed):
-        shape, strides = _outer_layout(q.logical_shape, transposed)
+        shape, strides = outer_layout(q.logical_shape, transposed)
         if (tuple(size), tuple(stride)) == (shape, strides) and offset in (None, 0):
             out = q.with_changes(transposed=transposed)
             return return_and_correct_aliasing(func, args, kwargs, out)
@@ -482,7 +482,7 @@ def _linear_fn(func, types, args, kwargs):
         # in as a detached alias (same inner tensors): the graph's saved `w.t()` must not be a
         # view of the Parameter itself, or `model.half()` / `.to()` cannot swap it while the
         # output is alive; a weight that requires grad keeps its gradient.
-        weight = w.detach() if _is_frozen_parameter(w) else w
+        weight = w.detach() if is_frozen_parameter(w) else w
         with torch._C.DisableTorchFunctionSubclass():
             return func(x, weight, bias)
     return w._linear(x, bias)

@@ -1,4 +1,4 @@
-"""The Gluon FP8 blockwise kernel (kernels/fp8_blockwise_gluon.py). On the CPU: it compiles for
+"""The Gluon FP8 blockwise kernel (kernels/fp8/gluon.py). On the CPU: it compiles for
 sm_90 (no GPU needed; catches a Gluon API break in CI), its config and split choice, and where
 it cannot run, the reason. On a Hopper GPU: against the reference on fresh random inputs, odd
 shapes (partial row tiles, a partial last group), every activation dtype, both scale formats,
@@ -12,7 +12,8 @@ from helpers import compile_for_sm90, relative_error
 
 import qshard
 from qshard.kernels import fp8_blockwise as ref
-from qshard.kernels.fp8_blockwise_gluon import GLUON_IMPORT_ERROR, gluon_problem, split_for
+from qshard.kernels.fp8.gluon import GLUON_IMPORT_ERROR, split_for
+from qshard.kernels.fp8.gluon import problem as gluon_problem
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 # as test_fp8_blockwise_triton.py: the tensor cores sum each group's fp8 products in another
@@ -25,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-from qshard.kernels.fp8_blockwise_gluon import _fp8_kernel, TensorDescriptor
+from qshard.kernels.fp8.gluon import _fp8_kernel, TensorDescriptor
 names = list(_fp8_kernel.arg_names)
 for block_t, stages, split, dtype in ((16, 10, True, "bf16"), (32, 8, False, "fp16"),
                                       (64, 6, True, "fp32"), (128, 6, True, "bf16")):
@@ -102,7 +103,7 @@ def _expected(x, qdata, scale, bias, ue8m0):
 def test_matches_the_reference(m, n, k):
     """Partial row tiles (N = 200, 130), a partial last group (K = 400, 1040), one group (K =
     128), each token tile; bf16 with a bias, the default config (split where it splits)."""
-    from qshard.kernels.fp8_blockwise_gluon import gluon_launch
+    from qshard.kernels.fp8.gluon import launch as gluon_launch
 
     qdata, scale = _weight(n, k, False)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -116,7 +117,8 @@ def test_matches_the_reference(m, n, k):
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-scales", "ue8m0"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_every_dtype_scale_format_and_split(dtype, ue8m0, splits):
-    from qshard.kernels.fp8_blockwise_gluon import gluon_config, gluon_launch
+    from qshard.kernels.fp8.gluon import config as gluon_config
+    from qshard.kernels.fp8.gluon import launch as gluon_launch
 
     m, n, k = 24, 384, 896
     qdata, scale = _weight(n, k, ue8m0)
@@ -129,7 +131,8 @@ def test_every_dtype_scale_format_and_split(dtype, ue8m0, splits):
 
 @gpu
 def test_split_k_gives_the_same_bits_on_every_run():
-    from qshard.kernels.fp8_blockwise_gluon import gluon_config, gluon_launch
+    from qshard.kernels.fp8.gluon import config as gluon_config
+    from qshard.kernels.fp8.gluon import launch as gluon_launch
 
     m, n, k = 16, 1024, 4096
     qdata, scale = _weight(n, k, False)
@@ -143,7 +146,7 @@ def test_split_k_gives_the_same_bits_on_every_run():
 @gpu
 def test_a_column_parallel_shard_matches_the_whole_weight():
     """A TP shard (rows 256..767 of the weight, its scale rows) computes those outputs."""
-    from qshard.kernels.fp8_blockwise_gluon import gluon_launch
+    from qshard.kernels.fp8.gluon import launch as gluon_launch
 
     qdata, scale = _weight(1024, 2048, False)
     x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
@@ -156,7 +159,10 @@ def test_a_column_parallel_shard_matches_the_whole_weight():
 def test_auto_runs_it_and_compiles_once():
     """The op chooses the kernel in its token range (and the layout runs the op), compiled
     with a dynamic batch, equal to eager."""
-    from qshard.kernels.fp8_blockwise_gpu import GLUON_CHOICE_M, gluon_chosen
+    from qshard.kernels.fp8.select import GLUON_CHOICE_M, choose
+
+    def gluon_chosen(x, qdata, block_n, block_k, group):
+        return choose(x, qdata, block_n, block_k, group).kernel == "gluon"
 
     lin = torch.nn.Linear(512, 384, bias=True, device="cuda", dtype=torch.bfloat16)
     qshard.quantize_(lin, qshard.Fp8BlockwiseConfig())
@@ -177,7 +183,7 @@ def test_cuda_graphs_of_torch_compile_run_it_with_split_k():
     split-K counters must not be a tensor kept from the graph's pool, where the warm-up and the
     capture allocate (they were: "Detected 1 tensor(s) in the cudagraph pool not tracked as
     outputs", Llama decode at batch 32; this test failed so on the H100 before the fix)."""
-    from qshard.kernels.fp8_blockwise_gluon import gluon_config
+    from qshard.kernels.fp8.gluon import config as gluon_config
 
     lin = torch.nn.Linear(4096, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
     qshard.quantize_(lin, qshard.Fp8BlockwiseConfig())

@@ -103,7 +103,7 @@ KERNEL_CONFIGS = {
     [(5, 130, 1100, (128, 128), 128, False), (70, 72, 200, (32, 64), 32, True)],
 )
 def test_each_triton_kernel_matches_the_reference(kernel, m, n, k, block, group, ue8m0):
-    from qshard.kernels.fp8_blockwise_triton import linear_launch
+    from qshard.kernels.fp8.ops import triton_linear_launch as linear_launch
 
     load_gpu_ops()
     weight = torch.randn(n, k, device=DEVICE) * 0.02
@@ -127,7 +127,7 @@ def test_fused_activation_quantization_gives_the_reference_codes(ue8m0):
     exact act-quant kernel's output bit for bit. bf16-valued activations land on e4m3 rounding
     midpoints often (an uncorrected reciprocal got 0.05 % of codes wrong, found in review); a
     group of values near 1e-38 has a subnormal scale, whose reciprocal overflows fp32."""
-    from qshard.kernels.fp8_blockwise_triton import linear_launch
+    from qshard.kernels.fp8.ops import triton_linear_launch as linear_launch
 
     m, n, k = 32, 64, 1024
     weight = torch.randn(n, k, device=DEVICE) * 0.02
@@ -150,7 +150,7 @@ def test_fused_activation_quantization_gives_the_reference_codes(ue8m0):
 
 @pytest.mark.cuda
 def test_split_k_gives_the_same_bits_on_every_run():
-    from qshard.kernels.fp8_blockwise_triton import linear_launch
+    from qshard.kernels.fp8.ops import triton_linear_launch as linear_launch
 
     weight = torch.randn(256, 4096, device="cuda") * 0.02
     qdata, scale = ref.quantize_weight_blockwise(weight, (128, 128), ScaleFormat.FP32)
@@ -164,7 +164,8 @@ def test_split_k_gives_the_same_bits_on_every_run():
 
 
 def test_the_small_m_config_splits_k_to_fill_the_gpu():
-    from qshard.kernels.fp8_blockwise_triton import small_m_config, triton_kernel_for
+    from qshard.kernels.fp8.select import triton_kernel_for
+    from qshard.kernels.fp8.small_m import config as small_m_config
 
     assert [triton_kernel_for(m) for m in (1, 2, 64, 65)] == ["gemv", "small_m", "small_m", "gemm"]
     device = torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
@@ -280,7 +281,7 @@ COMPILE_FOR_SM89 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from qshard.kernels import fp8_blockwise_triton as k
+from qshard.kernels.fp8 import act_quant, gemm, gemv, small_m
 
 def compile_for_sm89(fn, pointers, ints, constexprs):
     names = list(fn.arg_names)
@@ -291,17 +292,17 @@ def compile_for_sm89(fn, pointers, ints, constexprs):
 
 blocks = {"W_BLOCK_N": 128, "W_BLOCK_K": 128, "GROUP": 128}
 for exact in (False, True):
-    compile_for_sm89(k._act_quant_kernel, ["*bf16", "*fp8e4nv", "*fp32"], 4,
+    compile_for_sm89(act_quant._act_quant_kernel, ["*bf16", "*fp8e4nv", "*fp32"], 4,
                      {"GROUP": 128, "UE8M0": False, "EXACT_CAST": exact, "BLOCK_M": 16})
-compile_for_sm89(k._gemm_kernel, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*bf16"], 7,
+compile_for_sm89(gemm._gemm_kernel, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*bf16"], 7,
                  {**blocks, "HAS_BIAS": True, "EVEN_K": False, "BLOCK_M": 64, "BLOCK_N": 128,
                   "GROUP_M": 8})
-compile_for_sm89(k._gemv_kernel, ["*bf16", "*fp8e4nv", "*fp32", "*bf16", "*bf16"], 7,
+compile_for_sm89(gemv._gemv_kernel, ["*bf16", "*fp8e4nv", "*fp32", "*bf16", "*bf16"], 7,
                  {**blocks, "UE8M0": False, "EXACT_CAST": False, "HAS_BIAS": True,
                   "EVEN_K": False, "BLOCK_N": 16, "GROUPS_PER_STEP": 8})
 for prequant in (False, True):
     x = "*fp8e4nv" if prequant else "*bf16"
-    compile_for_sm89(k._small_m_kernel,
+    compile_for_sm89(small_m._small_m_kernel,
                      [x, "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*bf16", "*fp32", "*i32"], 8,
                      {**blocks, "UE8M0": False, "EXACT_CAST": False, "HAS_BIAS": True,
                       "EVEN_K": False, "BLOCK_N": 64, "BLOCK_M": 16, "SPLIT": True,

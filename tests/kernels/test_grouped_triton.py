@@ -94,7 +94,7 @@ def test_int4_device_form_backends_refuse_experts():
 @pytest.mark.parametrize("prequant", [False, True], ids=["fused-act-quant", "prequant"])
 def test_fp8_grouped_kernel_both_activation_paths(prequant):
     """The kernel's two ways of quantizing activations (the default config takes one)."""
-    from qshard.kernels.grouped_triton import fp8_grouped_launch
+    from qshard.kernels.grouped.ops import fp8_grouped_launch
 
     q = qshard.Fp8BlockwiseTensor.from_float(
         (torch.randn(3, 96, 160, device=DEVICE) * 0.02).to(ACT_DTYPE),
@@ -110,7 +110,7 @@ def test_fp8_grouped_kernel_both_activation_paths(prequant):
     assert relative_error(out[:11].float(), expected[:11].float()) <= MAX_RELATIVE_ERROR[x.dtype]
 
 
-# The decode GEMV (`w4a16_grouped_config` picks it up to 2 rows per expert) with steps of 128
+# The decode GEMV (`grouped/select.py` picks it up to 2 rows per expert) with steps of 128
 # and 8 words, so that K = 176 (22 words, partial groups of 32 and 64) runs as a masked step
 # alone and as whole steps plus a masked one.
 GEMV_BLOCKS = [(16, 128), (8, 8)]  # BLOCK_N, BLOCK_W
@@ -119,11 +119,11 @@ GEMV_BLOCKS = [(16, 128), (8, 8)]  # BLOCK_N, BLOCK_W
 @pytest.mark.parametrize("config", CONFIGS[2:], ids=IDS[2:])
 @pytest.mark.parametrize("block", GEMV_BLOCKS, ids=["n16w128", "n8w8"])
 def test_grouped_gemv_matches_reference(config, block, monkeypatch):
-    from qshard.kernels import grouped_triton
+    from qshard.kernels.grouped import w4a16_gemv
 
     block_n, block_w = block
     gemv = {"KERNEL": "gemv", "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": 4}
-    monkeypatch.setattr(grouped_triton, "w4a16_grouped_config", lambda *args: dict(gemv))
+    monkeypatch.setattr(w4a16_gemv, "config", lambda *args: dict(gemv))
     counts = [2, 0, 5, 1, 0, 1]
     experts, n, k = len(counts), 40, 176
     weight = torch.randn(experts, n, k, device=DEVICE) * 0.02
@@ -134,8 +134,11 @@ def test_grouped_gemv_matches_reference(config, block, monkeypatch):
 
 
 def test_grouped_config_picks_the_gemv_for_decode_only():
-    from qshard.kernels.grouped_triton import w4a16_grouped_config
-    from qshard.kernels.w4a16_triton import Format
+    from qshard.kernels.grouped.select import choose_w4a16
+    from qshard.kernels.w4a16.format import Format
+
+    def w4a16_grouped_config(fmt, tokens, experts, k):
+        return choose_w4a16(fmt, tokens, experts, k).config
 
     assert w4a16_grouped_config(Format.MXFP4, 8, 128, 2048)["KERNEL"] == "gemv"  # 1 token
     assert w4a16_grouped_config(Format.INT4_ASYM, 128, 128, 2048)["KERNEL"] == "gemv"  # 16

@@ -89,9 +89,9 @@ def stub_kernel(monkeypatch, module, name: str) -> list[Launch]:
 
 
 def stub_sm_count(monkeypatch, module, sms: int = H100_SMS) -> list[int]:
-    """`module._sm_count` (a CUDA device query) answering `sms`; returns the indices asked."""
+    """`module.sm_count` (a CUDA device query) answering `sms`; returns the indices asked."""
     asked = []
-    monkeypatch.setattr(module, "_sm_count", lambda index: asked.append(index) or sms)
+    monkeypatch.setattr(module, "sm_count", lambda index: asked.append(index) or sms)
     return asked
 
 
@@ -157,7 +157,7 @@ def assert_split_k_workspace(partials, arrived, m: int, n: int, splits: int, til
 
 
 def test_the_sm_count_is_the_asked_devices_and_cached(monkeypatch):
-    """`_sm_count` sizes every persistent grid and split: it must ask the given device (not
+    """`sm_count` sizes every persistent grid and split: it must ask the given device (not
     device 0 on a multi-GPU host) and ask it once; a CUDA device with no index is device 0."""
     asked = []
 
@@ -166,15 +166,15 @@ def test_the_sm_count_is_the_asked_devices_and_cached(monkeypatch):
         return types.SimpleNamespace(multi_processor_count={0: 132, 1: 78}[index])
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
-    split_k._sm_count.cache_clear()
+    split_k.sm_count.cache_clear()
     try:
-        assert (split_k._sm_count(0), split_k._sm_count(1), split_k._sm_count(1)) == (132, 78, 78)
+        assert (split_k.sm_count(0), split_k.sm_count(1), split_k.sm_count(1)) == (132, 78, 78)
         assert asked == [0, 1]
         # the split of the Triton small-M kernels on GPU 1 (78 SMs): 2 waves over 6 tiles
         assert split_k.split_count(6, 1024, 4, 2.0, torch.device("cuda", 1)) == round(2 * 78 / 6)
         assert split_k.split_count(6, 1024, 4, 2.0, torch.device("cuda")) == round(2 * 132 / 6)
     finally:
-        split_k._sm_count.cache_clear()
+        split_k.sm_count.cache_clear()
 
 
 # ---- the Gluon FP8 blockwise kernel ------------------------------------------------------------
@@ -191,7 +191,7 @@ FP8_GLUON_CASES = [
 
 
 def record_fp8_gluon_launch(monkeypatch, m, n, k, dtype, with_bias):
-    from qshard.kernels import fp8_blockwise_gluon as gluon
+    from qshard.kernels.fp8 import gluon
 
     launches = stub_kernel(monkeypatch, gluon, "_fp8_kernel")
     stub_sm_count(monkeypatch, gluon)
@@ -199,7 +199,7 @@ def record_fp8_gluon_launch(monkeypatch, m, n, k, dtype, with_bias):
     qdata, scale = fp8_ref.quantize_weight_blockwise(weight, (128, 128), ScaleFormat.FP32)
     x = torch.randn(m, k, dtype=dtype)
     bias = torch.randn(n, dtype=dtype) if with_bias else None
-    out = gluon.gluon_launch(x, qdata, scale, bias, False)
+    out = gluon.launch(x, qdata, scale, bias, False)
     assert len(launches) == 1
     return launches[0], (x, qdata, scale, bias, out)
 
@@ -213,7 +213,7 @@ def test_gluon_fp8_launch_passes_what_the_kernel_reads(monkeypatch, m, n, k, dty
     at g * M + token), the weight scales' row stride, the split-K buffers as `_finish_half`
     indexes them (a split's partial sums at split * 2 * tiles * 64 * BLOCK_T, a counter per
     half tile), the persistent grid, the constexprs and one warpgroup per partition."""
-    from qshard.kernels.fp8_blockwise_gluon import gluon_config
+    from qshard.kernels.fp8.gluon import config as gluon_config
 
     launch, (x, qdata, scale, bias, out) = record_fp8_gluon_launch(
         monkeypatch, m, n, k, dtype, with_bias
@@ -252,14 +252,14 @@ def test_gluon_fp8_launches_compile_for_sm90_and_fit_the_sm(monkeypatch):
     """The kernel compiled from each launch above (every token tile): its argument types and
     constexprs are ones it builds with, and the ring `gluon_config` sizes (STAGES) fits the
     shared memory of a Hopper SM with PER_SM programs on it."""
-    from qshard.kernels.fp8_blockwise_gluon import gluon_config
+    from qshard.kernels.fp8.gluon import config as gluon_config
 
     specs, configs = [], []
     for m, n, k, dtype, with_bias in FP8_GLUON_CASES:
         with monkeypatch.context() as patch:
             launch, _ = record_fp8_gluon_launch(patch, m, n, k, dtype, with_bias)
             configs.append(gluon_config(m, n, k, CPU))
-        specs.append(compile_spec(launch, "qshard.kernels.fp8_blockwise_gluon", "_fp8_kernel"))
+        specs.append(compile_spec(launch, "qshard.kernels.fp8.gluon", "_fp8_kernel"))
     compiled = compile_launches_for_sm90(specs)
     assert len(compiled) == len(specs)
     for config, metadata in zip(configs, compiled, strict=True):
@@ -268,10 +268,10 @@ def test_gluon_fp8_launches_compile_for_sm90_and_fit_the_sm(monkeypatch):
 
 def test_the_gluon_fp8_config_uses_the_devices_sm_count(monkeypatch):
     """The split choice runs on the SM count of the activations' device."""
-    from qshard.kernels import fp8_blockwise_gluon as gluon
+    from qshard.kernels.fp8 import gluon
 
     asked = stub_sm_count(monkeypatch, gluon, sms=78)
-    config = gluon.gluon_config(16, 1024, 4096, torch.device("cuda", 1))
+    config = gluon.config(16, 1024, 4096, torch.device("cuda", 1))
     assert asked == [1]
     assert config["SPLITS"] == gluon.split_for(8, 32, 78, 16) and config["BLOCK_T"] == 16
 
@@ -280,7 +280,7 @@ def test_a_gluon_fp8_config_the_kernel_cannot_build_is_refused_before_the_launch
     """A token tile the kernel has no wgmma for, or smaller than the tokens (rows of the output
     left unwritten), a one-slot ring or no programs: a ValueError, and nothing launched; no
     tokens: an empty output, and nothing launched."""
-    from qshard.kernels import fp8_blockwise_gluon as gluon
+    from qshard.kernels.fp8 import gluon
 
     launches = stub_kernel(monkeypatch, gluon, "_fp8_kernel")
     qdata = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
@@ -289,8 +289,8 @@ def test_a_gluon_fp8_config_the_kernel_cannot_build_is_refused_before_the_launch
     good = {"BLOCK_T": 32, "STAGES": 4, "PER_SM": 1, "SPLITS": 1}
     for bad in ({"BLOCK_T": 8}, {"BLOCK_T": 16}, {"STAGES": 1}, {"PER_SM": 0}):
         with pytest.raises(ValueError, match="BLOCK_T must be 16, 32, 64 or 128"):
-            gluon.gluon_launch(x, qdata, scale, None, False, {**good, **bad})
-    assert gluon.gluon_launch(x[:0], qdata, scale, None, False).shape == (0, 256)
+            gluon.launch(x, qdata, scale, None, False, {**good, **bad})
+    assert gluon.launch(x[:0], qdata, scale, None, False).shape == (0, 256)
     assert not launches
 
 
@@ -299,7 +299,7 @@ def test_the_gluon_fp8_workspace(splits):
     """`half_tile_workspace`: unsplit, nothing (out in both places, never read); split, the fp32
     partial sums of every split's half tiles and a zeroed counter per half tile, on out's
     device."""
-    from qshard.kernels.fp8_blockwise_gluon import half_tile_workspace
+    from qshard.kernels.gluon_api import half_tile_workspace
 
     out = torch.empty(20, 300, dtype=torch.bfloat16)
     partials, arrived = half_tile_workspace(splits, 3, 32, out)
@@ -316,21 +316,25 @@ def test_the_gluon_fp8_workspace(splits):
 
 @on_the_cpu
 def test_auto_runs_the_gluon_kernel_in_its_token_range_only(monkeypatch):
-    """`gluon_chosen` where Gluon can run (its reason check stubbed to "none"): 2..64 tokens
-    and nothing else; never where it cannot. The op's "auto" then launches it with x flattened
-    to 2-D and returns [..., N]."""
-    from qshard.kernels import fp8_blockwise_gluon as gluon
-    from qshard.kernels import fp8_blockwise_gpu as gpu
+    """The FP8 choice (`fp8/select.py`) takes the Gluon kernel where it can run (its reason
+    check stubbed to "none"): 2..64 tokens and nothing else; never where it cannot. The op's
+    "auto" then launches it with x flattened to 2-D and returns [..., N]."""
+    from qshard.kernels.fp8 import gluon
+    from qshard.kernels.fp8 import select as gpu
 
     asked = []
-    monkeypatch.setattr(gpu, "gluon_problem", lambda *args: asked.append(args) or None)
+    monkeypatch.setattr(gluon, "problem", lambda *args: asked.append(args) or None)
+
+    def gluon_chosen(x, qdata, block_n, block_k, group):
+        return gpu.choose(x, qdata, block_n, block_k, group).kernel == "gluon"
+
     qdata, scale = fp8_ref.quantize_weight_blockwise(
         torch.randn(256, 512) * 0.02, (128, 128), ScaleFormat.FP32
     )
     x = torch.randn(130, 512, dtype=torch.bfloat16)
     low, high = gpu.GLUON_CHOICE_M
     for m in (0, 1, low, 16, high, high + 1, 128):
-        assert gpu.gluon_chosen(x[:m], qdata, 128, 128, 128) == (low <= m <= high), m
+        assert gluon_chosen(x[:m], qdata, 128, 128, 128) == (low <= m <= high), m
     assert asked and all(args[1] is qdata and args[2:] == (128, 128, 128) for args in asked)
     launches = stub_kernel(monkeypatch, gluon, "_fp8_kernel")
     stub_sm_count(monkeypatch, gluon)
@@ -339,8 +343,8 @@ def test_auto_runs_the_gluon_kernel_in_its_token_range_only(monkeypatch):
         x[:24].reshape(2, 12, 512), qdata, scale, None, 128, 128, 128, False, "auto"
     )
     assert out.shape == (2, 12, 256) and len(launches) == 1 and launches[0].args["M"] == 24
-    monkeypatch.setattr(gpu, "gluon_problem", lambda *args: "not on this GPU")
-    assert not any(gpu.gluon_chosen(x[:m], qdata, 128, 128, 128) for m in (low, 16, high))
+    monkeypatch.setattr(gluon, "problem", lambda *args: "not on this GPU")
+    assert not any(gluon_chosen(x[:m], qdata, 128, 128, 128) for m in (low, 16, high))
 
 
 def emulated_blockwise_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, *args, **kwargs):
@@ -373,7 +377,7 @@ def emulated_blockwise_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, *ar
 @on_the_cpu
 @pytest.mark.parametrize(("m", "with_bias"), [(1, True), (24, False), (80, True)])
 def test_cublas_blockwise_call_matches_the_reference(monkeypatch, m, with_bias):
-    """`cublas_linear` (through the op's "cublas" backend): M padded to cuBLAS's multiple of
+    """`fp8/cublas.py` (through the op's "cublas" backend): M padded to cuBLAS's multiple of
     16 and cut back, the weight and its scales transposed into the layout scaled_mm checks, the
     activation scales group-major, the bias added in the output dtype."""
     monkeypatch.setattr(F, "scaled_mm", emulated_blockwise_scaled_mm)
@@ -434,8 +438,8 @@ def test_cublas_rowwise_call_matches_the_reference(monkeypatch, with_bias):
 # ---- the int4 register kernel and its warp-specialized variant ---------------------------------
 
 # (format, activation dtype, M, N, K, bias): the two token tiles the op runs it at (up to
-# w4a16_triton.REGISTER_CHOICE_MAX_M = 12 tokens; 8 warps, capped registers, 2 programs per SM):
-# int4 with K in 2 splits, NVFP4 unsplit with a partial row tile
+# w4a16/select.py's REGISTER_CHOICE_MAX_M = 12 tokens; 8 warps, capped registers, 2 programs per
+# SM): int4 with K in 2 splits, NVFP4 unsplit with a partial row tile
 REGISTER_CASES = [
     (0, torch.bfloat16, 5, 256, 2048, True),
     (4, torch.float16, 12, 200, 1024, False),
@@ -475,15 +479,15 @@ def assert_four_bit_arguments(a, fmt, x, qdata, scale, zero, global_scale, bias,
 
 
 def record_register_launch(monkeypatch, fmt, dtype, m, n, k, with_bias):
-    from qshard.kernels import w4a16_gluon
+    from qshard.kernels.w4a16 import register
 
-    launches = stub_kernel(monkeypatch, w4a16_gluon, "_register_kernel")
-    stub_sm_count(monkeypatch, w4a16_gluon)
+    launches = stub_kernel(monkeypatch, register, "_register_kernel")
+    stub_sm_count(monkeypatch, register)
     qdata, scale, zero, global_scale, group = four_bit_weight(fmt, n, k, dtype)
     x = torch.randn(m, k, dtype=dtype)
     bias = torch.randn(n, dtype=dtype) if with_bias else None
     out = torch.empty(m, n, dtype=dtype)
-    w4a16_gluon.register_launch(fmt, x, qdata, scale, zero, bias, out, group, None, global_scale)
+    register.launch(fmt, x, qdata, scale, zero, bias, out, group, None, global_scale)
     assert len(launches) == 1
     return launches[0], (x, qdata, scale, zero, global_scale, bias, out, group)
 
@@ -494,9 +498,9 @@ def record_register_launch(monkeypatch, fmt, dtype, m, n, k, with_bias):
 def test_register_launch_passes_what_the_kernel_reads(monkeypatch, fmt, dtype, m, n, k, with_bias):
     """`_register_kernel`'s parameters: the codes as int32 words (4 * KW4 of them per row, the
     kernel's row stride), split_k's workspace for its splits of STEPS chunks, and the config
-    `register_config` gives (tile, ring, warps, register cap) in the constexprs, options and
+    `register.config` gives (tile, ring, warps, register cap) in the constexprs, options and
     persistent grid."""
-    from qshard.kernels.w4a16_gluon import register_config
+    from qshard.kernels.w4a16.register import config as register_config
 
     launch, (x, qdata, scale, zero, global_scale, bias, out, group) = record_register_launch(
         monkeypatch, fmt, dtype, m, n, k, with_bias
@@ -521,14 +525,14 @@ def test_register_launch_passes_what_the_kernel_reads(monkeypatch, fmt, dtype, m
 
 
 def record_ws_launch(monkeypatch, fmt, dtype, m, n, k, sms):
-    from qshard.kernels import w4a16_gluon_ws
+    from qshard.kernels.w4a16 import register_ws
 
-    launches = stub_kernel(monkeypatch, w4a16_gluon_ws, "_ws_kernel")
-    asked = stub_sm_count(monkeypatch, w4a16_gluon_ws, sms)
+    launches = stub_kernel(monkeypatch, register_ws, "_ws_kernel")
+    asked = stub_sm_count(monkeypatch, register_ws, sms)
     qdata, scale, zero, global_scale, group = four_bit_weight(fmt, n, k, dtype)
     x = torch.randn(m, k, dtype=dtype)
     out = torch.empty(m, n, dtype=dtype)
-    w4a16_gluon_ws.ws_launch(fmt, x, qdata, scale, zero, None, out, group, None, global_scale)
+    register_ws.launch(fmt, x, qdata, scale, zero, None, out, group, None, global_scale)
     assert len(launches) == 1 and set(asked) == {0}
     return launches[0], (x, qdata, scale, zero, global_scale, None, out, group)
 
@@ -540,8 +544,8 @@ def test_ws_launch_passes_what_the_kernel_reads(monkeypatch, fmt, dtype, m, n, k
     """`_ws_kernel`'s parameters: the codes' TMA box (a tile's rows by a chunk's 16 words), the
     5-D view of x whose box lands the module docstring's permutation (x_slot[j][token][8t + e]
     = x[token, 128 chunk + 32t + 8j + e], the same as the cp.async kernel's `_copy_x`), split_k's
-    workspace, and `ws_config`'s tile, ring and register cap."""
-    from qshard.kernels.w4a16_gluon_ws import ws_config
+    workspace, and `register_ws.config`'s tile, ring and register cap."""
+    from qshard.kernels.w4a16.register_ws import config as ws_config
 
     launch, (x, qdata, scale, zero, global_scale, bias, out, group) = record_ws_launch(
         monkeypatch, fmt, dtype, m, n, k, sms
@@ -575,19 +579,19 @@ def test_register_launches_compile_for_sm90_and_fit_the_sm(monkeypatch):
     """Both register kernels compiled from the launches above: their argument types and
     constexprs build, and the shared memory of their rings (and the register cap) fits PER_SM
     programs on a Hopper SM, as their configs plan."""
-    from qshard.kernels.w4a16_gluon import register_config
-    from qshard.kernels.w4a16_gluon_ws import ws_config
+    from qshard.kernels.w4a16.register import config as register_config
+    from qshard.kernels.w4a16.register_ws import config as ws_config
 
     specs, configs = [], []
     for fmt, dtype, m, n, k, with_bias in REGISTER_CASES:
         with monkeypatch.context() as patch:
             launch, _ = record_register_launch(patch, fmt, dtype, m, n, k, with_bias)
-        specs.append(compile_spec(launch, "qshard.kernels.w4a16_gluon", "_register_kernel"))
+        specs.append(compile_spec(launch, "qshard.kernels.w4a16.register", "_register_kernel"))
         configs.append(register_config(m, n, k, CPU))
     for fmt, dtype, m, n, k, sms in WS_CASES:
         with monkeypatch.context() as patch:
             launch, _ = record_ws_launch(patch, fmt, dtype, m, n, k, sms)
-        specs.append(compile_spec(launch, "qshard.kernels.w4a16_gluon_ws", "_ws_kernel"))
+        specs.append(compile_spec(launch, "qshard.kernels.w4a16.register_ws", "_ws_kernel"))
         configs.append(ws_config(m, n, k, CPU, fmt, sms=sms))
     compiled = compile_launches_for_sm90(specs)
     assert len(compiled) == len(specs)
@@ -624,8 +628,10 @@ def test_the_register_layouts_cover_each_element_as_documented(warps):
     same word to the same thread (word 4t + j); `_x_layout` gives each of x's [BLOCK_M, 32]
     columns to one register of every warp, and `_x_5d` the same to the same (8t + e). The
     kernels' trivial layout conversions between them hold only so."""
-    from qshard.kernels.w4a16_gluon import _codes_layout, _x_layout
-    from qshard.kernels.w4a16_gluon_ws import _codes_2d, _x_5d
+    from qshard.kernels.w4a16.register_parts import codes_2d as _codes_2d
+    from qshard.kernels.w4a16.register_parts import codes_layout as _codes_layout
+    from qshard.kernels.w4a16.register_parts import x_layout as _x_layout
+    from qshard.kernels.w4a16.register_ws import _x_5d
 
     codes = linear_layout_map(_codes_layout(warps), [16 * warps, 4, 4])
     assert sorted(codes) == [

@@ -58,28 +58,25 @@ def test_a_tuned_file_of_another_version_or_shape_is_a_config_error(tmp_path):
     reason=str(triton_unavailable_reason(torch.device("cpu"), fp8=False)),
 )  # the Triton interpreter on the CPU (tests/conftest.py)
 def test_the_launcher_asks_for_a_tuned_config_and_runs_it(monkeypatch):
-    from qshard.kernels import w4a16_triton
+    from qshard.kernels.w4a16 import dequantize, ops, select
+    from qshard.kernels.w4a16.format import Format
 
     asked = []
 
     def tuned(family, fmt, n, k, m, device):
         asked.append((family, fmt, n, k, m))
-        return dict(w4a16_triton.DEQUANTIZE) if m == 1 else None
+        return dequantize.config() if m == 1 else None
 
-    monkeypatch.setattr(w4a16_triton, "tuned_config", tuned)
+    monkeypatch.setattr(select, "tuned_config", tuned)
     qdata, scale, zero = ref.quantize_int4(torch.randn(48, 256) * 0.02, 128, False)
     x = torch.randn(1, 256, dtype=torch.float16)
-    out = w4a16_triton.linear_launch(
-        w4a16_triton.Format.INT4_ASYM, x, qdata, scale, zero, scale, None, 128
-    )
+    out = ops.linear_launch(Format.INT4_ASYM, x, qdata, scale, zero, scale, None, 128)
     assert asked == [("w4a16", "int4_asym_g128", 48, 256, 1)]
     # The tuned config named dequantize + F.linear: exactly that product, not the GEMV's.
     weight = ref.dequantize_int4(qdata, scale, zero, 128, 256, torch.float16)
     assert torch.equal(out, F.linear(x, weight))
     two = torch.randn(2, 256, dtype=torch.float16)  # no tuned config: the default kernel
-    out = w4a16_triton.linear_launch(
-        w4a16_triton.Format.INT4_ASYM, two, qdata, scale, zero, scale, None, 128
-    )
+    out = ops.linear_launch(Format.INT4_ASYM, two, qdata, scale, zero, scale, None, 128)
     assert asked[-1] == ("w4a16", "int4_asym_g128", 48, 256, 2)
     expected = ref.int4_linear_reference(two, qdata, scale, zero, 128)
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)

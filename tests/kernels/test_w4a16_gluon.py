@@ -1,4 +1,4 @@
-"""The register-operand int4 kernel (kernels/w4a16_gluon.py). On the CPU: it compiles for sm_90
+"""The register-operand int4 kernel (kernels/w4a16/register.py). On the CPU: it compiles for sm_90
 (no GPU needed; catches a Gluon API break in CI), its K permutation is the same on the weight
 and the activation side, and its PTX decode, emulated bit by bit, gives the reference's weights.
 On a Hopper GPU: against the reference on fresh random inputs, odd shapes, every int4 format,
@@ -11,7 +11,7 @@ import torch
 from helpers import compile_for_sm90, relative_error
 
 from qshard.kernels import int4, mxfp4, nvfp4
-from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
+from qshard.kernels.gluon_api import GLUON_IMPORT_ERROR
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 # As test_w4a16_triton.py: the reference multiplies the same (bit-exact) weights and sums in
@@ -24,7 +24,7 @@ COMPILE_FOR_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from qshard.kernels.w4a16_gluon import _CONFIGS, _register_kernel
+from qshard.kernels.w4a16.register import _CONFIGS, _register_kernel
 names = list(_register_kernel.arg_names)
 for fmt, dtype, block_m, warps in ((0, "bf16", 8, 4), (0, "bf16", 16, 8), (1, "bf16", 128, 4),
                                    (2, "fp16", 32, 4), (3, "bf16", 8, 8), (3, "fp16", 16, 8),
@@ -50,7 +50,7 @@ def test_compiles_for_sm90():
     moves between Triton versions (two renames between 3.6 and 3.9), and this is where CI sees
     it. With no Gluon at all the op must say why and run the Triton kernels instead."""
     if GLUON_IMPORT_ERROR is not None:
-        from qshard.kernels.w4a16_gluon import register_problem
+        from qshard.kernels.w4a16.register import problem as register_problem
 
         x = torch.zeros(16, 128, dtype=torch.bfloat16)
         assert "Gluon is not available" in register_problem(0, x, x, 128)
@@ -80,7 +80,8 @@ def test_a_config_the_kernel_cannot_build_is_refused():
     exactly: a config that breaks it (or has a one-slot ring, an unknown tile or warp count, no
     programs, or fewer tile tokens than tokens, which would leave rows of the output unwritten)
     is a ValueError that says the rule, raised before anything is launched."""
-    from qshard.kernels.w4a16_gluon import register_config, register_launch
+    from qshard.kernels.w4a16.register import config as register_config
+    from qshard.kernels.w4a16.register import launch as register_launch
 
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     q = torch.zeros(64, 128, dtype=torch.uint8)
@@ -209,7 +210,8 @@ CASES = [(name, torch.bfloat16, shape) for name in FORMATS for shape in SHAPES] 
 @hopper
 @pytest.mark.parametrize("name,dtype,shape", CASES, ids=str)
 def test_matches_the_reference(name, dtype, shape):
-    from qshard.kernels.w4a16_gluon import register_launch, register_problem
+    from qshard.kernels.w4a16.register import launch as register_launch
+    from qshard.kernels.w4a16.register import problem as register_problem
 
     fmt, symmetric, float_zero = FORMATS[name]
     n, k, group = shape
@@ -233,7 +235,7 @@ def test_every_config_matches_the_reference():
     """Each (STEPS, STAGES, PER_SM, WARPS, MAXNREG, BLOCK_M) a config could name: one item per
     program, a persistent grid, partial last splits, a ring as deep as an item, 4 and 8 warps,
     a register cap, every token tile."""
-    from qshard.kernels.w4a16_gluon import register_launch
+    from qshard.kernels.w4a16.register import launch as register_launch
 
     n, k, group = 1000, 3200, 128
     w = torch.randn(n, k, device="cuda") * 0.02
@@ -259,7 +261,8 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     Triton kernels where it cannot: group 16, or more tokens); TP shards run on it unchanged
     (`assert_tp_cuts_run_on`)."""
     import qshard
-    from qshard.kernels.w4a16_triton import Format, register_choice
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.select import choose
 
     lin = torch.nn.Linear(4096, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
     qshard.quantize_(lin, qshard.Int4WeightOnlyConfig(group_size=128))
@@ -268,20 +271,19 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     lin.weight = torch.nn.Parameter(lin.weight.canonical(), requires_grad=False)
     x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
     w = lin.weight
-    assert register_choice(Format.INT4_ASYM, x, w.qdata, 128) is not None
-    assert register_choice(Format.INT4_ASYM, x, w.qdata, 128)["KERNEL"] == "register"
+    assert choose(Format.INT4_ASYM, x, w.qdata, 128).kernel == "register"
     # int4 at 9..128 tokens: the wgmma kernel (test_w4a16_gluon_wgmma.py); above: Triton
     x19 = torch.cat([x] * 6 + [x[:1]])
-    assert register_choice(Format.INT4_ASYM, x19, w.qdata, 128)["KERNEL"] == "register_wgmma"
-    assert register_choice(Format.INT4_ASYM, torch.cat([x19] * 7), w.qdata, 128) is None  # 133
-    assert register_choice(Format.MXFP4, x, w.qdata, 16) is None  # MXFP4 groups are 32
-    assert register_choice(Format.NVFP4, x, w.qdata, 32) is None  # NVFP4 groups are 16
-    assert register_choice(Format.NVFP4, x[:, :4080], w.qdata[:, :2040], 16) is None  # K % 32
+    assert choose(Format.INT4_ASYM, x19, w.qdata, 128).kernel == "register_wgmma"
+    assert choose(Format.INT4_ASYM, torch.cat([x19] * 7), w.qdata, 128).kernel == "dequantize"
+    assert choose(Format.MXFP4, x, w.qdata, 16).kernel == "small_m"  # MXFP4 groups are 32
+    assert choose(Format.NVFP4, x, w.qdata, 32).kernel == "small_m"  # NVFP4 groups are 16
+    assert choose(Format.NVFP4, x[:, :4080], w.qdata[:, :2040], 16).kernel == "small_m"  # K % 32
     want = int4.int4_linear_reference(x, w.qdata, w.scale, w.zero, 128)
     assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
     assert_tp_cuts_run_on("register", w, x)
     fine = w[:, 16:2064]  # group 16: the Triton kernels
-    assert register_choice(Format.INT4_ASYM, x[:, 16:2064], fine.qdata, 16) is None
+    assert choose(Format.INT4_ASYM, x[:, 16:2064], fine.qdata, 16).kernel == "small_m"
 
 
 def assert_tp_cuts_run_on(kernel: str, w, x: torch.Tensor) -> None:
@@ -289,13 +291,14 @@ def assert_tp_cuts_run_on(kernel: str, w, x: torch.Tensor) -> None:
     columns, inside a group (re-grouped to 64; K = 2048), runs on `kernel`; it and a 384-row
     shard (not a multiple of the 128-row tile) match the reference (shared with the other
     register kernels' tests)."""
-    from qshard.kernels.w4a16_triton import Format, register_choice
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.select import choose
 
     tolerance = MAX_RELATIVE_ERROR[torch.bfloat16]
     shard = w[:, 64:2112]
     assert shard.group_size == 64
     xs = x[:, 64:2112].contiguous()
-    assert register_choice(Format.INT4_ASYM, xs, shard.qdata, 64)["KERNEL"] == kernel
+    assert choose(Format.INT4_ASYM, xs, shard.qdata, 64).kernel == kernel
     want = int4.int4_linear_reference(xs, shard.qdata, shard.scale, shard.zero, 64)
     assert relative_error(torch.nn.functional.linear(xs, shard), want) <= tolerance
     rows = w[136:520]
@@ -337,7 +340,7 @@ def test_mxfp4_weights_are_exact(dtype):
     """x = rows of the identity picks columns of W: the kernel's decoded weights, bit for bit,
     for every code (the subnormal 0.5; both zeros read back as +0) under exponents from 0 to
     250 (to 140 for fp16, whose weights would be infinite past it, and 0 * inf is NaN)."""
-    from qshard.kernels.w4a16_gluon import register_launch
+    from qshard.kernels.w4a16.register import launch as register_launch
 
     n, k = 256, 512
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -380,7 +383,8 @@ FP4_CASES = [("mxfp4", torch.bfloat16, (96, 2880)), ("mxfp4", torch.bfloat16, (4
 @hopper
 @pytest.mark.parametrize("name,dtype,shape", FP4_CASES, ids=str)
 def test_fp4_matches_the_reference(name, dtype, shape):
-    from qshard.kernels.w4a16_gluon import register_launch, register_problem
+    from qshard.kernels.w4a16.register import launch as register_launch
+    from qshard.kernels.w4a16.register import problem as register_problem
 
     n, k = shape
     fmt, group, qdata, scale, global_scale, reference = _fp4_weight(name, n, k)
@@ -400,7 +404,8 @@ def assert_the_op_runs_fp4_on(kernel: str, name: str, tokens: int) -> None:
     """An MXFP4 / NVFP4 linear at `tokens` tokens: the op chooses `kernel` and matches the
     reference (shared with test_w4a16_gluon_ws.py)."""
     import qshard
-    from qshard.kernels.w4a16_triton import Format, register_choice
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.select import choose
 
     config, fmt, group = {"mxfp4": (qshard.MXFP4WeightOnlyConfig(), Format.MXFP4, 32),
                           "nvfp4": (qshard.NVFP4WeightOnlyConfig(), Format.NVFP4, 16)}[name]
@@ -408,7 +413,7 @@ def assert_the_op_runs_fp4_on(kernel: str, name: str, tokens: int) -> None:
     qshard.quantize_(lin, config)
     w = lin.weight
     x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
-    assert register_choice(fmt, x, w.qdata, group)["KERNEL"] == kernel
+    assert choose(fmt, x, w.qdata, group).kernel == kernel
     if name == "mxfp4":
         want = mxfp4.mxfp4_linear_reference(x, w.qdata, w.scale, 32, lin.bias)
     else:

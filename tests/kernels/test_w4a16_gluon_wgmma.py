@@ -1,4 +1,4 @@
-"""The wgmma register kernel (kernels/w4a16_gluon_wgmma.py). On the CPU: it compiles for sm_90
+"""The wgmma register kernel (kernels/w4a16/register_wgmma.py). On the CPU: it compiles for sm_90
 (no GPU needed; catches a Gluon API break in CI) with asynchronous wgmmas on register A
 operands and a proxy fence before every slot release; x's permutation against the canonical
 packing's K order (the product of the permuted operands is the matmul, exactly); its split
@@ -27,16 +27,11 @@ from test_w4a16_gluon_ws import (  # the same cases and weights as the warp-spec
 )
 
 from qshard.kernels import int4
+from qshard.kernels.gluon_api import GLUON_IMPORT_ERROR
 from qshard.kernels.packing import pack_nibbles
-from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
-from qshard.kernels.w4a16_gluon_wgmma import (
-    native_codes,
-    permute_x,
-    split_for,
-    tma_ready,
-    wgmma_config,
-    wgmma_problem,
-)
+from qshard.kernels.w4a16.register_wgmma import config as wgmma_config
+from qshard.kernels.w4a16.register_wgmma import native_codes, permute_x, split_for, tma_ready
+from qshard.kernels.w4a16.register_wgmma import problem as wgmma_problem
 
 COMPILE_FOR_SM90 = """
 import sys
@@ -44,7 +39,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-from qshard.kernels.w4a16_gluon_wgmma import X_BY_TMA_MIN_T, TensorDescriptor, _wgmma_kernel, gl
+from qshard.kernels.w4a16.register_wgmma import X_BY_TMA_MIN_T, TensorDescriptor, _wgmma_kernel, gl
 names = list(_wgmma_kernel.arg_names)
 k = 1024
 for fmt, dtype, block_t, split, native, promote, group_chunks in (
@@ -173,7 +168,7 @@ def test_permuted_x_meets_the_decoded_weight_column_for_column():
 def _native_pairs(word: torch.Tensor) -> list[torch.Tensor]:
     """`_DECODE_PAIRS_NATIVE`'s and-ors run on int64 `word`s as its PTX says (the shift before
     each, mask 0x000f000f, bias 0x43004300): pair v0..v3, each as 32-bit values."""
-    from qshard.kernels.w4a16_gluon import _DECODE_PAIRS_NATIVE
+    from qshard.kernels.w4a16.register_parts import _DECODE_PAIRS_NATIVE
 
     pairs, r = {}, None
     for statement in (s.strip() for s in _DECODE_PAIRS_NATIVE.split(";")):
@@ -235,8 +230,9 @@ def test_split_rule_fills_the_gpu_and_keeps_whole_tiles():
 def test_the_op_chooses_it_where_it_was_measured_faster(m):
     """int4 from 9 tokens to 128 on every weight, from 2 on weights as large as gate_up and
     down; MXFP4 / NVFP4 from 17 on every weight, from 9 on the large ones (the H100's Llama
-    layer; docs/kernels/w4a16_register.md, "The wgmma kernel (`w4a16_gluon_wgmma.py`)")."""
-    from qshard.kernels.w4a16_triton import Format, wgmma_chosen
+    layer; docs/kernels/w4a16_register.md, "The wgmma kernel (`w4a16/register_wgmma.py`)")."""
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.select import wgmma_chosen
 
     llama = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
              "down": (4096, 14336)}  # fmt: skip
@@ -254,7 +250,7 @@ def test_the_op_chooses_it_where_it_was_measured_faster(m):
                                     {"BLOCK_T": 64, "STEPS": 2, "STAGES": 9},
                                     {"BLOCK_T": 64, "STEPS": 2, "GROUP_CHUNKS": 0}])
 def test_a_config_it_cannot_run_is_refused(config):
-    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+    from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
 
     x = torch.zeros(40, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="BLOCK_T must be one of"):
@@ -271,7 +267,8 @@ def test_promote_where_it_cannot_run_is_refused(fmt, dtype, group, block_t):
     """PROMOTE scales a chunk's sums by one scale per row: int4 with whole groups of 128, bf16
     x (u - z exact), token tiles up to 32 (registers); elsewhere a ValueError naming the fix,
     and `promote_config` does not offer it."""
-    from qshard.kernels.w4a16_gluon_wgmma import promote_config, wgmma_launch
+    from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
+    from qshard.kernels.w4a16.register_wgmma import promote_config
 
     x = torch.zeros(16, 256, dtype=dtype)
     config = {"BLOCK_T": block_t, "STEPS": 1, "PROMOTE": 1}
@@ -283,7 +280,8 @@ def test_promote_where_it_cannot_run_is_refused(fmt, dtype, group, block_t):
 def test_promote_is_offered_where_it_runs_and_refused_with_long_groups():
     """`promote_config`: int4 (asymmetric, symmetric), groups of 128 and 256, bf16, up to 32
     tokens, with unrolled groups of 2 chunks; groups of 8 chunks spill: refused."""
-    from qshard.kernels.w4a16_gluon_wgmma import PROMOTE_MAX_T, promote_config, wgmma_launch
+    from qshard.kernels.w4a16.register_wgmma import PROMOTE_MAX_T, promote_config
+    from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
 
     x = torch.zeros(16, 256, dtype=torch.bfloat16)
     for fmt, group in ((0, 128), (1, 256)):
@@ -296,11 +294,11 @@ def test_promote_is_offered_where_it_runs_and_refused_with_long_groups():
 def test_where_it_cannot_run_it_says_why(monkeypatch):
     """The register kernels' rules first (a CPU tensor here), then its own: whole 128-column
     chunks (its permuted x and boxes) and at most 128 tokens."""
-    from qshard.kernels import w4a16_gluon_wgmma
+    from qshard.kernels.w4a16 import register
 
     x = torch.zeros(16, 256, dtype=torch.bfloat16)
     assert wgmma_problem(0, x, x, 128) is not None
-    monkeypatch.setattr(w4a16_gluon_wgmma, "register_problem", lambda *args: None)
+    monkeypatch.setattr(register, "problem", lambda *args: None)
     assert wgmma_problem(0, x, x, 128) is None
     assert "K % 128 == 0" in wgmma_problem(0, x[:, :224], x, 32)
     assert "up to 128 tokens" in wgmma_problem(0, torch.zeros(129, 256), x, 128)
@@ -314,7 +312,7 @@ hopper = pytest.mark.skipif(not HOPPER, reason="the register kernel runs on Hopp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name,group,n,k", CASES, ids=str)
 def test_matches_the_reference(name, group, n, k, dtype):
-    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+    from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
 
     fmt, q, s, z, g, reference = _weight(name, group, n, k)
     bias = torch.randn(n, device="cuda", dtype=dtype)
@@ -336,7 +334,7 @@ def test_matches_the_reference(name, group, n, k, dtype):
                                             ("int4-asym", 256, 4160, 14336)], ids=str)
 def test_native_codes_match_the_reference(name, group, n, k, dtype):
     """NATIVE = 1: the codes in `native_codes`' order, x unpermuted by TMA at every tile."""
-    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+    from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
 
     fmt, q, s, z, g, reference = _weight(name, group, n, k)
     native = native_codes(q)
@@ -360,7 +358,8 @@ def test_promoted_sums_match_the_reference(name, group, n, k):
     different from the scaled weights' sums, and nearer the exact product (the weight in
     fp32) than they are over the cases (one rounding less; measured 1.66e-3 against 2.2e-3 on
     the Llama shapes)."""
-    from qshard.kernels.w4a16_gluon_wgmma import promote_config, wgmma_launch
+    from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
+    from qshard.kernels.w4a16.register_wgmma import promote_config
 
     fmt, q, s, z, _, reference = _weight(name, group, n, k)
     zero = z if fmt == 0 else z[:0]  # symmetric: no zeros (z is a placeholder)
@@ -397,7 +396,7 @@ def test_x_strided_or_offset(by_tma):
     """The producer copies x's rows in 4-byte pieces from a contiguous, 16-byte aligned x (a
     column slice, strided, and a view one element in, 2 bytes off, are copied first); by TMA
     from the permuted copy, made from any x."""
-    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+    from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
 
     fmt, q, s, z, _, reference = _weight("int4-sym", 128, 520, 1024)
     wide = torch.randn(24, 1152, device="cuda", dtype=torch.bfloat16)
@@ -414,7 +413,7 @@ def test_x_strided_or_offset(by_tma):
 @pytest.mark.parametrize("steps", [1, 2, 3, 5, 32])
 def test_every_split_and_ring_wrap(steps):
     """Items of 1..32 chunks (split K, and a ring of STAGES slots wrapped within an item)."""
-    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+    from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
 
     fmt, q, s, z, _, reference = _weight("int4-asym", 128, 1000, 4096)
     for m, stages in ((24, 2), (64, 3), (128, 5)):
@@ -431,7 +430,7 @@ def test_every_split_and_ring_wrap(steps):
 def test_the_same_bits_on_every_run(n, k, m):
     """20 launches equal the first bit for bit: x copied by the producer's cp.async (16, 32
     tokens) and by TMA (64, 128), on the Llama shapes that fill the GPU."""
-    from qshard.kernels.w4a16_gluon_wgmma import wgmma_launch
+    from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
 
     fmt, q, s, z, _, reference = _weight("int4-asym", 128, n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -449,7 +448,8 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     4M-element weight 9..128 tokens) and K % 128 == 0, else the other kernels; TP shards run on
     it (`assert_tp_cuts_run_on`)."""
     import qshard
-    from qshard.kernels.w4a16_triton import WGMMA_CHOICE_MAX_M, Format, register_choice
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.select import WGMMA_CHOICE_MAX_M, choose
 
     lin = torch.nn.Linear(4096, 1024, bias=True, device="cuda", dtype=torch.bfloat16)
     qshard.quantize_(lin, qshard.Int4WeightOnlyConfig(group_size=128))
@@ -458,15 +458,15 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     lin.weight = torch.nn.Parameter(lin.weight.canonical(), requires_grad=False)
     w = lin.weight
     for m, want in ((8, "register_ws"), (9, "register_wgmma"), (64, "register_wgmma"),
-                    (WGMMA_CHOICE_MAX_M, "register_wgmma"), (WGMMA_CHOICE_MAX_M + 1, None)):
+                    (WGMMA_CHOICE_MAX_M, "register_wgmma"), (WGMMA_CHOICE_MAX_M + 1, "dequantize")):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        kernel = (register_choice(Format.INT4_ASYM, x, w.qdata, 128) or {}).get("KERNEL")
+        kernel = choose(Format.INT4_ASYM, x, w.qdata, 128).kernel
         assert kernel == want, (m, kernel)
         ref = int4.int4_linear_reference(x, w.qdata, w.scale, w.zero, 128, lin.bias)
         assert relative_error(lin(x), ref) <= MAX_RELATIVE_ERROR[torch.bfloat16]
     x = torch.randn(48, 4096, device="cuda", dtype=torch.bfloat16)
     odd = x[:, :4064]  # K % 128 != 0: the Triton kernel
-    assert register_choice(Format.INT4_ASYM, odd, w.qdata[:, :2032], 32) is None
+    assert choose(Format.INT4_ASYM, odd, w.qdata[:, :2032], 32).kernel == "small_m"
     assert_tp_cuts_run_on("register_wgmma", w, x)
 
 

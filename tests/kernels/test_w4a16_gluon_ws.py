@@ -1,4 +1,4 @@
-"""The warp-specialized register kernel (kernels/w4a16_gluon_ws.py). On the CPU: it compiles for
+"""The warp-specialized register kernel (kernels/w4a16/register_ws.py). On the CPU: it compiles for
 sm_90 (no GPU needed; catches a Gluon API break in CI) with a proxy fence between every read of
 a ring slot and the arrival that hands the slot back to the TMA producer, its config rule, its
 refusals. On a Hopper GPU: against the reference on fresh random inputs, odd shapes, every
@@ -19,8 +19,8 @@ from test_w4a16_gluon import (
 )
 
 from qshard.kernels import int4
-from qshard.kernels.w4a16_gluon import GLUON_IMPORT_ERROR
-from qshard.kernels.w4a16_gluon_ws import ws_config
+from qshard.kernels.gluon_api import GLUON_IMPORT_ERROR
+from qshard.kernels.w4a16.register_ws import config as ws_config
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -30,7 +30,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-from qshard.kernels.w4a16_gluon_ws import TensorDescriptor, _ws_kernel, gl
+from qshard.kernels.w4a16.register_ws import TensorDescriptor, _ws_kernel, gl
 names = list(_ws_kernel.arg_names)
 k = 1024
 for fmt, dtype, block_m, split, steps in ((0, "bf16", 16, False, 8), (1, "fp16", 8, True, 3),
@@ -81,7 +81,7 @@ def test_compiles_for_sm90_with_a_fence_before_each_slot_release():
     kernel the compute warps release a slot once per chunk (STEPS times, the loop unrolled) and
     each release follows a proxy fence: the TMA refill must not overtake the slot's reads."""
     if GLUON_IMPORT_ERROR is not None:
-        from qshard.kernels.w4a16_gluon_ws import ws_problem
+        from qshard.kernels.w4a16.register_ws import problem as ws_problem
 
         x = torch.zeros(16, 128, dtype=torch.bfloat16)
         assert "Gluon is not available" in ws_problem(0, x, x, 128)
@@ -105,7 +105,7 @@ def test_the_fence_check_sees_a_missing_fence():
 
 # Llama-3.1-8B's linears (N, K) on an H100 (132 SMs): the best of the configs measured at 8 and
 # 16 tokens (docs/kernels/w4a16_register.md, "The warp-specialized kernel
-# (`w4a16_gluon_ws.py`)"): int4 in K splits, MXFP4 / NVFP4 in chunks per work item
+# (`w4a16/register_ws.py`)"): int4 in K splits, MXFP4 / NVFP4 in chunks per work item
 LLAMA_BEST = {(6144, 4096): (2, 16), (4096, 4096): (4, 8), (28672, 4096): (1, 16),
               (4096, 14336): (4, 16)}  # fmt: skip
 
@@ -138,7 +138,7 @@ def test_config_splits_are_balanced(n, k, fmt):
 
 
 def test_a_config_it_cannot_run_is_refused():
-    from qshard.kernels.w4a16_gluon_ws import ws_launch
+    from qshard.kernels.w4a16.register_ws import launch as ws_launch
 
     x = torch.zeros(9, 256, dtype=torch.bfloat16)
     config = {"BLOCK_M": 8, "STEPS": 2, "PER_SM": 2}
@@ -147,7 +147,7 @@ def test_a_config_it_cannot_run_is_refused():
 
 
 def test_it_runs_on_hopper_only_and_needs_whole_chunks():
-    from qshard.kernels.w4a16_gluon_ws import ws_problem
+    from qshard.kernels.w4a16.register_ws import problem as ws_problem
 
     x = torch.zeros(16, 256, dtype=torch.bfloat16)
     assert ws_problem(0, x, x, 128) is not None  # a CPU tensor: the register kernels' rules
@@ -179,7 +179,8 @@ def _weight(name: str, group: int, n: int, k: int):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name,group,n,k", CASES, ids=str)
 def test_matches_the_reference(name, group, n, k, dtype):
-    from qshard.kernels.w4a16_gluon_ws import ws_launch, ws_problem
+    from qshard.kernels.w4a16.register_ws import launch as ws_launch
+    from qshard.kernels.w4a16.register_ws import problem as ws_problem
 
     fmt, q, s, z, g, reference = _weight(name, group, n, k)
     bias = torch.randn(n, device="cuda", dtype=dtype)
@@ -198,7 +199,7 @@ def test_matches_the_reference(name, group, n, k, dtype):
 def test_the_same_bits_on_every_run(n, k):
     """Two programs per SM, an 8-slot ring wrapped four times per item (gate_up) and a split K
     (down), 16 tokens: without the proxy fence 30 of 30 launches differed here."""
-    from qshard.kernels.w4a16_gluon_ws import ws_launch
+    from qshard.kernels.w4a16.register_ws import launch as ws_launch
 
     fmt, q, s, z, _, reference = _weight("int4-asym", 128, n, k)
     x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
@@ -219,12 +220,12 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     tokens on a small weight), else the other register kernels (up to REGISTER_CHOICE_MAX_M
     tokens) or the Triton kernels; TP shards run on it (`assert_tp_cuts_run_on`, at 8 tokens)."""
     import qshard
-    from qshard.kernels.w4a16_triton import (
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.select import (
         REGISTER_CHOICE_MAX_M,
         WS_CHOICE_MAX_M,
         WS_CHOICE_MIN_M,
-        Format,
-        register_choice,
+        choose,
         wgmma_chosen,
     )
 
@@ -236,17 +237,17 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     w = lin.weight
     for m in (WS_CHOICE_MIN_M - 1, WS_CHOICE_MIN_M, WS_CHOICE_MAX_M, WS_CHOICE_MAX_M + 1):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        kernel = (register_choice(Format.INT4_ASYM, x, w.qdata, 128) or {}).get("KERNEL")
+        kernel = choose(Format.INT4_ASYM, x, w.qdata, 128).kernel
         ws = WS_CHOICE_MIN_M <= m <= WS_CHOICE_MAX_M
         assert kernel == ("register_wgmma" if wgmma_chosen(Format.INT4_ASYM, m, 1024, 4096)
                           else "register_ws" if ws
-                          else "register" if m <= REGISTER_CHOICE_MAX_M else None), (m, kernel)
+                          else "register" if m <= REGISTER_CHOICE_MAX_M else "small_m"), (m, kernel)
         want = int4.int4_linear_reference(x, w.qdata, w.scale, w.zero, 128, lin.bias)
         assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
     x = torch.randn(WS_CHOICE_MAX_M, 4096, device="cuda", dtype=torch.bfloat16)
     odd = x[:, :4064]  # K % 128 != 0: the Triton kernel at 16 tokens, the register one at 9..12
-    assert register_choice(Format.INT4_ASYM, odd, w.qdata[:, :2032], 32) is None
-    kernel = register_choice(Format.INT4_ASYM, odd[:9], w.qdata[:, :2032], 32)["KERNEL"]
+    assert choose(Format.INT4_ASYM, odd, w.qdata[:, :2032], 32).kernel == "small_m"
+    kernel = choose(Format.INT4_ASYM, odd[:9], w.qdata[:, :2032], 32).kernel
     assert kernel == "register"
     assert_tp_cuts_run_on("register_ws", w, x[:WS_CHOICE_MIN_M])
 

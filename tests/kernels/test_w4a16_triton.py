@@ -46,13 +46,13 @@ class Quantized:
     dequantized: object  # dtype -> W
 
     def launch(self, x, bias, config=None):
-        from qshard.kernels.w4a16_triton import linear_launch
+        from qshard.kernels.w4a16.ops import linear_launch
 
         return linear_launch(self.fmt, x, *self.inner, bias, self.group, config)
 
 
 def quantized(name: str, weight: torch.Tensor, group: int) -> Quantized:
-    from qshard.kernels.w4a16_triton import Format
+    from qshard.kernels.w4a16.format import Format
 
     k = weight.shape[1]
     if name.startswith("int4"):
@@ -242,7 +242,7 @@ def test_the_word_gemv_reads_native_codes(name, group, n, k, options, m, dtype):
     meet x's columns through the permutation (`_x_planes`); steps of 16 words (two chunks per
     step, and a step inside a chunk) and splits; the same function as the canonical codes."""
     from qshard.kernels.packing import native_codes
-    from qshard.kernels.w4a16_triton import linear_launch
+    from qshard.kernels.w4a16.ops import linear_launch
 
     load_w4a16_ops()
     weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
@@ -254,7 +254,7 @@ def test_the_word_gemv_reads_native_codes(name, group, n, k, options, m, dtype):
 
 
 def test_the_word_gemv_refuses_native_codes_it_cannot_read():
-    from qshard.kernels.w4a16_triton import linear_launch
+    from qshard.kernels.w4a16.ops import linear_launch
 
     load_w4a16_ops()
     config = {"KERNEL": "gemv_words", "BLOCK_N": 8, "BLOCK_W": 16, "num_warps": 4, "NATIVE": 1}
@@ -290,7 +290,8 @@ def test_the_word_gemv_runs_tp_cut_re_grouped_int4_weights(group):
 
 
 def test_the_default_gemv_is_the_word_gemv_with_k_a_multiple_of_its_step():
-    from qshard.kernels.w4a16_triton import Format, default_config
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.select import default_config
 
     cpu = torch.device("cpu")
     assert default_config(Format.INT4_ASYM, 1, 4096, 4096, cpu)["KERNEL"] == "gemv_words"
@@ -305,7 +306,8 @@ def test_the_default_gemv_is_the_word_gemv_with_k_a_multiple_of_its_step():
 def test_the_default_word_gemv_config_follows_the_shape():
     """16 rows where 16-row bands give every SM 2.5 or more (qkv, gate_up on 132 SMs), else 8;
     256 words per step for int4 with a long K (down); NVFP4 8 x 128 everywhere; evict-first."""
-    from qshard.kernels.w4a16_triton import Format, gemv_words_config
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.gemv_words import config as gemv_words_config
 
     def shape(fmt, n, k):
         config = gemv_words_config(fmt, n, k, 132)
@@ -325,7 +327,8 @@ def test_the_default_word_gemv_config_follows_the_shape():
 
 
 def test_the_default_small_m_config_prefetches_two_steps_for_128_token_tiles():
-    from qshard.kernels.w4a16_triton import Format, default_config
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.select import default_config
 
     cpu = torch.device("cpu")
     for fmt in (Format.INT4_ASYM, Format.MXFP4, Format.NVFP4):
@@ -346,7 +349,7 @@ def test_a_prefetch_depth_other_than_one_or_two_is_refused():
 
 @pytest.mark.parametrize(("name", "group", "n", "k"), CASES)
 def test_the_dequantize_kernel_is_bit_exact(name, group, n, k):
-    from qshard.kernels.w4a16_triton import dequantize_launch
+    from qshard.kernels.w4a16.dequantize import dequantize_weight as dequantize_launch
 
     load_w4a16_ops()
     weight = quantized(name, torch.randn(n, k, device=DEVICE), group)
@@ -362,7 +365,8 @@ def test_e2m1_decoding_covers_every_code_and_scale_byte():
     """Every e2m1 code (both signs, -0 included) against every e8m0 scale byte the quantizer
     can write, through the dequantize kernel: the bit manipulation in `_decode` and
     `_group_scale` against the reference's table, bit for bit."""
-    from qshard.kernels.w4a16_triton import Format, dequantize_launch
+    from qshard.kernels.w4a16.dequantize import dequantize_weight as dequantize_launch
+    from qshard.kernels.w4a16.format import Format
 
     load_w4a16_ops()
     codes = torch.arange(16, dtype=torch.uint8).repeat(2)  # one 32-block: all 16 codes twice
@@ -382,7 +386,8 @@ def test_e4m3_block_scales_decode_from_their_bits():
     """Every finite e4m3 byte (subnormals and both signs included) as an NVFP4 block scale,
     times every e2m1 code, through the dequantize kernel, bit for bit against the reference
     (the kernels decode e4m3 from its byte so that they run on sm_80 as well)."""
-    from qshard.kernels.w4a16_triton import Format, dequantize_launch
+    from qshard.kernels.w4a16.dequantize import dequantize_weight as dequantize_launch
+    from qshard.kernels.w4a16.format import Format
 
     load_w4a16_ops()
     finite = [b for b in range(256) if b & 0x7F != 0x7F]  # 0x7F and 0xFF are NaN
@@ -402,7 +407,8 @@ def test_the_word_decoding_gives_every_weight_exactly(fmt_name):
     word GEMV) against the reference, value for value: every e2m1 code under every e8m0 scale
     byte the quantizer writes (MXFP4) or every finite e4m3 byte (NVFP4), multiplied by fp32
     identity activations (an IEEE fp32 dot: each output is one weight, exactly)."""
-    from qshard.kernels.w4a16_triton import Format, linear_launch
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.ops import linear_launch
 
     load_w4a16_ops()
     k = 128  # one small-M step: the codes are read as words
@@ -488,7 +494,10 @@ def test_the_ops_have_consistent_fake_implementations(name):
 
 
 def test_the_kernel_is_chosen_by_the_number_of_tokens():
-    from qshard.kernels.w4a16_triton import DEQUANTIZE, FUSED_MAX_M, GEMV_MAX_M, kernel_for
+    from qshard.kernels.w4a16 import dequantize
+    from qshard.kernels.w4a16.select import FUSED_MAX_M, GEMV_MAX_M, kernel_for
+
+    DEQUANTIZE = dequantize.config()
 
     assert [kernel_for(m, None) for m in (1, 2, 16, FUSED_MAX_M, FUSED_MAX_M + 1, 4096)] == [
         "gemv", "small_m", "small_m", "small_m", "dequantize", "dequantize"
@@ -498,10 +507,23 @@ def test_the_kernel_is_chosen_by_the_number_of_tokens():
     assert kernel_for(300, CONFIGS["gemv-wide"]) == "gemv"
 
 
+def pair_gemv_choice(fmt, m: int, n: int, k: int, native: bool) -> dict | None:
+    """The config `select.choose` picks for M tokens on an [N, K] weight (codes uninitialized:
+    the choice reads shapes only) if it is the pair GEMV (two tokens per program), else None."""
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.select import choose
+
+    group = {Format.MXFP4: 32, Format.NVFP4: 16}.get(fmt, 128)
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    choice = choose(fmt, x, torch.empty(n, k // 2, dtype=torch.uint8), group, native)
+    pair = choice.kernel == "gemv_words" and choice.config.get("BLOCK_M") == 2
+    return choice.config if pair else None
+
+
 def test_two_tokens_on_a_small_weight_run_the_word_gemv_with_both_tokens_per_program():
     """The rule measured on the H100 (PAIR_GEMV_MAX_WEIGHTS): M = 2 only, weights up to 20M
     (int4, native codes) or 30M (FP4) elements, K a multiple of a 1024-column step."""
-    from qshard.kernels.w4a16_triton import Format, pair_gemv_choice
+    from qshard.kernels.w4a16.format import Format
 
     config = pair_gemv_choice(Format.MXFP4, 2, 6144, 4096, native=False)
     assert config["KERNEL"] == "gemv_words" and config["BLOCK_M"] == 2 and not config["NATIVE"]
@@ -518,13 +540,14 @@ def test_two_tokens_on_a_small_weight_run_the_word_gemv_with_both_tokens_per_pro
 def test_the_op_runs_two_fp4_tokens_on_the_pair_gemv(name):
     """FP4 at two tokens through the op's own choice (no config): the word GEMV, both tokens
     in each program, against the reference."""
-    from qshard.kernels.w4a16_triton import pair_gemv_choice
+    from qshard.kernels.w4a16.select import choose
 
     load_w4a16_ops()
     group = 32 if name == "mxfp4" else 16
     weight = quantized(name, torch.randn(40, 1024, device=DEVICE) * 0.02, group)
-    assert pair_gemv_choice(weight.fmt, 2, 40, 1024, native=False) is not None
     x = torch.randn(2, 1024, dtype=ACT_DTYPE, device=DEVICE)
+    choice = choose(weight.fmt, x, weight.inner[0], group)
+    assert choice.kernel == "gemv_words" and choice.config["BLOCK_M"] == 2, choice
     bias = torch.randn(40, dtype=ACT_DTYPE, device=DEVICE)
     check(weight.launch(x, bias, None), weight.reference(x, bias), ACT_DTYPE)
 
@@ -533,7 +556,7 @@ COMPILE_FOR_SM80 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from qshard.kernels.w4a16_triton import _dequantize_kernel
+from qshard.kernels.w4a16.dequantize import _dequantize_kernel
 names = ["q_ptr", "s_ptr", "z_ptr", "g_ptr", "w_ptr", "N", "K", "KH", "stride_qn", "stride_sn",
          "stride_wn", "FORMAT", "GROUP", "BLOCK_N", "BLOCK_K", "NATIVE"]
 types = ["*u8", "*u8", "*u8", "*fp32", "*bf16"] + ["i32"] * 6 + ["constexpr"] * 5
@@ -544,7 +567,7 @@ for fmt, native in ((0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (0, 1), (2, 1)):
                               "BLOCK_K": 128, "NATIVE": native}),
         target=GPUTarget("cuda", 80, 32),
     )
-from qshard.kernels.w4a16_triton import _gemv_words_kernel
+from qshard.kernels.w4a16.gemv_words import _gemv_words_kernel
 names = ["x_ptr", "q_ptr", "s_ptr", "z_ptr", "g_ptr", "bias_ptr", "out_ptr", "partials_ptr",
          "arrived_ptr", "M", "N", "KW", "steps_per_split", "stride_xm", "stride_qw", "stride_sn",
          "stride_om", "FORMAT", "GROUP", "HAS_BIAS", "SPLIT", "PREFETCH", "EVICT", "BLOCK_N",

@@ -356,7 +356,8 @@ def test_the_dequantize_kernel_reads_native_codes_bit_exactly(config):
     """The dequantize kernel (the op's path above 128 tokens) on native codes gives the same
     bits as on the canonical ones: 40 rows (a partial tile of 32), 3-4 chunks of 128. (Any
     CUDA GPU runs it: the order is a permutation the kernel undoes; the interpreter on a CPU.)"""
-    from qshard.kernels.w4a16_triton import Format, dequantize_launch
+    from qshard.kernels.w4a16.dequantize import dequantize_weight as dequantize_launch
+    from qshard.kernels.w4a16.format import Format
 
     load_w4a16_ops()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -376,7 +377,8 @@ def test_the_dequantize_kernel_reads_native_codes_bit_exactly(config):
 def test_the_native_gemv_with_splits_and_prefetch(block_w):
     """The word GEMV's steps of 16 / 32 words on native codes, K split over 3 programs, codes
     loaded 2 steps ahead: against the reference (the op's own choices are above)."""
-    from qshard.kernels.w4a16_triton import Format, linear_launch
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.ops import linear_launch
 
     canonical, native = pair(n=24, k=768, dtype=torch.float16)
     x = torch.randn(1, 768, dtype=torch.float16)
@@ -424,17 +426,18 @@ def test_on_hopper_quantize_holds_native_codes_and_the_op_reads_them(config):
     assert q.code_order is NATIVE
     cpu = Int4Tensor.from_float(w, config)
     assert_same_qtensor(q.cpu(), cpu)
-    from qshard.kernels.w4a16_triton import Format, native_choice
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.select import choose
 
     for m in (1, 2, 3, 16, 33, 64, 128, 129, 300):
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
-        kernel = native_choice(Format.INT4_ASYM, x, q.qdata, config.group_size)["KERNEL"]
+        kernel = choose(Format.INT4_ASYM, x, q.qdata, config.group_size, native=True).kernel
         assert kernel == ("gemv_words" if m <= 2 else "register_wgmma" if m <= 128
                           else "dequantize"), (m, kernel)  # fmt: skip (2: a small weight)
         expected = F.linear(x.cpu().float(), cpu.dequantize(torch.float32))
         assert_near(F.linear(x, q).cpu(), expected, m)
     x = torch.randn(5, 1024, device="cuda")
-    assert native_choice(Format.INT4_ASYM, x, q.qdata, 128)["KERNEL"] == "dequantize"
+    assert choose(Format.INT4_ASYM, x, q.qdata, 128, native=True).kernel == "dequantize"
     torch.testing.assert_close(F.linear(x, q.to(torch.float32)).cpu(),
                                F.linear(x.cpu(), cpu.to(torch.float32)), rtol=1e-4, atol=1e-3)
 

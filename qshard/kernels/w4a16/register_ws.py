@@ -1,13 +1,13 @@
 """The register-operand W4A16 kernel, warp-specialized (issue 24; notes and measurements:
-docs/kernels/w4a16_register.md, "The warp-specialized kernel (`w4a16_gluon_ws.py`)"): a producer
+docs/kernels/w4a16_register.md, "The warp-specialized kernel (`w4a16/register_ws.py`)"): a producer
 partition streams the codes and the activations by TMA into a ring of shared-memory slots while
-the compute warps decode and multiply, as `w4a16_gluon.py`'s kernel does (the same K
+the compute warps decode and multiply, as `w4a16/register.py`'s kernel does (the same K
 permutation, decode, MMAs, scales and split-K epilogue; read its docstring first). The producer
 is a 4-warp partition (one thread issues the copies; Triton pads a 1-warp partition to a
 warpgroup anyway).
 
 Why: ablations of that kernel (H100; docs/kernels/w4a16_register.md, "The mma.sync register
-kernel (`w4a16_gluon.py`)") found its parts adding up instead of overlapping: with the cp.async
+kernel (`w4a16/register.py`)") found its parts adding up instead of overlapping: with the cp.async
 copies cut out, the Llama-3.1-8B layer took 75.8 us at 16 tokens (115.4 us as shipped). Here
 no compute warp issues a copy or waits for one: the producer waits for a slot to be free
 (`empty`, one arrival per chunk from the compute warps), and the compute warps for its bytes
@@ -15,14 +15,14 @@ no compute warp issues a copy or waits for one: the producer waits for a slot to
 
 The copies, by TMA, into the layouts the compute warps read:
 - codes: the tile's rows by the chunk's 16 words ([TILE_ROWS, 16] int32, unswizzled), so each
-  thread reads back the 16-byte runs it decodes, as in `w4a16_gluon.py` (conflict-free:
+  thread reads back the 16-byte runs it decodes, as in `w4a16/register.py` (conflict-free:
   64-byte rows);
 - x: the K permutation done by the copy itself, through a 5-D view of x with strides
   (128, 8, K, 32, 1) over (chunk, j, token, t, e): the box [1, 4, BLOCK_M, 4, 8] lands as
   x_slot[j][token][8t + e] = x[token, 128 chunk + 32t + 8j + e], the slot the other kernel
   builds with one cp.async per 16 bytes. Tokens past M and rows past N are TMA's zero fill; K
   must be a multiple of 128 (a view's bounds are per dimension: a partial chunk would read the
-  next token's columns), else `w4a16_gluon.py`'s kernel runs.
+  next token's columns), else `w4a16/register.py`'s kernel runs.
 
 **The proxy fence.** The compute warps read a slot with ordinary shared loads (the generic
 proxy); TMA writes it (the async proxy). The PTX memory model orders the two only through a
@@ -30,13 +30,13 @@ proxy); TMA writes it (the async proxy). The PTX memory model orders the two onl
 arrival that releases it to the producer. Without the fence the refill overwrote slots still
 being read: 30 of 30 launches gave different bits, up to 4 % off, with two programs per SM and
 an 8-slot ring; with the fence 0 of 30 in every config tried (H100,
-docs/kernels/w4a16_register.md, "The warp-specialized kernel (`w4a16_gluon_ws.py`)"). The FP8
+docs/kernels/w4a16_register.md, "The warp-specialized kernel (`w4a16/register_ws.py`)"). The FP8
 Gluon kernel needs none: its consumers read the TMA-written slots with wgmma, itself in the
 async proxy.
 
-Scope: `w4a16_gluon.py`'s kernel's (Hopper, bf16 / fp16, the int4 formats with groups of
+Scope: `w4a16/register.py`'s kernel's (Hopper, bf16 / fp16, the int4 formats with groups of
 32..256, MXFP4, NVFP4), with K % 128 == 0. The op chooses it at
-`w4a16_triton.WS_CHOICE_MIN_M`..`WS_CHOICE_MAX_M` tokens, where it was measured fastest.
+`w4a16/select.py's `WS_CHOICE_MIN_M``..`WS_CHOICE_MAX_M` tokens, where it was measured fastest.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from .gluon_api import (
+from ..gluon_api import (
+    CHUNK,
     GLUON_IMPORT_ERROR,
+    SMEM_BUDGET,
     TensorDescriptor,
     fence_async_shared,
     gl,
@@ -54,41 +56,51 @@ from .gluon_api import (
     mma_v2,
     tma_load,
 )
-from .split_k import _sm_count, workspace
-from .w4a16_gluon import MXFP4, NVFP4, ROWS_PER_WARP, register_problem
+from ..split_k import sm_count, workspace
+from . import register
+from .register import MXFP4, NVFP4
+from .register_parts import (
+    ROWS_PER_WARP,
+    b_operand,
+    chunk_scales,
+    chunk_weights,
+    codes_2d,
+    codes_layout,
+    finish_tile,
+    item_at,
+    x_layout,
+)
 
-__all__ = ["WS_BLOCK_M", "WS_PLANS", "ws_config", "ws_launch", "ws_problem"]
+__all__ = ["WS_BLOCK_M", "WS_PLANS", "config", "launch", "problem"]
 
-CHUNK = 128  # columns of K per ring slot, as in w4a16_gluon.py
 WORDS = CHUNK // 8  # int32 code words per row and chunk
-SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the barriers
 WS_BLOCK_M = (8, 16, 32, 64, 128)  # the token tiles
 # Per format family: (the most chunks per work item, programs per SM, register cap). int4: a
 # whole K of 4096 in one item, two programs per SM under 80 registers. MXFP4 / NVFP4: their
 # longer decode, unrolled over 32 chunks, ran at half the speed of 16 (gate_up at 16 tokens:
 # 118.8 against 54.8 us, MXFP4); at 16 the register cap for two programs per SM gained nothing
 # (qkv 16.2 against 16.1 us): one program per SM, no cap (H100; docs/kernels/w4a16_register.md,
-# "The warp-specialized kernel (`w4a16_gluon_ws.py`)").
+# "The warp-specialized kernel (`w4a16/register_ws.py`)").
 WS_PLANS = {"int4": (32, 2, 80), "fp4": (16, 1, 0)}
 
 
-def ws_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
+def problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
     """Why the warp-specialized kernel cannot run this matmul, or None if it can."""
-    reason = register_problem(fmt, x, qdata, group)
+    reason = register.problem(fmt, x, qdata, group)
     if reason is None and x.shape[1] % CHUNK:
         reason = (f"its activation copy (a 5-D TMA view of x) needs K % 128 == 0, not "
                   f"K = {x.shape[1]}")  # fmt: skip
     return reason
 
 
-def ws_config(m: int, n: int, k: int, device: torch.device, fmt: int = 0,
+def config(m: int, n: int, k: int, device: torch.device, fmt: int = 0,
               sms: int | None = None) -> dict:  # fmt: skip
     """BLOCK_M tokens per tile; PER_SM programs per SM (`WS_PLANS`), each of 8 compute warps (a
     128-row tile) and the producer; a ring of STAGES slots filling the shared memory left; K
     split in as few parts as leave at least half as many work items (tiles x splits) as SMs,
     trying splits of the plan's most chunks, then half as many, ..., then balanced (STEPS =
     chunks / splits, rounded up). Fitted to the H100 sweeps at 8 and 16 tokens
-    (docs/kernels/w4a16_register.md, "The warp-specialized kernel (`w4a16_gluon_ws.py`)"): on
+    (docs/kernels/w4a16_register.md, "The warp-specialized kernel (`w4a16/register_ws.py`)"): on
     the Llama-3.1-8B layer it gives each linear the best of the configs measured (int4: K in 2
     / 4 / 1 / 4 splits for qkv / o / gate_up / down; MXFP4, NVFP4: 16 / 8 / 16 / 16 chunks per
     item). `sms`: the device's SM count unless given."""
@@ -97,7 +109,7 @@ def ws_config(m: int, n: int, k: int, device: torch.device, fmt: int = 0,
     warps = 8
     tiles = triton.cdiv(n, ROWS_PER_WARP * warps)
     chunks = triton.cdiv(k, CHUNK)
-    half = (sms or _sm_count(device.index or 0)) // 2
+    half = (sms or sm_count(device.index or 0)) // 2
     steps = most
     while steps > 1 and tiles * triton.cdiv(chunks, steps) < half:
         steps //= 2
@@ -106,19 +118,22 @@ def ws_config(m: int, n: int, k: int, device: torch.device, fmt: int = 0,
             "PER_SM": per_sm, "WARPS": warps, "MAXNREG": maxnreg}  # fmt: skip
 
 
+_config = config  # (`launch`'s parameter of that name hides the function)
+
+
 def _stages(block_m: int, warps: int, per_sm: int) -> int:
     slot = ROWS_PER_WARP * warps * WORDS * 4 + block_m * CHUNK * 2  # codes + x (16-bit)
     return max(2, min(8, SMEM_BUDGET // per_sm // slot))
 
 
-def ws_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict | None = None,
-              global_scale=None) -> torch.Tensor:  # fmt: skip
-    """out [M, N] = x [M, K] @ W.T + bias by the warp-specialized kernel (`ws_problem` is
-    None); arguments as `w4a16_gluon.register_launch`; `config` as `ws_config` gives it (STAGES
+def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict | None = None,
+           global_scale=None) -> torch.Tensor:  # fmt: skip
+    """out [M, N] = x [M, K] @ W.T + bias by the warp-specialized kernel (`problem` is
+    None); arguments as `register.launch`; `config` as `config()` gives it (STAGES
     0 or absent: as many as fit)."""
     m, k = x.shape
     n = qdata.shape[0]
-    config = dict(config or ws_config(m, n, k, x.device, fmt))
+    config = dict(config or _config(m, n, k, x.device, fmt))
     block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
     warps = config.get("WARPS", 8)
     stages = config.get("STAGES") or _stages(block_m, warps, per_sm)
@@ -130,7 +145,7 @@ def ws_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: di
     tile_rows = ROWS_PER_WARP * warps
     tiles = triton.cdiv(n, tile_rows)
     splits = triton.cdiv(k // CHUNK, steps)
-    grid = min(tiles * splits, per_sm * _sm_count(x.device.index or 0))
+    grid = min(tiles * splits, per_sm * sm_count(x.device.index or 0))
     partials, arrived = workspace(m, n, splits, tiles, x.device) if splits > 1 else (out, out)
     if fmt == NVFP4:
         if global_scale is None:
@@ -157,33 +172,13 @@ def ws_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: di
 # ---- the kernel --------------------------------------------------------------------------------
 
 if GLUON_IMPORT_ERROR is None:
-    from .w4a16_gluon import (
-        _ROWS_PER_WARP,
-        _b_operand,
-        _chunk_scales,
-        _chunk_weights,
-        _codes_layout,
-        _finish_tile,
-        _item_at,
-        _x_layout,
-    )
+    _ROWS_PER_WARP = gl.constexpr(ROWS_PER_WARP)
 
     _WORDS = gl.constexpr(WORDS)
 
     @gluon.constexpr_function
-    def _codes_2d(warps):
-        """`_codes_layout` on the slot's [rows, 16 words]: thread (warp w, lane 4g + t) holds
-        words 4t .. 4t + 3 of rows 16w + g and 16w + g + 8."""
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]],
-            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
-            block_bases=[], shape=[16 * warps, 16],
-        )  # fmt: skip
-
-    @gluon.constexpr_function
     def _x_5d(block_m, warps):
-        """`_x_layout` on one word j of the slot, [1, 1, block_m tokens, 4 t, 8 e]."""
+        """`x_layout` on one word j of the slot, [1, 1, block_m tokens, 4 t, 8 e]."""
         tiles = [[0, 0, 8 << i, 0, 0] for i in range(block_m.bit_length() - 4)]
         return gl.DistributedLinearLayout(
             reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], *tiles],
@@ -202,16 +197,16 @@ if GLUON_IMPORT_ERROR is None:
         MMA: gl.constexpr = acc.type.layout
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        words = codes.load(_codes_2d(gl.num_warps()))
+        words = codes.load(codes_2d(gl.num_warps()))
         words = gl.convert_layout(gl.reshape(words, [TILE_ROWS, 4, 4]),
-                                  _codes_layout(gl.num_warps()), assert_trivial=True)  # fmt: skip
+                                  codes_layout(gl.num_warps()), assert_trivial=True)  # fmt: skip
         for j in gl.static_range(4):
-            a = gl.convert_layout(_chunk_weights(words, scale, zero, j, FORMAT, dtype), A,
+            a = gl.convert_layout(chunk_weights(words, scale, zero, j, FORMAT, dtype), A,
                                   assert_trivial=True)  # fmt: skip
             x = x_slot.slice(j, 1, dim=1).load(_x_5d(BLOCK_M, gl.num_warps()))
             x = gl.convert_layout(gl.reshape(x, [BLOCK_M, 32]),
-                                  _x_layout(BLOCK_M, gl.num_warps()), assert_trivial=True)
-            b = gl.convert_layout(_b_operand(x, BLOCK_M), B, assert_trivial=True)
+                                  x_layout(BLOCK_M, gl.num_warps()), assert_trivial=True)
+            b = gl.convert_layout(b_operand(x, BLOCK_M), B, assert_trivial=True)
             acc = mma_v2(a, b, acc)
         return acc
 
@@ -225,7 +220,7 @@ if GLUON_IMPORT_ERROR is None:
         ahead, then: wait for the slot's bytes, decode and multiply, release the slot (a proxy
         fence, then the arrival, before which Triton puts a barrier of these warps: every
         warp's reads are done and ordered before the refill), then the tile written or its
-        partial sums counted (`_finish_tile`)."""
+        partial sums counted (`finish_tile`)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8])
@@ -240,19 +235,19 @@ if GLUON_IMPORT_ERROR is None:
             times = 1.0
         # the scales two chunks ahead (`ahead`, then `later`), across items: a few registers
         # where a whole item's would hold 4 * STEPS per item and its successor
-        here = _item_at(pid, items, tiles, N, M, STEPS)
-        after = _item_at(pid + programs, items, tiles, N, M, STEPS)
-        ahead = _chunk_scales(s_ptr, z_ptr, here, 0, K, stride_sn, FORMAT, GROUP, dtype)
-        later = _chunk_scales(s_ptr, z_ptr, here if STEPS > 1 else after, 1 % STEPS, K,
+        here = item_at(pid, items, tiles, N, M, STEPS)
+        after = item_at(pid + programs, items, tiles, N, M, STEPS)
+        ahead = chunk_scales(s_ptr, z_ptr, here, 0, K, stride_sn, FORMAT, GROUP, dtype)
+        later = chunk_scales(s_ptr, z_ptr, here if STEPS > 1 else after, 1 % STEPS, K,
                               stride_sn, FORMAT, GROUP, dtype)  # fmt: skip
         chunk = 0
         for item in range(pid, items, programs):
-            after = _item_at(item + programs, items, tiles, N, M, STEPS)
+            after = item_at(item + programs, items, tiles, N, M, STEPS)
             acc = gl.zeros([TILE_ROWS, BLOCK_M], gl.float32, MMA)
             for st in gl.static_range(STEPS):
                 scale, zero = ahead
                 ahead = later
-                later = _chunk_scales(s_ptr, z_ptr, here if st + 2 < STEPS else after,
+                later = chunk_scales(s_ptr, z_ptr, here if st + 2 < STEPS else after,
                                       (st + 2) % STEPS, K, stride_sn, FORMAT, GROUP,
                                       dtype)  # fmt: skip
                 slot = chunk % STAGES
@@ -265,7 +260,7 @@ if GLUON_IMPORT_ERROR is None:
                 fence_async_shared()
                 mbarrier.arrive(empty.index(slot), count=1)
                 chunk += 1
-            _finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, item % tiles,
+            finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, item % tiles,
                          item // tiles, splits, M, N, times, HAS_BIAS, SPLIT,
                          BLOCK_M)  # fmt: skip
             here = after

@@ -20,13 +20,13 @@ reference's order: `partial * (x_scale * w_scale)`). The producer warp runs ahea
 depth across items. Split K as in `split_k.py`: fp32 partial sums per split, the tile's last
 program to arrive (per warpgroup half) sums them in split order and writes the tile.
 
-The activations are quantized first by the act-quant kernel (`fp8_blockwise_triton`, bit for
+The activations are quantized first by the act-quant kernel (`act_quant.py`, bit for
 bit the reference's), so the GEMM reads e4m3 x by TMA like the weight.
 
 Scope: sm_90, 128x128 weight blocks with 1x128 activation groups (DeepSeek-V3's layout), bf16,
 fp16 or fp32 activations, 1..128 tokens, K a multiple of 16 (TMA's 16-byte row stride); partial
 row tiles and a partial last group read zeros from TMA. Elsewhere the Triton kernels run, chosen
-inside the same op (`fp8_blockwise_gpu.py`). Gluon kernels do not run in the Triton interpreter:
+inside the same op (`select.py`). Gluon kernels do not run in the Triton interpreter:
 CI compiles this one for sm_90 and tests its config; its numerics are tested on the GPU.
 """
 
@@ -35,36 +35,36 @@ from __future__ import annotations
 import torch
 import triton
 
-from .fp8_blockwise_triton import act_quant_launch
-from .gluon_api import (
+from ..gluon_api import (
+    CHUNK,
     GLUON_IMPORT_ERROR,
+    HALF_ROWS,
+    SMEM_BUDGET,
+    TILE_ROWS,
     TensorDescriptor,
     async_copy,
-    barrier,
     cp_async,
     fence_async_shared,
+    finish_half,
     gl,
     gluon,
     gluon_unavailable,
+    half_tile_workspace,
     mbarrier,
-    store_transposed,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .split_k import _sm_count
+from ..split_k import sm_count
+from .act_quant import act_quant_launch
 
-__all__ = ["GLUON_MAX_M", "gluon_config", "gluon_launch", "gluon_problem"]
+__all__ = ["GLUON_MAX_M", "config", "launch", "problem"]
 
-TILE_ROWS = 128  # one weight block of rows: a tile has one weight scale per group
-HALF_ROWS = 64  # each consumer warpgroup's rows (wgmma's M per warpgroup)
-CHUNK = 128  # the activation group and the weight block's columns: one chunk per group
 GLUON_MIN_M, GLUON_MAX_M = 1, 128
-SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the barriers
 
 
-def gluon_problem(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int,
-                  group: int) -> str | None:  # fmt: skip
+def problem(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int,
+            group: int) -> str | None:  # fmt: skip
     """Why the Gluon kernel cannot run this matmul, or None if it can."""
     if gluon_unavailable() is not None:
         return gluon_unavailable()
@@ -85,7 +85,7 @@ def gluon_problem(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: i
     return None
 
 
-def gluon_config(m: int, n: int, k: int, device: torch.device) -> dict:
+def config(m: int, n: int, k: int, device: torch.device) -> dict:
     """BLOCK_T tokens per tile (all of them), a ring of STAGES chunks, PER_SM programs per SM
     (persistent grid; one fits: 12 warps at 168 registers), SPLITS K splits per tile chosen by
     `split_for`."""
@@ -93,10 +93,13 @@ def gluon_config(m: int, n: int, k: int, device: torch.device) -> dict:
     # a slot: the weight tile's group, x's group, and the two scale rows (fp32, >= 32 wide)
     stage_bytes = TILE_ROWS * CHUNK + block_t * CHUNK + 2 * 4 * max(32, block_t)
     stages = min(10, SMEM_BUDGET // stage_bytes)
-    programs = _sm_count(device.index or 0)
+    programs = sm_count(device.index or 0)
     tiles = triton.cdiv(n, TILE_ROWS)
     splits = split_for(tiles, triton.cdiv(k, CHUNK), programs, block_t)
     return {"BLOCK_T": block_t, "STAGES": stages, "PER_SM": 1, "SPLITS": splits}
+
+
+_config = config  # (`launch`'s parameter of that name hides the function)
 
 
 # Fitted to this kernel's split sweep on the H100 (docs/kernels/fp8_blockwise.md, "Gluon
@@ -125,32 +128,17 @@ def split_for(tiles: int, groups: int, programs: int, block_t: int) -> int:
     return best
 
 
-def half_tile_workspace(splits: int, tiles: int, block_t: int, out: torch.Tensor) -> tuple:
-    """`_finish_half`'s split-K buffers: the fp32 partial sums of every split in fragment order,
-    and a counter per half tile; `out` twice when K is not split (nothing is read then)."""
-    if splits == 1:
-        return out, out
-    partials = torch.empty(splits * tiles * TILE_ROWS * block_t, dtype=torch.float32,
-                           device=out.device)  # fmt: skip
-    # zeroed per launch (a memset): counters kept per device and stream and re-zeroed by the
-    # last arrivals break when the cached tensor is first allocated under torch.compile's CUDA
-    # graphs (warm-up and capture allocate from the graph's pool): "Detected 1 tensor(s) in the
-    # cudagraph pool not tracked as outputs" (Llama fp8-block decode at batch 32;
-    # docs/kernels/fp8_blockwise.md, "Gluon kernel: 2-64 tokens on Hopper")
-    return partials, torch.zeros(2 * tiles, dtype=torch.int32, device=out.device)
-
-
-def gluon_launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None, ue8m0: bool, config: dict | None = None,
-                 ) -> torch.Tensor:  # fmt: skip
-    """x [M, K] float -> x @ W.T + bias [M, N] in x's dtype (`gluon_problem` is None); qdata
+def launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+           bias: torch.Tensor | None, ue8m0: bool, config: dict | None = None,
+           ) -> torch.Tensor:  # fmt: skip
+    """x [M, K] float -> x @ W.T + bias [M, N] in x's dtype (`problem` is None); qdata
     [N, K] e4m3 and scale [N/128, K/128] contiguous."""
     m, k = x.shape
     n = qdata.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    config = dict(config or gluon_config(m, n, k, x.device))
+    config = dict(config or _config(m, n, k, x.device))
     block_t, stages, per_sm = config["BLOCK_T"], config["STAGES"], config["PER_SM"]
     if block_t < m or block_t not in (16, 32, 64, 128) or stages < 2 or per_sm < 1:
         raise ValueError(f"Gluon FP8 config {config} for {m} tokens: BLOCK_T must be 16, 32, "
@@ -165,7 +153,7 @@ def gluon_launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     w_desc = TensorDescriptor.from_tensor(qdata, [HALF_ROWS, CHUNK], w_layout)
     x_desc = TensorDescriptor.from_tensor(xq, [block_t, CHUNK], x_layout)
     partials, arrived = half_tile_workspace(splits, tiles, block_t, out)
-    grid = min(tiles * splits, per_sm * _sm_count(x.device.index or 0))
+    grid = min(tiles * splits, per_sm * sm_count(x.device.index or 0))
     _fp8_kernel[(grid,)](
         w_desc, x_desc, scale, x_scale, bias if bias is not None else out, out, partials,
         arrived, m, n, tiles, groups, per_split, splits, scale.stride(0),
@@ -259,37 +247,9 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.arrive(empty.index(slot), count=1)
                 acc += part * scale[None, :]
                 chunk += 1
-            _finish_half(acc, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, split, splits, half,
+            finish_half(acc, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, split, splits, half,
                          tiles, M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
 
-    @gluon.jit
-    def _finish_half(acc, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, split, splits, half,
-                     tiles, M, N, toks, HAS_BIAS: gl.constexpr,
-                     SPLIT: gl.constexpr):  # fmt: skip
-        """Write this warpgroup's half tile, or store it as its split's partial sums and, if it
-        is the half's last to arrive, write their sum in split order (split_k.py's scheme)."""
-        MMA: gl.constexpr = acc.type.layout
-        BLOCK_T: gl.constexpr = acc.type.shape[1]
-        r = gl.arange(0, _HALF_ROWS, layout=gl.SliceLayout(1, MMA))
-        rows = tile * _TILE_ROWS + half * _HALF_ROWS + r
-        if SPLIT:
-            # partial sums in fragment order, [8-token column block][row][8 tokens]: a warp's
-            # rows g (lane / 4) and columns 2t, 2t + 1 (lane % 4) are 256 contiguous bytes, so
-            # stores and loads are whole lines (at out's [token, row] offsets they are not)
-            at = (toks // 8 * (8 * _HALF_ROWS))[None, :] + (r * 8)[:, None] + (toks % 8)[None, :]
-            half_tile = (2 * tile + half) * (_HALF_ROWS * BLOCK_T)
-            stride = 2 * tiles * _HALF_ROWS * BLOCK_T  # one split's partial sums
-            gl.store(part_ptr + split * stride + half_tile + at, acc)
-            barrier()  # the warpgroup's partial sums are stored before it counts itself
-            arrived = gl.atomic_add(cnt_ptr + 2 * tile + half, 1, sem="acq_rel")
-            if arrived == splits - 1:
-                total = gl.zeros_like(acc)
-                for sp in range(splits):
-                    total += gl.load(part_ptr + sp * stride + half_tile + at,
-                                     cache_modifier=".cg")  # fmt: skip
-                store_transposed(total, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
-        else:
-            store_transposed(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
 
     @gluon.jit
     def _fp8_kernel(w_desc, x_desc, ws_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,

@@ -1,11 +1,11 @@
 """The register-operand W4A16 kernel on wgmma (issue 24; notes and measurements:
-docs/kernels/w4a16_register.md, "The wgmma kernel (`w4a16_gluon_wgmma.py`)"): the dequantized
+docs/kernels/w4a16_register.md, "The wgmma kernel (`w4a16/register_wgmma.py`)"): the dequantized
 weight is wgmma's register A operand, x's chunk its shared-memory B operand, the MMAs
 asynchronous, so that a chunk's decode runs while the previous chunk's MMAs do. Read
-`w4a16_gluon.py`'s docstring first (the K permutation, the decode, the scales) and
-`w4a16_gluon_ws.py`'s (the warp-specialized ring).
+`w4a16/register.py`'s docstring first (the K permutation, the decode, the scales) and
+`w4a16/register_ws.py`'s (the warp-specialized ring).
 
-**Why x must be permuted, and the two ways it is.** mma.sync (`w4a16_gluon.py`, `w4a16_gluon_ws.py`)
+**Why x must be permuted, and the two ways it is.** mma.sync (`register.py`, `register_ws.py`)
 takes B from registers, so those kernels give x the canonical packing's K permutation on its way
 into shared memory, 16 bytes at a time. wgmma reads B from shared memory in its own K order, in
 which each thread's A fragment holds logical columns 2t, 2t + 1, 2t + 8, 2t + 9 of every 16: with
@@ -27,7 +27,7 @@ copies it at every tile, and each pair is one shift and one and-or
 layer, int4 g128): 77.7 / 83.0 / 98.7 us at 16 / 32 / 64 tokens against 85.2 / 94.9 / 115.2 on
 the canonical codes (docs/kernels/w4a16_register.md, "The native code order (int4 with groups
 of 128 on Hopper)"). An int4 weight with groups of 128 on Hopper holds its codes in that order
-(layouts/int4.py), and the op runs this config on it (`w4a16_triton.native_choice`).
+(layouts/int4.py), and the op runs this config on it (`w4a16/select.py's `choose``).
 
 **Sums scaled per chunk (config PROMOTE = 1; int4 asymmetric / symmetric, groups of a multiple
 of 128, bf16 x, token tiles up to 32).** A chunk lies in one group, so a row's scale is one
@@ -53,13 +53,13 @@ are the wait's dependencies until then, so the compiler keeps them). The chunks 
 groups of GROUP_CHUNKS inside a loop, every MMA waited for at a group's end: ptxas serializes
 all of the kernel's wgmmas if one with register operands is in flight across a loop's back
 edge, and fully unrolled items of 16-32 chunks missed the instruction cache. The tile is
-written as the FP8 Gluon kernel's halves are (`_finish_half`: split K with fp32 partial sums, a
+written as the FP8 Gluon kernel's halves are (`finish_half`: split K with fp32 partial sums, a
 counter per half).
 
 Measured (H100, int4 g128, bf16, Llama-3.1-8B layer; docs/kernels/w4a16_register.md, "The
-wgmma kernel (`w4a16_gluon_wgmma.py`)"): 16 / 32 / 64 / 128 tokens 85.7 / 94.6 / 115.5 / 160.1
+wgmma kernel (`w4a16/register_wgmma.py`)"): 16 / 32 / 64 / 128 tokens 85.7 / 94.6 / 115.5 / 160.1
 us against bf16's 167.7 / 167.9 / 169.3 / 178.6; the op runs it where it was the faster
-(`w4a16_triton.wgmma_chosen`).
+(`w4a16/select.py's `wgmma_chosen``).
 
 Scope: Hopper, bf16 / fp16 activations, the int4 formats with groups of 32..256, MXFP4, NVFP4,
 K % 128 == 0 (x is permuted per 128-column chunk), 16-byte aligned codes.
@@ -72,32 +72,44 @@ import functools
 import torch
 import triton
 
-from .fp8_blockwise_gluon import half_tile_workspace
-from .gluon_api import (
+from ..gluon_api import (
+    CHUNK,
     GLUON_IMPORT_ERROR,
+    HALF_ROWS,
+    SMEM_BUDGET,
+    TILE_ROWS,
     TensorDescriptor,
     async_copy,
     cp_async,
     fence_async_shared,
+    finish_half,
     gl,
     gluon,
+    half_tile_workspace,
     mbarrier,
     reinterpret,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .packing import check_native_order, native_codes
-from .split_k import _sm_count
-from .w4a16_gluon import MXFP4, NVFP4, register_problem
+from ..packing import check_native_order, native_codes
+from ..split_k import sm_count
+from . import register
+from .register import MXFP4, NVFP4
+from .register_parts import chunk_scales, chunk_weights, codes_2d, codes_layout
 
-__all__ = ["WGMMA_BLOCK_T", "native_codes", "permute_x", "promote_config", "tma_ready",
-           "wgmma_config", "wgmma_launch", "wgmma_problem"]
+__all__ = [
+    "WGMMA_BLOCK_T",
+    "config",
+    "launch",
+    "native_codes",
+    "permute_x",
+    "problem",
+    "promote_config",
+    "tma_ready",
+]
 
-CHUNK = 128  # columns of K per ring slot
 WORDS = CHUNK // 8  # int32 code words per row and chunk
-TILE_ROWS, HALF_ROWS = 128, 64  # a program's rows; each consumer warpgroup's
-SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the barriers
 WGMMA_BLOCK_T = (16, 32, 64, 128)  # token tiles (wgmma's N); 128: 64 accumulator registers
 X_BY_TMA_MIN_T = 64  # token tiles from which x is permuted beforehand and copied by TMA
 GROUP_CHUNKS = 4  # chunks per unrolled group (`_chunk_group`); the MMAs drain between groups
@@ -108,9 +120,9 @@ PROMOTE_MAX_T = 32
 PROMOTE_MAX_GROUP_CHUNKS = 4
 
 
-def wgmma_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
+def problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str | None:
     """Why the wgmma kernel cannot run this matmul, or None if it can."""
-    reason = register_problem(fmt, x, qdata, group)
+    reason = register.problem(fmt, x, qdata, group)
     if reason is None and x.shape[1] % CHUNK:
         reason = f"it permutes x per 128-column chunk: K % 128 == 0, not K = {x.shape[1]}"
     if reason is None and x.shape[0] > WGMMA_BLOCK_T[-1]:
@@ -121,7 +133,7 @@ def wgmma_problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) ->
 def promote_config(fmt: int, x: torch.Tensor, group: int, block_t: int) -> dict:
     """PROMOTE (module docstring) where it runs, with the unrolled groups of 2 chunks measured
     fastest with it (H100, native int4 codes, the Llama layer at 2-32 tokens: 77.3 -> 73.4 us at
-    16; docs/kernels/w4a16_register.md, "The wgmma kernel (`w4a16_gluon_wgmma.py`)"); else
+    16; docs/kernels/w4a16_register.md, "The wgmma kernel (`w4a16/register_wgmma.py`)"); else
     nothing."""
     if _promotes(fmt, group, x.dtype) and block_t <= PROMOTE_MAX_T:
         return {"PROMOTE": 1, "GROUP_CHUNKS": 2}
@@ -153,7 +165,7 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
     return x.view(m, k // CHUNK, 4, 4, 4, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
 
 
-def wgmma_config(m: int, n: int, k: int, device: torch.device, sms: int | None = None) -> dict:
+def config(m: int, n: int, k: int, device: torch.device, sms: int | None = None) -> dict:
     """BLOCK_T tokens per tile (wgmma's N: 16, 32, 64 or 128); STEPS chunks per work item
     (tile x K split), the split count `split_for` models fastest; a ring of STAGES slots
     filling the shared memory; GROUP_CHUNKS chunks per unrolled group; X_BY_TMA: x permuted
@@ -162,10 +174,13 @@ def wgmma_config(m: int, n: int, k: int, device: torch.device, sms: int | None =
     block_t = max(16, triton.next_power_of_2(m))
     tiles = triton.cdiv(n, TILE_ROWS)
     chunks = triton.cdiv(k, CHUNK)
-    splits = split_for(tiles, chunks, sms or _sm_count(device.index or 0), block_t)
+    splits = split_for(tiles, chunks, sms or sm_count(device.index or 0), block_t)
     return {"BLOCK_T": block_t, "STEPS": triton.cdiv(chunks, splits),
             "STAGES": _stages(block_t), "GROUP_CHUNKS": GROUP_CHUNKS,
             "X_BY_TMA": int(block_t >= X_BY_TMA_MIN_T)}  # fmt: skip
+
+
+_config = config  # (`launch`'s parameter of that name hides the function)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -190,13 +205,13 @@ def _stages(block_t: int) -> int:
     return max(2, min(8, SMEM_BUDGET // slot))
 
 
-def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
-                 config: dict | None = None, global_scale=None) -> torch.Tensor:  # fmt: skip
-    """out [M, N] = x [M, K] @ W.T + bias by the wgmma kernel (`wgmma_problem` is None);
-    arguments as `w4a16_gluon.register_launch`; `config` as `wgmma_config` gives it."""
+def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
+           config: dict | None = None, global_scale=None) -> torch.Tensor:  # fmt: skip
+    """out [M, N] = x [M, K] @ W.T + bias by the wgmma kernel (`problem` is None);
+    arguments as `register.launch`; `config` as `config()` gives it."""
     m, k = x.shape
     n = qdata.shape[0]
-    config = dict(config or wgmma_config(m, n, k, x.device))
+    config = dict(config or _config(m, n, k, x.device))
     block_t, steps = config["BLOCK_T"], config["STEPS"]
     stages = config.get("STAGES") or _stages(block_t)
     group_chunks = config.get("GROUP_CHUNKS", GROUP_CHUNKS)
@@ -222,7 +237,7 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
                          f"(the ring fills the shared memory), STEPS and GROUP_CHUNKS >= 1")
     tiles = triton.cdiv(n, TILE_ROWS)
     splits = triton.cdiv(k // CHUNK, steps)
-    grid = min(tiles * splits, _sm_count(x.device.index or 0))
+    grid = min(tiles * splits, sm_count(x.device.index or 0))
     partials, arrived = half_tile_workspace(splits, tiles, block_t, out)
     if fmt == NVFP4:
         if global_scale is None:
@@ -254,10 +269,6 @@ def wgmma_launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
 # ---- the kernel --------------------------------------------------------------------------------
 
 if GLUON_IMPORT_ERROR is None:
-    from .fp8_blockwise_gluon import _finish_half
-    from .w4a16_gluon import _chunk_scales, _chunk_weights, _codes_layout
-    from .w4a16_gluon_ws import _codes_2d
-
     _CHUNK = gl.constexpr(CHUNK)
     _WORDS = gl.constexpr(WORDS)
     _TILE_ROWS = gl.constexpr(TILE_ROWS)
@@ -268,9 +279,9 @@ if GLUON_IMPORT_ERROR is None:
                    FORMAT: gl.constexpr, dtype: gl.constexpr, NATIVE: gl.constexpr,
                    UNSCALED: gl.constexpr = False):  # fmt: skip
         """Words `first` and `first + 1` of each thread's runs decoded: the A operand [64 rows,
-        64 MMA columns 32 jj + c] (c as `_chunk_weights` orders a word's 32)."""
-        lo = _chunk_weights(words, scale, zero, first, FORMAT, dtype, NATIVE, UNSCALED)
-        hi = _chunk_weights(words, scale, zero, first + 1, FORMAT, dtype, NATIVE, UNSCALED)
+        64 MMA columns 32 jj + c] (c as `chunk_weights` orders a word's 32)."""
+        lo = chunk_weights(words, scale, zero, first, FORMAT, dtype, NATIVE, UNSCALED)
+        hi = chunk_weights(words, scale, zero, first + 1, FORMAT, dtype, NATIVE, UNSCALED)
         a = gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [_HALF_ROWS, 64])
         return gl.convert_layout(a, A, assert_trivial=True)
 
@@ -278,10 +289,10 @@ if GLUON_IMPORT_ERROR is None:
     def _scales_of(s_ptr, z_ptr, at, step, K, stride_sn, FORMAT: gl.constexpr,
                    GROUP: gl.constexpr, dtype: gl.constexpr, MMA: gl.constexpr,
                    PROMOTE: gl.constexpr):  # fmt: skip
-        """Chunk `step`'s scales and zeros in the decode's layout (`_chunk_scales`); PROMOTE:
+        """Chunk `step`'s scales and zeros in the decode's layout (`chunk_scales`); PROMOTE:
         also the scale of each of the half's 64 rows in the accumulator's layout (fp32), by
         which the chunk's sums are multiplied (one group a chunk: GROUP % 128 == 0)."""
-        scales = _chunk_scales(s_ptr, z_ptr, at, step, K, stride_sn, FORMAT, GROUP, dtype)
+        scales = chunk_scales(s_ptr, z_ptr, at, step, K, stride_sn, FORMAT, GROUP, dtype)
         if PROMOTE:
             row0, chunk0, n_live, _ = at
             rows = row0 + gl.arange(0, _HALF_ROWS, layout=gl.SliceLayout(1, MMA))
@@ -327,8 +338,8 @@ if GLUON_IMPORT_ERROR is None:
             if not X_BY_TMA:  # x came by cp.async (the generic proxy); wgmma reads it async
                 fence_async_shared()
             words = codes_ring.index(slot).slice(half * _HALF_ROWS, _HALF_ROWS)
-            words = gl.convert_layout(gl.reshape(words.load(_codes_2d(4)), [_HALF_ROWS, 4, 4]),
-                                      _codes_layout(4), assert_trivial=True)  # fmt: skip
+            words = gl.convert_layout(gl.reshape(words.load(codes_2d(4)), [_HALF_ROWS, 4, 4]),
+                                      codes_layout(4), assert_trivial=True)  # fmt: skip
             a0 = _a_operand(words, scales[0], scales[1], 0, A, FORMAT, dtype, NATIVE, PROMOTE)
             if PROMOTE:
                 part = warpgroup_mma(a0, x_ring.index(2 * slot).permute((1, 0)),
@@ -409,7 +420,7 @@ if GLUON_IMPORT_ERROR is None:
                     acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st, chunk, ahead,
                     later, K, stride_sn, half, FORMAT, GROUP, STAGES, 1, BLOCK_T, X_BY_TMA,
                     NATIVE, PROMOTE)
-            _finish_half(acc * times, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, item // tiles,
+            finish_half(acc * times, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, item // tiles,
                          splits, half, tiles, M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
 
     @gluon.jit
