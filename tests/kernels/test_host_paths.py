@@ -404,9 +404,10 @@ def test_cublas_blockwise_call_matches_the_reference(monkeypatch, m, with_bias):
 
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_cublas_rowwise_call_matches_the_reference(monkeypatch, with_bias):
-    """`fp8_rowwise_linear_cublas`: torch's CPU `_scaled_mm` runs it; what reaches it must
-    also be what the CUDA one takes (a row-major, b column-major, fp32 scales [M, 1] and [1, N]
-    contiguous, a bias of the output dtype) and the result the reference's."""
+    """`fp8_rowwise_linear_cublas`: torch's `_scaled_mm` runs it (cuBLAS on a GPU; on the CPU
+    torch's own, which takes row-wise scales from torch 2.13); what reaches it must also be what
+    the CUDA one takes (a row-major, b column-major, fp32 scales [M, 1] and [1, N] contiguous, a
+    bias of the output dtype) and the result the reference's."""
     from qshard.kernels import fp8_rowwise
 
     scaled_mm, calls = torch._scaled_mm, []
@@ -422,11 +423,12 @@ def test_cublas_rowwise_call_matches_the_reference(monkeypatch, with_bias):
         return scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
 
     monkeypatch.setattr(torch, "_scaled_mm", checked_scaled_mm)
-    weight = torch.randn(96, 160) * 0.02
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    weight = torch.randn(96, 160, device=device) * 0.02
     scale = fp8_rowwise.row_scales(weight)
     qdata = fp8_rowwise.quantize_rows(weight, scale)
-    x = torch.randn(2, 3, 160, dtype=torch.bfloat16)
-    bias = torch.randn(96, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(2, 3, 160, dtype=torch.bfloat16, device=device)
+    bias = torch.randn(96, dtype=torch.bfloat16, device=device) if with_bias else None
     out = fp8_rowwise.fp8_rowwise_linear_cublas(x, qdata, scale, bias)
     expected = fp8_rowwise.fp8_rowwise_linear_reference(
         x, qdata, scale, weight_only=False, bias=bias
