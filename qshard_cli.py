@@ -75,8 +75,11 @@ def _token_counts(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="qshard", description=__doc__.split("\n\nThis module")[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = _Parser(
+        prog="qshard",
+        description=__doc__.split("\n\nThis module")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--debug", action="store_true", help="on an error, raise it with its traceback"
     )

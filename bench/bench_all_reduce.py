@@ -109,8 +109,10 @@ def main() -> None:
 
             cells = [time_graph(nccl, x), time_graph(symm, x)]
             if rank == 0:
-                print(f"| {size} | {cells[0]:.1f} | {cells[1]:.1f} | {'ok' if ok else 'WRONG'} |",
-                      flush=True)  # fmt: skip
+                print(
+                    f"| {size} | {cells[0]:.1f} | {cells[1]:.1f} | {'ok' if ok else 'WRONG'} |",
+                    flush=True,
+                )
         qshard.tp.shutdown()
 
 

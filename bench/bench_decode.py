@@ -133,8 +133,10 @@ def realigned_experts(model: Llama, cut: int) -> None:
         experts = layer.feed_forward.experts
         size = experts.down_proj.shape[-1]
         # gate_up [E, 2I, dim]: the gate rows, then the up rows, each cut as I is
-        for name, dim, cuts in (("gate_up_proj", 1, _gate_up_cuts(2 * size, cut, False)),
-                                ("down_proj", 2, qshard.tp.shard_cuts(size, cut))):  # fmt: skip
+        for name, dim, cuts in (
+            ("gate_up_proj", 1, _gate_up_cuts(2 * size, cut, False)),
+            ("down_proj", 2, qshard.tp.shard_cuts(size, cut)),
+        ):
             weight = getattr(experts, name)
             if isinstance(weight, qshard.QTensor):
                 realigned = weight.realign(dim, cuts)
@@ -164,13 +166,21 @@ def check(model: Llama, reference: Llama, world: int, device) -> dict[str, float
 
 
 @torch.no_grad()
-def tokens_per_second(model: Llama, batch: int, prompt_len: int, new: int, device,
-                      world: int = 1, profile: bool = False,
-                      cuda_graphs: bool = True) -> float:  # fmt: skip
+def tokens_per_second(
+    model: Llama,
+    batch: int,
+    prompt_len: int,
+    new: int,
+    device,
+    world: int = 1,
+    profile: bool = False,
+    cuda_graphs: bool = True,
+) -> float:
     model.setup_caches(batch, prompt_len + new + 8, tp_world=world)
     generator = torch.Generator(device).manual_seed(1)  # the same prompt on every rank
-    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device,
-                           generator=generator)  # fmt: skip
+    prompt = torch.randint(
+        0, model.config.vocab_size, (batch, prompt_len), device=device, generator=generator
+    )
     mode = "reduce-overhead" if device.type == "cuda" and cuda_graphs else None
     step = torch.compile(decode_one_token, mode=mode, fullgraph=True)
     for _ in range(2):  # compiles, then records the CUDA graph
@@ -197,12 +207,32 @@ def tokens_per_second(model: Llama, batch: int, prompt_len: int, new: int, devic
 
 # Kernel names by where a decode step's GPU time goes (bench/README.md's TP tables).
 _KERNEL_KINDS = (
-    ("collectives", ("nccl", "all_reduce", "allreduce", "all_to_all", "alltoall", "one_shot",
-                     "symm")),
+    (
+        "collectives",
+        ("nccl", "all_reduce", "allreduce", "all_to_all", "alltoall", "one_shot", "symm"),
+    ),
     ("attention", ("flash", "attention", "sdpa", "fmha")),
-    ("linears", ("gemv", "gemm", "sm90", "cutlass", "nvjet", "qshard", "w4a16", "fp8",
-                 "matmul", "mm_", "_mm", "wgmma", "splitk", "int4", "dot")),
-)  # fmt: skip
+    (
+        "linears",
+        (
+            "gemv",
+            "gemm",
+            "sm90",
+            "cutlass",
+            "nvjet",
+            "qshard",
+            "w4a16",
+            "fp8",
+            "matmul",
+            "mm_",
+            "_mm",
+            "wgmma",
+            "splitk",
+            "int4",
+            "dot",
+        ),
+    ),
+)
 
 
 def step_profile(model, step, token, position, step_s: float, steps: int = 16) -> None:
@@ -230,48 +260,73 @@ def step_profile(model, step, token, position, step_s: float, steps: int = 16) -
     if not dist.is_initialized() or dist.get_rank() == 0:
         busy = sum(kinds.values())
         parts = ", ".join(f"{k} {v:.0f}" for k, v in kinds.most_common())
-        print(f"INFO step {step_s * 1e6:.0f} us, GPU kernels {busy:.0f} us ({parts}); "
-              f"cudagraph skips {skips}", flush=True)  # fmt: skip
+        print(
+            f"INFO step {step_s * 1e6:.0f} us, GPU kernels {busy:.0f} us ({parts}); "
+            f"cudagraph skips {skips}",
+            flush=True,
+        )
         for name, us in top.most_common(8):
             print(f"INFO   {us:8.1f} us  {name}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layouts", default="bf16,int4-g128,fp8-block,fp8-row,nvfp4,mxfp4,"
-                        "torchao-int4,torchao-fp8-row,torchao-fp8-block")  # fmt: skip
+    parser.add_argument(
+        "--layouts",
+        default="bf16,int4-g128,fp8-block,fp8-row,nvfp4,mxfp4,"
+        "torchao-int4,torchao-fp8-row,torchao-fp8-block",
+    )
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument(
         "--config",
         default="llama-3.1-8b",
-        choices=["llama-3.1-8b", "llama-3.1-70b", "tiny", "qwen3-30b-a3b", "deepseek-v3",
-                 "tiny-moe"],
-    )  # fmt: skip
+        choices=[
+            "llama-3.1-8b",
+            "llama-3.1-70b",
+            "tiny",
+            "qwen3-30b-a3b",
+            "deepseek-v3",
+            "tiny-moe",
+        ],
+    )
     parser.add_argument(
         "--layers",
         type=int,
         default=None,
         help="the model's first N layers (default: all of the config's)",
     )
-    parser.add_argument("--experts", default="ep", choices=list(EXPERT_STYLES),
-                        help="a MoE config's experts under TP: ExpertParallel (all-reduce or "
-                        "all-to-all dispatch) or ExpertTensorParallel")  # fmt: skip
-    parser.add_argument("--tp", default="1", help="TP sizes, e.g. 1,2: processes (GPUs) "
-                        "through torchrun; a table column each")  # fmt: skip
+    parser.add_argument(
+        "--experts",
+        default="ep",
+        choices=list(EXPERT_STYLES),
+        help="a MoE config's experts under TP: ExpertParallel (all-reduce or "
+        "all-to-all dispatch) or ExpertTensorParallel",
+    )
+    parser.add_argument(
+        "--tp",
+        default="1",
+        help="TP sizes, e.g. 1,2: processes (GPUs) through torchrun; a table column each",
+    )
     parser.add_argument(
         "--no-freezing",
         dest="freezing",
         action="store_false",
         help="compile the step without inductor freezing (docs/decode.md)",
     )
-    parser.add_argument("--timeout", type=float, default=300,
-                        help="seconds per measurement: then every rank prints its stacks and "
-                        "exits")  # fmt: skip
-    parser.add_argument("--check", action="store_true",
-                        help="under TP: the SQNR of the sharded model's logits against one "
-                        "GPU's (experts re-blocked as the shards are), in dB")  # fmt: skip
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300,
+        help="seconds per measurement: then every rank prints its stacks and exits",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="under TP: the SQNR of the sharded model's logits against one "
+        "GPU's (experts re-blocked as the shards are), in dB",
+    )
     parser.add_argument(
         "--results",
         default=None,
@@ -295,14 +350,18 @@ def main() -> None:
     if device == "cuda":
         import triton
 
-        print(f"GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}; torch "
-              f"{torch.__version__}, triton {triton.__version__}, torchao "
-              f"{_version('torchao')}")  # fmt: skip
+        print(
+            f"GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}; torch "
+            f"{torch.__version__}, triton {triton.__version__}, torchao "
+            f"{_version('torchao')}"
+        )
     layers = f" ({args.layers} layers)" if args.layers else ""
-    print(f"{args.config}{layers}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
-          f"decode step (inductor freezing {'on' if args.freezing else 'off'}), TP "
-          f"{args.tp}; each (layout, batch) in a fresh "
-          f"process\n")  # fmt: skip
+    print(
+        f"{args.config}{layers}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
+        f"decode step (inductor freezing {'on' if args.freezing else 'off'}), TP "
+        f"{args.tp}; each (layout, batch) in a fresh "
+        f"process\n"
+    )
     batches = args.batches.split(",")
     columns = [(tp, b) for tp in sizes for b in batches]
     print("| layout | " + " | ".join(f"TP {tp} batch {b}" for tp, b in columns) + " |")
@@ -326,9 +385,20 @@ def main() -> None:
             cells.append(f"{rate:.0f} tok/s{ratio} ({memory:.1f} GiB{sqnr}{note})")
             if args.results:
                 with open(args.results, "a") as out:
-                    out.write(json.dumps({"config": args.config, "layers": args.layers,
-                                          "experts": args.experts, "layout": layout, "tp": tp,
-                                          "batch": int(batch), **result}) + "\n")  # fmt: skip
+                    out.write(
+                        json.dumps(
+                            {
+                                "config": args.config,
+                                "layers": args.layers,
+                                "experts": args.experts,
+                                "layout": layout,
+                                "tp": tp,
+                                "batch": int(batch),
+                                **result,
+                            }
+                        )
+                        + "\n"
+                    )
         print(f"| {layout} | " + " | ".join(cells) + " |", flush=True)
     print(
         "\n(x: over bf16 at the same TP and batch; GiB: the peak GPU memory of rank 0 while "
@@ -345,9 +415,12 @@ def main() -> None:
         for layout in args.layouts.split(","):
             for batch in batches:
                 first = rates.get((layout, sizes[0], batch))
-                cells = [f"{rates[layout, tp, batch] / first:.2f}x"
-                         if first and (layout, tp, batch) in rates else "-"
-                         for tp in sizes[1:]]  # fmt: skip
+                cells = [
+                    f"{rates[layout, tp, batch] / first:.2f}x"
+                    if first and (layout, tp, batch) in rates
+                    else "-"
+                    for tp in sizes[1:]
+                ]
                 print(f"| {layout} | {batch} | " + " | ".join(cells) + " |")
 
 
@@ -356,8 +429,20 @@ def run_child(args, layout: str, batch: str, tp: int) -> dict | str:
     CUDA graph pools of an earlier model slowed later ones in the same process (measured)."""
     if layout.startswith("torchao-") and tp > 1:
         return "n/a (torchao: TP 1 only)"
-    script = [__file__, "--child", "--layouts", layout, "--batches", batch, "--prompt",
-              str(args.prompt), "--new", str(args.new), "--config", args.config]  # fmt: skip
+    script = [
+        __file__,
+        "--child",
+        "--layouts",
+        layout,
+        "--batches",
+        batch,
+        "--prompt",
+        str(args.prompt),
+        "--new",
+        str(args.new),
+        "--config",
+        args.config,
+    ]
     script += ["--layers", str(args.layers)] if args.layers else []
     script += [] if args.freezing else ["--no-freezing"]
     script += ["--timeout", str(args.timeout), "--teardown", args.teardown]
@@ -369,8 +454,13 @@ def run_child(args, layout: str, batch: str, tp: int) -> dict | str:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
     # Its own session: on the deadline the launcher and every rank it started are killed
     # together (a rank left behind would hold the pipes open and hang this process too).
-    process = subprocess.Popen(launcher + script, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        launcher + script,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=args.timeout + CHILD_GRACE_S)
         failure = None if process.returncode == 0 else f"exit status {process.returncode}"
@@ -378,16 +468,26 @@ def run_child(args, layout: str, batch: str, tp: int) -> dict | str:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         failure = f"no result in {args.timeout + CHILD_GRACE_S} s"
-    result = next((json.loads(line.removeprefix("RESULT ")) for line in stdout.splitlines()
-                   if line.startswith("RESULT ")), None)  # fmt: skip
+    result = next(
+        (
+            json.loads(line.removeprefix("RESULT "))
+            for line in stdout.splitlines()
+            if line.startswith("RESULT ")
+        ),
+        None,
+    )
     for line in stdout.splitlines():
         if line.startswith("INFO "):  # --profile's breakdown
             PROFILES.append(f"({layout}, TP {tp}, batch {batch}) {line.removeprefix('INFO ')}")
     if result is not None and failure is None:
         return result
     # The child's stderr (each rank's stacks, if its deadline fired) says where it stopped.
-    print(f"--- {layout} batch {batch}: {failure or 'no result'}; the child's stderr ends:\n"
-          f"{stderr[-6000:]}\n---", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"--- {layout} batch {batch}: {failure or 'no result'}; the child's stderr ends:\n"
+        f"{stderr[-6000:]}\n---",
+        file=sys.stderr,
+        flush=True,
+    )
     if result is not None:  # measured, then failed to exit
         return {**result, "note": failure}
     errors = [line for line in stderr.splitlines() if "Error" in line] or [failure or "no result"]
@@ -406,9 +506,17 @@ def model_config(name: str, layers: int | None) -> LlamaConfig:
     if name == "llama-3.1-70b":
         return LlamaConfig.llama_3_1_70b(layers or 80)
     if name == "tiny-moe":
-        return LlamaConfig(vocab_size=512, dim=256, n_layers=layers or 2, n_heads=8,
-                           n_kv_heads=4, hidden=256, n_experts=8, top_k=2,
-                           expert_hidden=128)  # fmt: skip
+        return LlamaConfig(
+            vocab_size=512,
+            dim=256,
+            n_layers=layers or 2,
+            n_heads=8,
+            n_kv_heads=4,
+            hidden=256,
+            n_experts=8,
+            top_k=2,
+            expert_hidden=128,
+        )
     config = LlamaConfig.llama_3_1_8b() if name == "llama-3.1-8b" else LlamaConfig.tiny()
     return dataclasses.replace(config, n_layers=layers) if layers else config
 
@@ -456,8 +564,16 @@ def measure(args) -> None:
     # graph): no CUDA graph can hold it, so its step runs compiled without one.
     all_to_all = mesh is not None and config.n_experts and args.experts == "ep-all-to-all"
     torch._dynamo.config.capture_scalar_outputs = bool(all_to_all)
-    rate = tokens_per_second(model, int(args.batches), args.prompt, args.new, device, world,
-                             args.profile, cuda_graphs=not all_to_all)  # fmt: skip
+    rate = tokens_per_second(
+        model,
+        int(args.batches),
+        args.prompt,
+        args.new,
+        device,
+        world,
+        args.profile,
+        cuda_graphs=not all_to_all,
+    )
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     if rank == 0:
         result = {"rate": rate, "memory_gib": memory}

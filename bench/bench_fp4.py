@@ -103,8 +103,9 @@ def main() -> None:
     def roofline(name, m):
         return roofline_us(m, BITS.get(name.split("-")[-1], 16), bandwidth, peak)
 
-    weight_only_table("FP4 weight-only, Llama-3.1-8B layer (summed)", METHODS, methods, ms,
-                      roofline)  # fmt: skip
+    weight_only_table(
+        "FP4 weight-only, Llama-3.1-8B layer (summed)", METHODS, methods, ms, roofline
+    )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,15 @@ def torch_cublas_method(w):
         xp = F.pad(x, (0, 0, 0, pad)) if pad else x
         q, s = ref.quantize_activation_groups(xp, 128, qshard.ScaleFormat.FP32)
         s = torch.empty_strided(s.shape, (1, s.shape[0]), device=s.device).copy_(s)
-        out = F.scaled_mm(q, qdata.t(), s, F.ScalingType.BlockWise1x128, scale.t(),
-                          F.ScalingType.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip
+        out = F.scaled_mm(
+            q,
+            qdata.t(),
+            s,
+            F.ScalingType.BlockWise1x128,
+            scale.t(),
+            F.ScalingType.BlockWise128x128,
+            output_dtype=x.dtype,
+        )
         return out[:m]
 
     return run
@@ -151,10 +158,14 @@ def print_choices(shapes: dict, ms) -> None:
 
     for name, (n, k) in shapes.items():
         q = torch.empty(n, k, device="cuda", dtype=torch.float8_e4m3fn)
-        picks = [choose(torch.empty(m, k, device="cuda", dtype=torch.bfloat16), q, 128, 128, 128)
-                 for m in ms]  # fmt: skip
-        print(f"- the op's kernel on {name}: " + ", ".join(
-            f"M={m} {c.kernel.value}" for m, c in zip(ms, picks, strict=True)))
+        picks = [
+            choose(torch.empty(m, k, device="cuda", dtype=torch.bfloat16), q, 128, 128, 128)
+            for m in ms
+        ]
+        print(
+            f"- the op's kernel on {name}: "
+            + ", ".join(f"M={m} {c.kernel.value}" for m, c in zip(ms, picks, strict=True))
+        )
 
 
 GEMV_SWEEP = [

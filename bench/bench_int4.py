@@ -243,23 +243,36 @@ def sweep_candidates(m: int):
     if m <= 4:
         for bn, bw, warps, evict in WORDS_SWEEP:  # every format, e2m1 included
             label = f"gemv-words {bn}x{bw}w {warps}w" + (" evict-first" if evict else "")
-            yield label, lambda n, k, c=(bn, bw, warps, evict): dict(
-                KERNEL="gemv_words", BLOCK_N=c[0], BLOCK_W=c[1], num_warps=c[2], EVICT=c[3]
-            )  # fmt: skip
+            yield (
+                label,
+                lambda n, k, c=(bn, bw, warps, evict): dict(
+                    KERNEL="gemv_words", BLOCK_N=c[0], BLOCK_W=c[1], num_warps=c[2], EVICT=c[3]
+                ),
+            )
         for bn, bk, warps in GEMV_SWEEP:
-            yield f"gemv {bn}x{bk} {warps}w", lambda n, k, c=(bn, bk, warps): dict(
-                BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2])  # fmt: skip
+            yield (
+                f"gemv {bn}x{bk} {warps}w",
+                lambda n, k, c=(bn, bk, warps): dict(BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2]),
+            )
     if m <= 256:
         fused = [(*c[:5], depth) for c in FUSED_SWEEP for depth in c[5]]
         for bn, bk, waves, warps, stages, prefetch in fused:
 
-            def config(n, k, bn=bn, bk=bk, waves=waves, warps=warps, stages=stages,
-                       prefetch=prefetch):  # fmt: skip
+            def config(
+                n, k, bn=bn, bk=bk, waves=waves, warps=warps, stages=stages, prefetch=prefetch
+            ):
                 block_m = min(128, max(16, triton.next_power_of_2(m)))
                 tiles = triton.cdiv(n, bn) * triton.cdiv(m, block_m)
                 split = split_count(tiles, triton.cdiv(k, bk), 4, waves, device)
-                return dict(BLOCK_N=bn, BLOCK_M=block_m, BLOCK_K=bk, SPLIT_K=split,
-                            PREFETCH=prefetch, num_warps=warps, num_stages=stages)  # fmt: skip
+                return dict(
+                    BLOCK_N=bn,
+                    BLOCK_M=block_m,
+                    BLOCK_K=bk,
+                    SPLIT_K=split,
+                    PREFETCH=prefetch,
+                    num_warps=warps,
+                    num_stages=stages,
+                )
 
             depth = f" prefetch {prefetch}" if prefetch > 1 else ""
             yield f"small-m {bn}x{bk} {waves}/SM {warps}w {stages}s{depth}", config
@@ -284,8 +297,9 @@ def sweep(ms, formats=None) -> None:
     formats = formats or {"int4 asym g128": int4_weight}
     for label_fmt, make in formats.items():
         print(f"\n### W4A16 kernel sweep: {label_fmt} (Llama-3.1-8B layer, summed us)\n")
-        weights = {name: [make(torch.randn(n, k, device="cuda") * 0.02)]
-                   for name, (n, k) in LLAMA.items()}  # fmt: skip
+        weights = {
+            name: [make(torch.randn(n, k, device="cuda") * 0.02)] for name, (n, k) in LLAMA.items()
+        }
 
         def time_shape(name, n, k, m, config, weights=weights):
             count = copies_for(n * k // 2, m)

@@ -106,8 +106,9 @@ def fp8_rowwise_method(gate_up, down):
     def matmul(x, w, s, offs):
         xs = x.float().abs().amax(-1).clamp(min=1e-12) / 448.0
         xq = (x.float() / xs[:, None]).to(torch.float8_e4m3fn)
-        return torch._scaled_grouped_mm(xq, w.transpose(-2, -1), xs, s, offs=offs,
-                                        out_dtype=torch.bfloat16)  # fmt: skip
+        return torch._scaled_grouped_mm(
+            xq, w.transpose(-2, -1), xs, s, offs=offs, out_dtype=torch.bfloat16
+        )
 
     def run(rows, offs, counts):
         return matmul(act(matmul(rows, wu, su, offs)), wd, sd, offs)
@@ -199,8 +200,10 @@ def bench_shape(name: str, tokens_list, methods) -> None:
         del run
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"\n## {name}: E={experts}, H={hidden}, I={inter}, top-{top_k}; time of gate_up + act "
-          f"+ down (speedup over bf16 torch._grouped_mm)\n")  # fmt: skip
+    print(
+        f"\n## {name}: E={experts}, H={hidden}, I={inter}, top-{top_k}; time of gate_up + act "
+        f"+ down (speedup over bf16 torch._grouped_mm)\n"
+    )
     print("| method | " + " | ".join(f"T={t}" for t in tokens_list) + " | rel. error |")
     print("|---|" + "---|" * (len(tokens_list) + 1))
     for method, cells in results.items():
@@ -209,8 +212,10 @@ def bench_shape(name: str, tokens_list, methods) -> None:
     from qshard.kernels.grouped.select import choose_w4a16  # (imports Triton)
 
     picks = [choose_w4a16(0, t * top_k, experts, hidden).kernel.value for t in tokens_list]
-    print("\n4-bit gate_up kernel (`kernels/grouped/select.py`): " + ", ".join(
-        f"T={t} {k}" for t, k in zip(tokens_list, picks, strict=True)))
+    print(
+        "\n4-bit gate_up kernel (`kernels/grouped/select.py`): "
+        + ", ".join(f"T={t} {k}" for t, k in zip(tokens_list, picks, strict=True))
+    )
     sys.stdout.flush()
 
 
@@ -254,27 +259,50 @@ def sweep(shape: str, tokens_list) -> None:
         block_m = token_block(tokens * top_k, experts)
         cells = []
         for bn, bm, pre, warps, stages in FP8_SWEEP:
-            config = {"BLOCK_N": bn, "BLOCK_M": bm or block_m, "PREQUANT": pre,
-                      "num_warps": warps, "num_stages": stages}  # fmt: skip
+            config = {
+                "BLOCK_N": bn,
+                "BLOCK_M": bm or block_m,
+                "PREQUANT": pre,
+                "num_warps": warps,
+                "num_stages": stages,
+            }
 
             def run(rows, offs, counts, config=config):
-                g.fp8_grouped_launch(rows, offs, fp8.qdata, fp8.scale, None, 128, 128, 128,
-                                     False, config)  # fmt: skip
+                g.fp8_grouped_launch(
+                    rows, offs, fp8.qdata, fp8.scale, None, 128, 128, 128, False, config
+                )
 
-            cells.append(f"fp8 {bn}x{bm or block_m}{'p' if pre else ''}w{warps}s{stages} "
-                         f"{time_us(run, routings):.0f}")  # fmt: skip
+            cells.append(
+                f"fp8 {bn}x{bm or block_m}{'p' if pre else ''}w{warps}s{stages} "
+                f"{time_us(run, routings):.0f}"
+            )
         for bn, bm, bk, warps, stages in W4_SWEEP:
-            config = {"BLOCK_N": bn, "BLOCK_M": bm or block_m, "BLOCK_K": bk,
-                      "num_warps": warps, "num_stages": stages}  # fmt: skip
+            config = {
+                "BLOCK_N": bn,
+                "BLOCK_M": bm or block_m,
+                "BLOCK_K": bk,
+                "num_warps": warps,
+                "num_stages": stages,
+            }
 
             def run(rows, offs, counts, config=config):
                 g.w4a16_grouped_launch(
-                    Format.INT4_ASYM, rows, offs, int4.qdata, int4.scale, int4.zero,
-                    int4.scale, None, 128, hidden, config,
-                )  # fmt: skip
+                    Format.INT4_ASYM,
+                    rows,
+                    offs,
+                    int4.qdata,
+                    int4.scale,
+                    int4.zero,
+                    int4.scale,
+                    None,
+                    128,
+                    hidden,
+                    config,
+                )
 
-            cells.append(f"int4 {bn}x{bm or block_m}k{bk}w{warps}s{stages} "
-                         f"{time_us(run, routings):.0f}")  # fmt: skip
+            cells.append(
+                f"int4 {bn}x{bm or block_m}k{bk}w{warps}s{stages} {time_us(run, routings):.0f}"
+            )
         print(f"T={tokens}: " + "; ".join(cells))
         sys.stdout.flush()
 
@@ -325,11 +353,25 @@ def sweep_w4(shape: str, tokens_list, formats=tuple(W4_FORMATS)) -> None:
                 rows = tokens * top_k
                 configs = [("default", None)]
                 if rows <= GEMV_MAX_ROWS_PER_EXPERT * experts:
-                    configs.append(("tc", {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128,
-                                           "num_warps": 4, "num_stages": 3}))  # fmt: skip
-                    configs += [(f"{bn}w{bw}n{nw}", {"KERNEL": "gemv", "BLOCK_N": bn,
-                                 "BLOCK_W": bw, "num_warps": nw})
-                                for bn, bw, nw in GEMV_SWEEP]  # fmt: skip
+                    configs.append(
+                        (
+                            "tc",
+                            {
+                                "BLOCK_N": 64,
+                                "BLOCK_M": 16,
+                                "BLOCK_K": 128,
+                                "num_warps": 4,
+                                "num_stages": 3,
+                            },
+                        )
+                    )
+                    configs += [
+                        (
+                            f"{bn}w{bw}n{nw}",
+                            {"KERNEL": "gemv", "BLOCK_N": bn, "BLOCK_W": bw, "num_warps": nw},
+                        )
+                        for bn, bw, nw in GEMV_SWEEP
+                    ]
                 cells = []
                 for name, cfg in configs:
 

@@ -67,8 +67,12 @@ def main() -> None:
         exact = reference(fmt, *parts, group, k)
         q, s, z, gs = weights[0]
         # what an Int4Tensor holds on this GPU (layouts/int4.py, `native_order_problem`)
-        native = (fmt < Format.MXFP4 and group % 128 == 0 and k % 128 == 0
-                  and native_int4_problem(q.device) is None)  # fmt: skip
+        native = (
+            fmt < Format.MXFP4
+            and group % 128 == 0
+            and k % 128 == 0
+            and native_int4_problem(q.device) is None
+        )
         held = [(native_codes(w[0]), *w[1:]) for w in weights] if native else weights
         marlins = marlin_layers(dense[0], len(weights)) if args.marlin else []
         for m in [int(v) for v in args.ms.split(",")]:
@@ -79,21 +83,36 @@ def main() -> None:
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             checked = [linear_launch(fmt, x, held[0][0], s, z, gs, None, group, native=native)]
             if args.canonical:
-                checked += [linear_launch(fmt, x, q, s, z, gs, None, group),
-                            wgmma_launch(int(fmt), x, q, s, z, None, out, group, None, gs)]
+                checked += [
+                    linear_launch(fmt, x, q, s, z, gs, None, group),
+                    wgmma_launch(int(fmt), x, q, s, z, None, out, group, None, gs),
+                ]
             for got in checked:
                 err = relative_error(got, want)
                 assert err < MAX_RELATIVE_ERROR, (name, m, err)
-            row = {"bf16": timed(lambda d: (lambda a, d=d: F.linear(a, d)),
-                                 [(d,) for d in dense], x)}  # fmt: skip
-            row["op"] = timed(lambda q, s, z, gs, f=fmt, g=group, n=native: (
-                lambda a: linear_launch(f, a, q, s, z, gs, None, g, native=n)), held, x)
+            row = {"bf16": timed(lambda d: lambda a, d=d: F.linear(a, d), [(d,) for d in dense], x)}
+            row["op"] = timed(
+                lambda q, s, z, gs, f=fmt, g=group, n=native: (
+                    lambda a: linear_launch(f, a, q, s, z, gs, None, g, native=n)
+                ),
+                held,
+                x,
+            )
             if args.canonical:
-                row["canonical"] = timed(lambda q, s, z, gs, f=fmt, g=group: (
-                    lambda a: linear_launch(f, a, q, s, z, gs, None, g)), weights, x)
-                row["wgmma"] = timed(lambda q, s, z, gs, o=out, f=int(fmt), g=group: (
-                    lambda a: wgmma_launch(f, a, q, s, z, None, o, g, None, gs)),
-                    weights, x)  # fmt: skip
+                row["canonical"] = timed(
+                    lambda q, s, z, gs, f=fmt, g=group: (
+                        lambda a: linear_launch(f, a, q, s, z, gs, None, g)
+                    ),
+                    weights,
+                    x,
+                )
+                row["wgmma"] = timed(
+                    lambda q, s, z, gs, o=out, f=int(fmt), g=group: (
+                        lambda a: wgmma_launch(f, a, q, s, z, None, o, g, None, gs)
+                    ),
+                    weights,
+                    x,
+                )
             if marlins:
                 xh = x.half()
                 err = relative_error(marlins[0](xh), x.float() @ dense[0].float().T)

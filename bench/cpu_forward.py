@@ -51,14 +51,20 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="also time backend='reference'")
     args = parser.parse_args()
     config = LlamaConfig(
-        hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=16,
-        num_key_value_heads=16, vocab_size=32000,
-    )  # fmt: skip
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+    )
     torch.manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (1, args.tokens))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{torch.backends.cpu.get_cpu_capability()}; Llama hidden 1024, 2 layers, "
-          f"{args.tokens} tokens")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{torch.backends.cpu.get_cpu_capability()}; Llama hidden 1024, 2 layers, "
+        f"{args.tokens} tokens"
+    )
     print("| float dtype | layout | auto ms | auto / float | reference / float |")
     print("|---|---|---|---|---|")
     for dtype_name in args.dtype:
@@ -74,8 +80,10 @@ def main() -> None:
                 model = copy.deepcopy(base)
                 qshard.quantize_(model, dataclasses.replace(layout, backend=Backend.REFERENCE))
                 reference = f"{median_ms(model, ids, max(2, args.repeats // 4)) / float_ms:.2f}x"
-            print(f"| {dtype_name} | {name} | {auto_ms:.1f} | {auto_ms / float_ms:.2f}x | "
-                  f"{reference} |")  # fmt: skip
+            print(
+                f"| {dtype_name} | {name} | {auto_ms:.1f} | {auto_ms / float_ms:.2f}x | "
+                f"{reference} |"
+            )
 
 
 if __name__ == "__main__":

@@ -41,10 +41,19 @@ def qwen3_moe(dtype: torch.dtype) -> torch.nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
-        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config).eval().to(dtype)
     qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32), include="*.experts.*")

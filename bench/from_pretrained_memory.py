@@ -46,10 +46,16 @@ import time
 
 GB = 1e9
 LLAMA_8B = dict(
-    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-    max_position_embeddings=8192, rope_theta=500000.0,
-)  # fmt: skip
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
 LAYOUTS = ("int4-g128", "fp8-block")
 
 
@@ -71,19 +77,28 @@ def random_qtensor(layout: str, n: int, k: int, generator):
         scale.uniform_(1e-3, 4e-3, generator=generator)
         zero = torch.randint(0, 16, (n, groups), generator=generator).to(torch.bfloat16)
         tensor = Int4Tensor(
-            {"qdata": qdata, "scale": scale, "zero": zero}, shape=(n, k), dtype=torch.bfloat16,
-            group_size=128, symmetric=False, backend=Backend.AUTO,
-        )  # fmt: skip
+            {"qdata": qdata, "scale": scale, "zero": zero},
+            shape=(n, k),
+            dtype=torch.bfloat16,
+            group_size=128,
+            symmetric=False,
+            backend=Backend.AUTO,
+        )
     elif layout == "fp8-block":  # 128x128 blocks, fp32 scales
         # bytes 0..253 with 0x7f (NaN) moved up: 0x00-0x7e, 0x80-0xfe (never 0x7f or 0xff)
         codes = torch.randint(0, 254, (n, k), dtype=torch.uint8, generator=generator)
         codes += codes >= 0x7F
         scale = torch.empty(-(-n // 128), -(-k // 128)).uniform_(1e-5, 4e-5, generator=generator)
         tensor = Fp8BlockwiseTensor(
-            {"qdata": codes.view(torch.float8_e4m3fn), "scale": scale}, shape=(n, k),
-            dtype=torch.bfloat16, block_size=(128, 128), act_group_size=128, weight_only=False,
-            scale_format=ScaleFormat.FP32, backend=Backend.AUTO,
-        )  # fmt: skip
+            {"qdata": codes.view(torch.float8_e4m3fn), "scale": scale},
+            shape=(n, k),
+            dtype=torch.bfloat16,
+            block_size=(128, 128),
+            act_group_size=128,
+            weight_only=False,
+            scale_format=ScaleFormat.FP32,
+            backend=Backend.AUTO,
+        )
     else:
         raise SystemExit(f"unknown layout {layout!r}; known: {LAYOUTS}")
     tensor.validate()
@@ -249,22 +264,36 @@ def measure(directory: str, device_map: str, trace: bool) -> None:
     except (OSError, AttributeError):
         pass
     trimmed = proc_status()
-    print(json.dumps({
-        "transformers": transformers.__version__,
-        "dtype": str(model.dtype), "seconds": seconds,
-        "quantized": sum(isinstance(p, QTensor) for p in params.values()),
-        "params": len(params), "model_bytes": sum(nbytes(p) for p in params.values()),
-        "largest_param": largest, "largest_param_bytes": nbytes(params[largest]),
-        "baseline_hwm": before["VmHWM"], "baseline_rss": before["VmRSS"],
-        "baseline_maxrss": maxrss_before,
-        "peak_hwm": after["VmHWM"],
-        "peak_maxrss": maxrss_after,
-        "peak_anon": sampler.peak_anon, "peak_file": sampler.peak_file,
-        "after_rss": after["VmRSS"], "after_anon": after["RssAnon"], "after_file": after["RssFile"],
-        "mapped": mapped, "copied": copied, "touched_rss": touched["VmRSS"],
-        "touched_hwm": touched["VmHWM"], "trimmed_anon": trimmed["RssAnon"],
-        "events": events,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "transformers": transformers.__version__,
+                "dtype": str(model.dtype),
+                "seconds": seconds,
+                "quantized": sum(isinstance(p, QTensor) for p in params.values()),
+                "params": len(params),
+                "model_bytes": sum(nbytes(p) for p in params.values()),
+                "largest_param": largest,
+                "largest_param_bytes": nbytes(params[largest]),
+                "baseline_hwm": before["VmHWM"],
+                "baseline_rss": before["VmRSS"],
+                "baseline_maxrss": maxrss_before,
+                "peak_hwm": after["VmHWM"],
+                "peak_maxrss": maxrss_after,
+                "peak_anon": sampler.peak_anon,
+                "peak_file": sampler.peak_file,
+                "after_rss": after["VmRSS"],
+                "after_anon": after["RssAnon"],
+                "after_file": after["RssFile"],
+                "mapped": mapped,
+                "copied": copied,
+                "touched_rss": touched["VmRSS"],
+                "touched_hwm": touched["VmHWM"],
+                "trimmed_anon": trimmed["RssAnon"],
+                "events": events,
+            }
+        )
+    )
 
 
 def where_weights_live(params) -> tuple[int, int]:
@@ -307,17 +336,20 @@ def checkpoint_facts(directory: pathlib.Path) -> dict:
                 if size > largest:
                     largest, largest_name = size, name
     return {
-        "files": len(files), "bytes": sum(p.stat().st_size for p in files),
-        "largest": largest, "largest_name": largest_name,
-    }  # fmt: skip
+        "files": len(files),
+        "bytes": sum(p.stat().st_size for p in files),
+        "largest": largest,
+        "largest_name": largest_name,
+    }
 
 
 def run_child(args: list[str]) -> str:
     env = dict(os.environ)
     root = str(pathlib.Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, __file__, *args], env=env, check=True,
-                          stdout=subprocess.PIPE, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, __file__, *args], env=env, check=True, stdout=subprocess.PIPE, text=True
+    )
     return done.stdout
 
 
@@ -341,15 +373,19 @@ def main() -> None:
 
     import qshard
 
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM; "
-          f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, qshard {qshard.__version__}")  # fmt: skip
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, qshard {qshard.__version__}"
+    )
     print("Llama-3.1-8B shapes, random weights, untied embeddings; sizes in GB (1e9 bytes)\n")
-    print("| layout | load | files | checkpoint | largest tensor | baseline | peak (VmHWM) | "
-          "peak - baseline | peak anon / file-backed | RSS after | RSS, every weight touched | "
-          "weights mapped / copied | excess over checkpoint | target (excess <= largest) | "
-          "excess, every weight touched |")  # fmt: skip
+    print(
+        "| layout | load | files | checkpoint | largest tensor | baseline | peak (VmHWM) | "
+        "peak - baseline | peak anon / file-backed | RSS after | RSS, every weight touched | "
+        "weights mapped / copied | excess over checkpoint | target (excess <= largest) | "
+        "excess, every weight touched |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layout in args.layouts:
         directory = pathlib.Path(tempfile.mkdtemp(prefix=f"qshard-8b-{layout}-", dir=args.dir))
@@ -357,35 +393,48 @@ def main() -> None:
             start = time.perf_counter()
             run_child(["--build", layout, str(directory)])
             facts = checkpoint_facts(directory)
-            print(f"<!-- {layout}: built and saved in {time.perf_counter() - start:.0f} s; largest "
-                  f"tensor {facts['largest_name']} -->", flush=True)  # fmt: skip
+            print(
+                f"<!-- {layout}: built and saved in {time.perf_counter() - start:.0f} s; largest "
+                f"tensor {facts['largest_name']} -->",
+                flush=True,
+            )
             for device_map in args.device_map:
                 extra = ["--trace"] if args.trace else []
-                out = json.loads(run_child(["--measure", str(directory), device_map, *extra])
-                                 .strip().splitlines()[-1])  # fmt: skip
+                out = json.loads(
+                    run_child(["--measure", str(directory), device_map, *extra])
+                    .strip()
+                    .splitlines()[-1]
+                )
                 rise = out["peak_hwm"] - out["baseline_hwm"]
                 excess = rise - facts["bytes"]
                 held = "yes" if excess <= facts["largest"] else "no"
                 resident = out["touched_rss"] - out["baseline_hwm"] - facts["bytes"]
-                load = "from_pretrained(d)" if device_map == "none" else \
-                    f'device_map="{device_map}"'  # fmt: skip
-                print(f"| {layout} | {load} | {facts['files']} | {facts['bytes'] / GB:.2f} | "
-                      f"{facts['largest'] / GB:.2f} | {out['baseline_hwm'] / GB:.2f} | "
-                      f"{out['peak_hwm'] / GB:.2f} | {rise / GB:.2f} | "
-                      f"{out['peak_anon'] / GB:.2f} / {out['peak_file'] / GB:.2f} | "
-                      f"{out['after_rss'] / GB:.2f} | {out['touched_rss'] / GB:.2f} | "
-                      f"{out['mapped'] / GB:.2f} / {out['copied'] / GB:.2f} | "
-                      f"{excess / GB:+.2f} | {held} | {resident / GB:+.2f} |",
-                      flush=True)  # fmt: skip
-                print(f"<!-- {layout} {device_map}: {out['seconds']:.0f} s, dtype "
-                      f"{out['dtype']}, {out['quantized']}/{out['params']} parameters quantized, "
-                      f"ru_maxrss {out['peak_maxrss'] / GB:.2f}, after: anon "
-                      f"{out['after_anon'] / GB:.2f} file {out['after_file'] / GB:.2f}; anon "
-                      f"after malloc_trim(0) {out['trimmed_anon'] / GB:.2f} -->",
-                      flush=True)  # fmt: skip
+                load = (
+                    "from_pretrained(d)" if device_map == "none" else f'device_map="{device_map}"'
+                )
+                print(
+                    f"| {layout} | {load} | {facts['files']} | {facts['bytes'] / GB:.2f} | "
+                    f"{facts['largest'] / GB:.2f} | {out['baseline_hwm'] / GB:.2f} | "
+                    f"{out['peak_hwm'] / GB:.2f} | {rise / GB:.2f} | "
+                    f"{out['peak_anon'] / GB:.2f} / {out['peak_file'] / GB:.2f} | "
+                    f"{out['after_rss'] / GB:.2f} | {out['touched_rss'] / GB:.2f} | "
+                    f"{out['mapped'] / GB:.2f} / {out['copied'] / GB:.2f} | "
+                    f"{excess / GB:+.2f} | {held} | {resident / GB:+.2f} |",
+                    flush=True,
+                )
+                print(
+                    f"<!-- {layout} {device_map}: {out['seconds']:.0f} s, dtype "
+                    f"{out['dtype']}, {out['quantized']}/{out['params']} parameters quantized, "
+                    f"ru_maxrss {out['peak_maxrss'] / GB:.2f}, after: anon "
+                    f"{out['after_anon'] / GB:.2f} file {out['after_file'] / GB:.2f}; anon "
+                    f"after malloc_trim(0) {out['trimmed_anon'] / GB:.2f} -->",
+                    flush=True,
+                )
                 for label, anon, file, hwm in out["events"]:
-                    print(f"<!--   {label}: anon {anon / GB:.2f} file {file / GB:.2f} "
-                          f"peak {hwm / GB:.2f} -->")  # fmt: skip
+                    print(
+                        f"<!--   {label}: anon {anon / GB:.2f} file {file / GB:.2f} "
+                        f"peak {hwm / GB:.2f} -->"
+                    )
         finally:
             if not args.keep:
                 shutil.rmtree(directory, ignore_errors=True)

@@ -39,8 +39,12 @@ __all__ = [
 ]
 
 LLAMA = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-DEEPSEEK = {"24576x7168": (24576, 7168), "7168x2048": (7168, 2048),
-            "18432x7168": (18432, 7168), "7168x18432": (7168, 18432)}  # fmt: skip
+DEEPSEEK = {
+    "24576x7168": (24576, 7168),
+    "7168x2048": (7168, 2048),
+    "18432x7168": (18432, 7168),
+    "7168x18432": (7168, 18432),
+}
 MS = (1, 16, 128, 2048, 4096)
 L2_BYTES = 50 * 2**20
 
@@ -113,8 +117,9 @@ def sweep_results(ms, shapes: dict, candidates, time_shape):
         results = []
         for label, config_for in candidates(m):
             try:
-                per_shape = [time_shape(name, n, k, m, config_for(n, k))
-                             for name, (n, k) in shapes.items()]  # fmt: skip
+                per_shape = [
+                    time_shape(name, n, k, m, config_for(n, k)) for name, (n, k) in shapes.items()
+                ]
             except Exception as e:  # a config that does not compile: shown, not fatal
                 print(f"  (M={m} {label}: {type(e).__name__}: {str(e).splitlines()[0][:80]})")
                 continue
@@ -138,11 +143,10 @@ def _nvfp4(w: torch.Tensor) -> tuple:
 
 # --format: (Format, group, quantize: weight -> (codes, scale, zero or None, global or None))
 FORMATS = {
-    "int4": (Format.INT4_ASYM, 128,
-             lambda w: (*int4.quantize_int4(w, 128, symmetric=False), None)),
+    "int4": (Format.INT4_ASYM, 128, lambda w: (*int4.quantize_int4(w, 128, symmetric=False), None)),
     "mxfp4": (Format.MXFP4, 32, lambda w: (*mxfp4.quantize_mxfp4(w), None, None)),
     "nvfp4": (Format.NVFP4, 16, _nvfp4),
-}  # fmt: skip
+}
 
 
 def layer_weights(name: str, format_name: str) -> tuple:
@@ -157,8 +161,6 @@ def layer_weights(name: str, format_name: str) -> tuple:
     weights = [tuple(t.clone() for t in args) for _ in range(copies_for(n * k // 2, 1))]
     dense = [w.clone() for _ in range(copies_for(n * k * 2, 1))]
     return n, k, fmt, group, parts, weights, dense
-
-
 
 
 def timed(make, weights, x) -> float:
@@ -178,8 +180,9 @@ def print_layer(sums: dict) -> None:
     print("\nlayer (shapes summed), us, and speedup over bf16:")
     for m in sorted({mm for mm, _ in sums}):
         bf16 = sums[m, "bf16"]
-        cells = "  ".join(f"{key} {v:.1f} ({bf16 / v:.2f}x)" for (mm, key), v in sums.items()
-                          if mm == m)  # fmt: skip
+        cells = "  ".join(
+            f"{key} {v:.1f} ({bf16 / v:.2f}x)" for (mm, key), v in sums.items() if mm == m
+        )
         print(f"M={m}: {cells}")
 
 

@@ -104,8 +104,9 @@ def quantize_rtn(w: torch.Tensor, fmt: str, mse: bool) -> torch.Tensor:
     return out
 
 
-def quantize_gptq(w: torch.Tensor, hessian: torch.Tensor, fmt: str, damp: float = 0.1,
-                  block: int = 128) -> torch.Tensor:  # fmt: skip
+def quantize_gptq(
+    w: torch.Tensor, hessian: torch.Tensor, fmt: str, damp: float = 0.1, block: int = 128
+) -> torch.Tensor:
     g, global_scale = group_of(fmt), float(w.abs().amax() / (6 * 448))
     w, h, k = w.clone(), hessian.clone(), w.shape[1]
     dead = torch.diag(h) == 0
@@ -175,8 +176,12 @@ def main() -> None:
         return
     h = hessians(base, cal_ids, cal_mask)
     print("| format | method | embedding cosine vs float (min / mean) |\n|---|---|---|")
-    runs = {"int4-g64": ("rtn", "mse", "gptq"), "mxfp4": ("rtn", "mse", "gptq"),
-            "mxfp4-ceil": ("rtn", "gptq"), "nvfp4": ("rtn", "mse", "gptq")}  # fmt: skip
+    runs = {
+        "int4-g64": ("rtn", "mse", "gptq"),
+        "mxfp4": ("rtn", "mse", "gptq"),
+        "mxfp4-ceil": ("rtn", "gptq"),
+        "nvfp4": ("rtn", "mse", "gptq"),
+    }
     for fmt, methods in runs.items():
         for method in methods:
             model = copy.deepcopy(base)

@@ -35,8 +35,9 @@ def plot(rows: list[dict], out: str, title: str) -> None:
                 lines[r["layout"], r["batch"]][r["tp"]] = r["rate"]
         for (layout, batch), rates in sorted(lines.items()):
             sizes = sorted(rates)
-            (line,) = ax.plot(sizes, [rates[s] for s in sizes], marker="o",
-                              label=f"{layout}, batch {batch}")  # fmt: skip
+            (line,) = ax.plot(
+                sizes, [rates[s] for s in sizes], marker="o", label=f"{layout}, batch {batch}"
+            )
             if 1 in rates:  # linear scaling from TP 1
                 ax.plot(sizes, [rates[1] * s for s in sizes], ":", color=line.get_color())
         ax.set_xscale("log", base=2)

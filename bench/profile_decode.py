@@ -54,8 +54,10 @@ def kernel_profile(model, step, prompt, steps: int = 4, top: int = 14) -> None:
             counts[event.name] += 1
     total = sum(totals.values()) / steps
     kernels = sum(counts.values()) / steps
-    print(f"  no CUDA graphs: {kernels:.0f} kernels per token, {total / 1e3:.2f} ms GPU time per "
-          f"token")  # fmt: skip
+    print(
+        f"  no CUDA graphs: {kernels:.0f} kernels per token, {total / 1e3:.2f} ms GPU time per "
+        f"token"
+    )
     for name, us in totals.most_common(top):
         print(f"    {us / steps:8.1f} us  x{counts[name] / steps:5.0f}  {name[:110]}")
 
@@ -75,8 +77,10 @@ def main() -> None:
 
     device = torch.device("cuda")
     config = LlamaConfig.llama_3_1_8b() if args.config == "llama-3.1-8b" else LlamaConfig.tiny()
-    print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; batch {args.batch}, "
-          f"prompt {args.prompt}, {args.new} new tokens, freezing {args.freezing}")  # fmt: skip
+    print(
+        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; batch {args.batch}, "
+        f"prompt {args.prompt}, {args.new} new tokens, freezing {args.freezing}"
+    )
     for layout in args.layouts.split(","):
         torch._dynamo.reset()
         dynamo_utils.counters.clear()
@@ -85,8 +89,9 @@ def main() -> None:
         torch.cuda.empty_cache()
         model.setup_caches(args.batch, args.prompt + args.new + 8)
         generator = torch.Generator(device).manual_seed(1)
-        prompt = torch.randint(0, config.vocab_size, (args.batch, args.prompt), device=device,
-                               generator=generator)  # fmt: skip
+        prompt = torch.randint(
+            0, config.vocab_size, (args.batch, args.prompt), device=device, generator=generator
+        )
         with torch.no_grad():
             step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
             for _ in range(2):
@@ -96,10 +101,12 @@ def main() -> None:
             skips = dict(dynamo_utils.counters["inductor"])
             skips = {k: v for k, v in skips.items() if "cudagraph" in k}
             early, late = times[2:34], times[-32:]
-            print(f"\n{layout}: step {sorted(early)[len(early) // 2]:.2f} ms (median of steps "
-                  f"2-33), {sorted(late)[len(late) // 2]:.2f} ms (last 32); "
-                  f"{1e3 * args.batch / (sum(times) / len(times)):.0f} tok/s synchronised per "
-                  f"step; dynamo {stats}; inductor cudagraph counters {skips}")  # fmt: skip
+            print(
+                f"\n{layout}: step {sorted(early)[len(early) // 2]:.2f} ms (median of steps "
+                f"2-33), {sorted(late)[len(late) // 2]:.2f} ms (last 32); "
+                f"{1e3 * args.batch / (sum(times) / len(times)):.0f} tok/s synchronised per "
+                f"step; dynamo {stats}; inductor cudagraph counters {skips}"
+            )
             if not args.no_kernels:
                 torch._dynamo.reset()
                 plain = torch.compile(decode_one_token, fullgraph=True)

@@ -80,8 +80,10 @@ def main() -> None:
                 config, us, default_us, label = tune_shape(weight, n, k, m)
                 key = tuning.config_key("w4a16", tuned_format(weight.fmt, weight.group), n, k, m)
                 gain = default_us / us
-                print(f"- {key}: {label} {us:.1f} us vs default {default_us:.1f} ({gain:.2f}x)",
-                      flush=True)  # fmt: skip
+                print(
+                    f"- {key}: {label} {us:.1f} us vs default {default_us:.1f} ({gain:.2f}x)",
+                    flush=True,
+                )
                 if config is not None:
                     data["configs"][key] = config
                 else:

@@ -248,8 +248,9 @@ def quantize_with(
     check_patterns([t.name for t in targets], include, exclude)  # the same on every rank
     sharded = [(t.name, t.weight) for t in targets if is_dtensor(t.weight)]  # module order
     try:
-        report, pending = _quantize_all(model, targets, handler, config,
-                                        (include, exclude, filter_fn, keep_float))  # fmt: skip
+        report, pending = _quantize_all(
+            model, targets, handler, config, (include, exclude, filter_fn, keep_float)
+        )
     except QShardError:
         _agree_across_ranks(sharded, failed=True, skipped=set())  # the other ranks raise too
         raise

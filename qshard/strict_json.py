@@ -23,8 +23,10 @@ def parse_json(text: str | bytes, where: str) -> Any:
     try:
         return json.loads(text)
     except RecursionError:
-        raise CheckpointError(f"{where}: the JSON is nested too deeply to parse; the file is "
-                              f"damaged or not what it claims to be") from None  # fmt: skip
+        raise CheckpointError(
+            f"{where}: the JSON is nested too deeply to parse; the file is "
+            f"damaged or not what it claims to be"
+        ) from None
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, huge integers
         raise CheckpointError(f"{where}: is not JSON ({e})") from None
 

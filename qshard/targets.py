@@ -209,13 +209,17 @@ def check_patterns(
         kind = prefix + kind
         for pattern in patterns or ():
             if not isinstance(pattern, str):
-                raise ConfigError(f"{caller}: {kind} pattern {pattern!r} is not a string; pass "
-                                  f"fnmatch patterns such as '*.mlp.*'")  # fmt: skip
+                raise ConfigError(
+                    f"{caller}: {kind} pattern {pattern!r} is not a string; pass "
+                    f"fnmatch patterns such as '*.mlp.*'"
+                )
             if any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 continue
             if not names:
-                raise ConfigError(f"{caller}: {kind} pattern {pattern!r} matches nothing: the "
-                                  f"model has no nn.Linear or expert weight")  # fmt: skip
+                raise ConfigError(
+                    f"{caller}: {kind} pattern {pattern!r} matches nothing: the "
+                    f"model has no nn.Linear or expert weight"
+                )
             raise ConfigError(
                 f"{caller}: {kind} pattern {pattern!r} matches no weight of this model "
                 f"(fnmatch on full names), so it would select nothing; its names are like "

@@ -94,8 +94,9 @@ def compile_for_sm90(script: str) -> str:
     printed (a child: the compiles need no GPU, and Gluon ignores TRITON_INTERPRET, which the
     suite may set). The script's failure fails the test with its stderr."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -236,8 +236,9 @@ def test_a_pattern_that_matches_nothing_names_real_modules_and_changes_nothing(k
     assert "model.layers.0.q_proj" in message  # a real name, HF's `model.` prefix shown
     assert "did you mean '*layers.*.q_proj'?" in message and "Nothing was changed" in message
     after = model.state_dict()
-    assert all(type(after[k]) is torch.Tensor and torch.equal(after[k], v)
-               for k, v in before.items())  # fmt: skip
+    assert all(
+        type(after[k]) is torch.Tensor and torch.equal(after[k], v) for k, v in before.items()
+    )
 
     # One good and one mistyped pattern: still refused, naming the bad one.
     with pytest.raises(ConfigError, match=r"'\*dwon_proj'"):
@@ -254,8 +255,10 @@ def test_gptq_and_the_command_line_refuse_a_pattern_that_matches_nothing(tmp_pat
 
     source, out = tmp_path / "model", tmp_path / "q"
     source.mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              str(source / "model.safetensors"))  # fmt: skip
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(source / "model.safetensors"),
+    )
     from qshard_cli import main
 
     args = ["quantize", str(source), "--config", "fp8-block", "--out", str(out)]

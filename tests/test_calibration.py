@@ -74,8 +74,9 @@ def test_the_calibrated_weight_is_on_its_own_grid_and_saves(config, tmp_path):
             name: getattr(weight, name) for name in ("scale", "zero") if hasattr(weight, name)
         }
         extra = {"global_scale": weight.global_scale} if hasattr(weight, "global_scale") else {}
-        again = type(weight).from_float(weight.dequantize(torch.float32), config, **extra,
-                                        group_params=params)  # fmt: skip
+        again = type(weight).from_float(
+            weight.dequantize(torch.float32), config, **extra, group_params=params
+        )
         assert torch.equal(again.qdata, weight.qdata)
     x = torch.randn(3, 128)
     expected = model(x)
@@ -240,8 +241,9 @@ def test_gptq_experts_beat_round_to_nearest_on_held_out_tokens(name, config):
     for model in (rtn, gptq):
         model.load_state_dict(reference.state_dict())
     qshard.quantize_(rtn, config, include="*.experts.*")
-    report = qshard.gptq_(gptq, config, [tokens(seed) for seed in (1, 2, 3, 4)],
-                          include="*.experts.*")  # fmt: skip
+    report = qshard.gptq_(
+        gptq, config, [tokens(seed) for seed in (1, 2, 3, 4)], include="*.experts.*"
+    )
     names = [n for n, p in reference.named_parameters() if p.dim() == 3]
     assert sorted(q.name for q in report.quantized) == sorted(names)
     for weight_name in names:

@@ -109,7 +109,9 @@ EXAMPLES = {
     # file: (the page that prints it whole, the line rank 0 prints starts with, what it holds)
     "tp_inference.py": ("README.md", "TP 2", "Fp8BlockwiseTensor [2048, 1024] of [4096, 1024]"),
     "tp_checkpoint.py": (
-        "docs/checkpoints.md", "TP 2", "Fp8BlockwiseTensor [2048, 1024] of [4096, 1024]"
+        "docs/checkpoints.md",
+        "TP 2",
+        "Fp8BlockwiseTensor [2048, 1024] of [4096, 1024]",
     ),
 }
 
@@ -121,13 +123,20 @@ def test_the_tp_examples_are_the_example_files_and_run_under_torchrun(name):
     assert f"```python examples/{name}\n{example.read_text()}```" in text
     assert f"torchrun --standalone --nproc-per-node 2 examples/{name}" in text
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(example)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(example),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=README.parent,
-    )  # fmt: skip
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     _, start, expected = EXAMPLES[name]
     line = next(x for x in run.stdout.splitlines() if x.startswith(start))

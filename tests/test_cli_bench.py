@@ -16,8 +16,10 @@ def test_shapes_from_a_model_directory_a_name_and_strings():
     # 6 layers of q, k, v, attention output (384x384), intermediate and output; the pooler,
     # embeddings and norms are what `qshard quantize` leaves in float.
     assert model_shapes(str(minilm.get_model_path())) == {
-        (384, 384): 24, (1536, 384): 6, (384, 1536): 6
-    }  # fmt: skip
+        (384, 384): 24,
+        (1536, 384): 6,
+        (384, 1536): 6,
+    }
     assert model_shapes("llama-3.1-8b")[(28672, 4096)] == 1
     assert model_shapes("96x64,96x64,32x16") == {(96, 64): 2, (32, 16): 1}
     for bad in ("96x", "llama-9", "0x4"):
@@ -35,8 +37,9 @@ def test_bench_prints_every_layout_against_bf16_and_plots(tmp_path, capsys):
     assert "(1.00x)" in rows["bf16"] and rows["int4-g64"].count(" us [") == 2
     # each cell: median [fastest-slowest] (speedup)
     cell = rows["int4-g64"].split("|")[2].strip()
-    median, low, high = (float(v) for v in re.fullmatch(
-        r"(\d+) us \[(\d+)-(\d+)\] \(\d+\.\d+x\)", cell).groups())  # fmt: skip
+    median, low, high = (
+        float(v) for v in re.fullmatch(r"(\d+) us \[(\d+)-(\d+)\] \(\d+\.\d+x\)", cell).groups()
+    )
     assert low <= median <= high
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

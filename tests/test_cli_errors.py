@@ -218,11 +218,13 @@ def test_quantize_checks_its_out_before_reading_a_tensor(tmp_path, capsys, monke
 @pytest.mark.parametrize(
     ("error", "expected"),
     [
-        (PermissionError(errno.EACCES, "Permission denied", "/ro/q/model.safetensors"),
-         "/ro/q/model.safetensors: Permission denied"),
+        (
+            PermissionError(errno.EACCES, "Permission denied", "/ro/q/model.safetensors"),
+            "/ro/q/model.safetensors: Permission denied",
+        ),
         (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
     ],
-)  # fmt: skip
+)
 def test_a_failing_write_is_one_line(tmp_path, capsys, monkeypatch, error, expected):
     def save(*args, **kwargs):
         raise error

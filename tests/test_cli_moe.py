@@ -19,8 +19,12 @@ CONFIGS = {"fp8-block": qshard.Fp8BlockwiseConfig(), "int4-g64": qshard.Int4Weig
 
 
 # (model, config): every family whose save_pretrained writes one tensor per expert
-CASES = [("qwen3_moe", "fp8-block"), ("qwen3_moe", "int4-g64"), ("mixtral", "fp8-block"),
-         ("deepseek_v3", "int4-g64")]  # fmt: skip
+CASES = [
+    ("qwen3_moe", "fp8-block"),
+    ("qwen3_moe", "int4-g64"),
+    ("mixtral", "fp8-block"),
+    ("deepseek_v3", "int4-g64"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +42,26 @@ def saved(tmp_path_factory):
 
 
 def _quantize(source, out, config: str) -> str:
-    command = [sys.executable, "-m", "qshard", "quantize", str(source), "--config", config,
-               "--out", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "qshard",
+        "quantize",
+        str(source),
+        "--config",
+        config,
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
 @pytest.mark.parametrize(("model", "config"), CASES)
-def test_quantize_a_moe_directory_equals_from_pretrained_and_quantize(saved, tmp_path, model,
-                                                                     config):  # fmt: skip
+def test_quantize_a_moe_directory_equals_from_pretrained_and_quantize(
+    saved, tmp_path, model, config
+):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -100,14 +114,27 @@ def test_inspect_of_the_float_directory_points_to_quantize_and_reads_the_result(
 
 
 BAD_MOE = {
-    "missing": (lambda t: t.pop("model.layers.0.mlp.experts.3.up_proj.weight"),
-                r"experts \[3\] have no up_proj.weight"),
-    "nan": (lambda t: t["model.layers.1.mlp.experts.2.down_proj.weight"].view(-1)[0].fill_(
-        float("nan")), r"model.layers.1.mlp.experts.2.down_proj.weight: .*NaN"),
-    "twice": (lambda t: t.update({"model.layers.0.mlp.experts.01.gate_proj.weight":
-                                  t["model.layers.0.mlp.experts.1.gate_proj.weight"].clone()}),
-              r"both name expert 1"),
-}  # fmt: skip
+    "missing": (
+        lambda t: t.pop("model.layers.0.mlp.experts.3.up_proj.weight"),
+        r"experts \[3\] have no up_proj.weight",
+    ),
+    "nan": (
+        lambda t: (
+            t["model.layers.1.mlp.experts.2.down_proj.weight"].view(-1)[0].fill_(float("nan"))
+        ),
+        r"model.layers.1.mlp.experts.2.down_proj.weight: .*NaN",
+    ),
+    "twice": (
+        lambda t: t.update(
+            {
+                "model.layers.0.mlp.experts.01.gate_proj.weight": t[
+                    "model.layers.0.mlp.experts.1.gate_proj.weight"
+                ].clone()
+            }
+        ),
+        r"both name expert 1",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_MOE))
@@ -144,8 +171,10 @@ def test_keys_that_are_not_the_models_names_fall_back_to_name_and_shape(saved, t
     directory = tmp_path / "base"
     shutil.copytree(saved("qwen3_moe"), directory)
     tensors = load_file(str(directory / "model.safetensors"))
-    save_file({k.removeprefix("model."): v for k, v in tensors.items()},
-              str(directory / "model.safetensors"))  # fmt: skip
+    save_file(
+        {k.removeprefix("model."): v for k, v in tensors.items()},
+        str(directory / "model.safetensors"),
+    )
     out = tmp_path / "q"
     assert main(["quantize", str(directory), "--config", "fp8-block", "--out", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -169,8 +169,9 @@ def private_imports() -> list[str]:
             targets = _targets(module, node, path.name == "__init__.py")
             if not targets or all(t == module for t in targets):
                 continue
-            private = [a.name for a in node.names if a.name.startswith("_")
-                       and not a.name.endswith("__")]  # fmt: skip (a dunder is public)
+            private = [
+                a.name for a in node.names if a.name.startswith("_") and not a.name.endswith("__")
+            ]  # (a dunder is public)
             found += [f"{module}:{node.lineno} imports {n} from {targets[0]}" for n in private]
     return found
 

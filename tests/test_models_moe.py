@@ -10,8 +10,17 @@ import torch
 import qshard
 from qshard.models import Llama, LlamaConfig, decode_one_token, generate
 
-CONFIG = LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden=256,
-                     n_experts=8, top_k=2, expert_hidden=64)  # fmt: skip
+CONFIG = LlamaConfig(
+    vocab_size=256,
+    dim=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden=256,
+    n_experts=8,
+    top_k=2,
+    expert_hidden=64,
+)
 
 
 def model() -> Llama:

@@ -36,9 +36,15 @@ LAYOUTS = {
 def tiny_llama() -> LlamaForCausalLM:
     """Sizes chosen so that no float tensor of the model has a quantized weight's shape
     (q 64x64, k/v 32x64, gate/up 96x64, down 64x96) except those weights."""
-    config = LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 
@@ -98,14 +104,18 @@ def test_save_pretrained_then_from_pretrained_is_bit_exact(tmp_path, layout):
     assert_same_weights(model, again)
     # qshard.load reads the same files: it is qshard's own format.
     state = qshard.load(tmp_path)
-    assert all(torch.equal(state[k].qdata, v.qdata) for k, v in model.state_dict().items()
-               if isinstance(v, qshard.QTensor))  # fmt: skip
+    assert all(
+        torch.equal(state[k].qdata, v.qdata)
+        for k, v in model.state_dict().items()
+        if isinstance(v, qshard.QTensor)
+    )
 
 
 def test_qwen3_moe_experts_round_trip_as_fused_3d_entries(tmp_path):
     model = moe_models.qwen3_moe()
-    qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32),
-                     include=["*.experts.*", "*.self_attn.*"])  # fmt: skip
+    qshard.quantize_(
+        model, qshard.Int4WeightOnlyConfig(group_size=32), include=["*.experts.*", "*.self_attn.*"]
+    )
     ids = torch.randint(0, moe_models.VOCAB, (1, 12))
     expected = model(ids).logits
     model.save_pretrained(tmp_path)
@@ -131,9 +141,15 @@ def test_qwen3_moe_experts_round_trip_as_fused_3d_entries(tmp_path):
 
 
 def test_tied_embeddings_stay_tied(tmp_path):
-    config = LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=True)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     qshard.quantize_(model, qshard.Fp8BlockwiseConfig())
@@ -337,9 +353,10 @@ def test_quantizing_while_loading_equals_quantize_after_loading(tmp_path, monkey
     with monkeypatch.context() as patch:
         _no_quantize_after_loading(patch)
         loaded = AutoModelForCausalLM.from_pretrained(
-            tmp_path / "float", dtype=torch.bfloat16,
+            tmp_path / "float",
+            dtype=torch.bfloat16,
             quantization_config=QShardConfig(config=LAYOUTS[layout]),
-        )  # fmt: skip
+        )
     assert assert_same_weights(expected, loaded) == len(report.quantized) == 14
     assert isinstance(loaded.lm_head.weight, torch.nn.Parameter)  # kept float, as quantize_ does
     groups = loaded.config.quantization_config.to_dict()["config_groups"]
@@ -387,9 +404,17 @@ def test_quantizing_while_loading_a_converter_that_splits_one_tensor_into_severa
     # several parameters: one conversion call hands the quantizer all of them.
     from transformers import HrmTextConfig
 
-    config = HrmTextConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
-                           num_hidden_layers=1, num_attention_heads=2, head_dim=32, H_cycles=1,
-                           L_cycles=1, max_position_embeddings=64)  # fmt: skip
+    config = HrmTextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=32,
+        H_cycles=1,
+        L_cycles=1,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     int4 = LAYOUTS["int4"]
@@ -511,8 +536,9 @@ def test_registration_in_either_import_order(code):
         "from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m\n"
         "print(m['qshard'].__module__)"
     )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["qshard.integrations.transformers"]
 

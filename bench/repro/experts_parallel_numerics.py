@@ -66,9 +66,11 @@ def main() -> None:
                 flips = _route_flips(routes)
                 if rank == 0:
                     per_layer = ", ".join(f"{s:.1f}" for s in layers)
-                    print(f"{layout:9s} {style:3s}: experts per layer {per_layer} dB; logits "
-                          f"{qshard.sqnr_db(want, got):.1f} dB; layer-1 route flips {flips}",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"{layout:9s} {style:3s}: experts per layer {per_layer} dB; logits "
+                        f"{qshard.sqnr_db(want, got):.1f} dB; layer-1 route flips {flips}",
+                        flush=True,
+                    )
         qshard.tp.shutdown()
 
 

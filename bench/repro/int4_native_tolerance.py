@@ -87,10 +87,14 @@ def model_cases(draws: int, planted: float) -> None:
             bad, _ = errors(F.linear(xs, wrong.cuda()[:, 256:]), expected)
             shard_bad = min(shard_bad, bad)
         torch._dynamo.reset()
-    print(f"compiled vs eager: rel. norm max {compiled_worst[0]:.2e}, "
-          f"max|diff|/max|ref| {compiled_worst[1]:.2e}")  # fmt: skip
-    print(f"TP row shard vs float64: rel. norm max {shard_worst[0]:.2e}, max|diff|/max|ref| "
-          f"{shard_worst[1]:.2e}; planted: rel. norm min {shard_bad:.2e}")  # fmt: skip
+    print(
+        f"compiled vs eager: rel. norm max {compiled_worst[0]:.2e}, "
+        f"max|diff|/max|ref| {compiled_worst[1]:.2e}"
+    )
+    print(
+        f"TP row shard vs float64: rel. norm max {shard_worst[0]:.2e}, max|diff|/max|ref| "
+        f"{shard_worst[1]:.2e}; planted: rel. norm min {shard_bad:.2e}"
+    )
 
 
 def main() -> None:

@@ -137,8 +137,9 @@ def gptq_(
         if key not in hessians or key in calibrated:
             continue
         try:
-            calibrated[key] = _calibrated(target.name, target.weight.detach(), hessians[key],
-                                          config, damp, scale_search)  # fmt: skip
+            calibrated[key] = _calibrated(
+                target.name, target.weight.detach(), hessians[key], config, damp, scale_search
+            )
         except UnsupportedWeightError:
             continue  # quantize_ skips the module and reports why
     for weight in experts:
@@ -147,11 +148,19 @@ def gptq_(
         if key in calibrated:
             continue
         try:
-            calibrated[key] = registered.stack_experts([
-                _calibrated(f"{weight.target.name} expert {e}", w, weight.hessians.get(e), config,
-                            damp, scale_search)
-                for e, w in enumerate(matrices.unbind(0))
-            ])  # fmt: skip
+            calibrated[key] = registered.stack_experts(
+                [
+                    _calibrated(
+                        f"{weight.target.name} expert {e}",
+                        w,
+                        weight.hessians.get(e),
+                        config,
+                        damp,
+                        scale_search,
+                    )
+                    for e, w in enumerate(matrices.unbind(0))
+                ]
+            )
         except UnsupportedWeightError:
             continue  # as above
 
@@ -294,10 +303,12 @@ class _Format:
         options = self.candidates(w) if search else [self.quantize(w, None)[1]]
         if len(options) == 1:
             return options[0]
-        errors = torch.stack([
-            group_reduce((self.rounded(w, p) - w) ** 2 * importance, self.group, torch.sum)
-            for p in options
-        ])  # fmt: skip
+        errors = torch.stack(
+            [
+                group_reduce((self.rounded(w, p) - w) ** 2 * importance, self.group, torch.sum)
+                for p in options
+            ]
+        )
         best = errors.argmin(0)  # [N, G]
         return {name: _pick([p[name] for p in options], best) for name in options[0]}
 
@@ -312,13 +323,15 @@ class _Int4Format(_Format):
 
     def quantize(self, w, params):
         given = (params["scale"], params["zero"]) if params else None
-        q, scale, zero = int4.quantize_int4(w, self.group, self.config.symmetric, self.float_zero,
-                                            given)  # fmt: skip
+        q, scale, zero = int4.quantize_int4(
+            w, self.group, self.config.symmetric, self.float_zero, given
+        )
         return q, {"scale": scale, "zero": zero}
 
     def dequantize(self, q, params, k):
-        return int4.dequantize_int4(q, params["scale"], params["zero"], self.group, k,
-                                    torch.float32, self.float_zero)  # fmt: skip
+        return int4.dequantize_int4(
+            q, params["scale"], params["zero"], self.group, k, torch.float32, self.float_zero
+        )
 
     def column_rounder(self, params, dtype):
         scale, zero = params["scale"].to(dtype), params["zero"].to(dtype)
@@ -406,8 +419,9 @@ class _Nvfp4Format(_Fp4Format):
         return q, {"scale": scale}
 
     def dequantize(self, q, params, k):
-        return nvfp4.dequantize_nvfp4(q, params["scale"], self.global_scale, self.group, k,
-                                      torch.float32)  # fmt: skip
+        return nvfp4.dequantize_nvfp4(
+            q, params["scale"], self.global_scale, self.group, k, torch.float32
+        )
 
     def scales(self, params, dtype):
         return params["scale"].to(dtype) * self.global_scale.to(dtype)
@@ -422,8 +436,11 @@ class _Nvfp4Format(_Fp4Format):
         )
 
 
-_FORMATS = {Int4WeightOnlyConfig: _Int4Format, MXFP4WeightOnlyConfig: _Mxfp4Format,
-            NVFP4WeightOnlyConfig: _Nvfp4Format}  # fmt: skip
+_FORMATS = {
+    Int4WeightOnlyConfig: _Int4Format,
+    MXFP4WeightOnlyConfig: _Mxfp4Format,
+    NVFP4WeightOnlyConfig: _Nvfp4Format,
+}
 
 
 def _format_class(config) -> type[_Format]:

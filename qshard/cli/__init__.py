@@ -68,8 +68,10 @@ def _describe(e: Exception) -> str:
         return " -> ".join(files) + (": " if files else "") + what + (f"; {hint}" if hint else "")
     if isinstance(e, ModuleNotFoundError) and e.name and not e.name.startswith("qshard"):
         return f"this needs the module {e.name!r}, which is not installed; pip install it"
-    return (f"internal error, {type(e).__name__}: {str(e).strip()[:200]} (a bug in qshard, not "
-            f"in the input; rerun with --debug for the traceback)")  # fmt: skip
+    return (
+        f"internal error, {type(e).__name__}: {str(e).strip()[:200]} (a bug in qshard, not "
+        f"in the input; rerun with --debug for the traceback)"
+    )
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -88,14 +90,18 @@ def _run(args: argparse.Namespace) -> None:
         from .quantize import quantize_directory  # on use (as above)
 
         done = quantize_directory(args.model_dir, args.out, args.config, args.exclude or ())
-        print(f"{len(done['quantized'])} weights quantized ({args.config}, "
-              f"{done['selection']}), {len(done['kept'])} tensors kept; wrote "
-              f"{args.out}")  # fmt: skip
+        print(
+            f"{len(done['quantized'])} weights quantized ({args.config}, "
+            f"{done['selection']}), {len(done['kept'])} tensors kept; wrote "
+            f"{args.out}"
+        )
     elif args.command == "bench":
         if args.device == "cuda" and not _has_cuda():
-            raise QShardError("qshard bench: --device cuda, but torch sees no CUDA GPU here "
-                              "(torch.cuda.is_available() is False); pass --device cpu, or run "
-                              "on a machine with a GPU")  # fmt: skip
+            raise QShardError(
+                "qshard bench: --device cuda, but torch sees no CUDA GPU here "
+                "(torch.cuda.is_available() is False); pass --device cpu, or run "
+                "on a machine with a GPU"
+            )
         if args.plot:
             _check_plot(args.plot)
         from .bench import bench_linears, model_shapes, plot, print_table  # on use
@@ -120,13 +126,16 @@ def _check_plot(path: str) -> None:
         raise QShardError("qshard bench --plot needs matplotlib (pip install matplotlib)")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise QShardError(f"qshard bench: --plot {path}: {parent} is not a directory; create it "
-                          f"or choose another path")  # fmt: skip
+        raise QShardError(
+            f"qshard bench: --plot {path}: {parent} is not a directory; create it "
+            f"or choose another path"
+        )
     if os.path.isdir(path) or not os.access(parent, os.W_OK | os.X_OK):
-        raise QShardError(f"qshard bench: cannot write --plot {path}; choose a file path in a "
-                          f"directory you can write to")  # fmt: skip
+        raise QShardError(
+            f"qshard bench: cannot write --plot {path}; choose a file path in a "
+            f"directory you can write to"
+        )
 
 
 def _has_cuda() -> bool:
     return torch.cuda.is_available()
-

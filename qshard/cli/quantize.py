@@ -86,9 +86,10 @@ def quantize_directory(
                 module = plan.fused_keys[name]
                 if module not in plan.joined:
                     plan.joined.add(module)
-                    for key, tensor, quantized in _joined_experts(reader, plan, module,
-                                                                  handler, quant_config):
-                        state[key] = tensor  # fmt: skip
+                    for key, tensor, quantized in _joined_experts(
+                        reader, plan, module, handler, quant_config
+                    ):
+                        state[key] = tensor
                         done["quantized" if quantized else "kept"].append(key)
             else:
                 tensor, key = reader.get(name), plan.rename.get(name, name)
@@ -135,15 +136,23 @@ class _Plan:
         # Mixtral's older names (block_sparse_moe, w1 / w3 / w2) as the model names them
         renamed = rename_legacy_experts({n: n for n in names}, wanted=held)  # {new: stored}
         modules = expert_modules(renamed)
-        fused = {m: {proj: {e: renamed[k] for e, k in keys.items()} for proj, keys in p.items()}
-                 for m, p in modules.items() if f"{m}.gate_up_proj" in held}  # fmt: skip
+        fused = {
+            m: {proj: {e: renamed[k] for e, k in keys.items()} for proj, keys in p.items()}
+            for m, p in modules.items()
+            if f"{m}.gate_up_proj" in held
+        }
         experts_of = {f"{m}.{w}" for m in fused for w in ("gate_up_proj", "down_proj")}
-        missing = [t for t in selected if t not in experts_of and t not in renamed
-                   and f"{t}.weight" not in renamed]  # fmt: skip
+        missing = [
+            t
+            for t in selected
+            if t not in experts_of and t not in renamed and f"{t}.weight" not in renamed
+        ]
         if missing:  # the stored keys are not the model's names (another prefix, say)
             model_free = cls.of_names(names, exclude, keep_float)
-            model_free.basis = (f"by name and shape (the checkpoint has no {missing[0]!r} of "
-                                f"{type(model).__name__}: its keys are not the model's names)")
+            model_free.basis = (
+                f"by name and shape (the checkpoint has no {missing[0]!r} of "
+                f"{type(model).__name__}: its keys are not the model's names)"
+            )
             return model_free
         plan = cls(selected, (), fused)
         plan.rename = {stored: new for new, stored in renamed.items() if new != stored}
@@ -164,8 +173,11 @@ class _Plan:
         if self.targets is None:
             module = key.removesuffix(".weight")
             linear = key.endswith(".weight") and tensor.dim() == 2
-            return Target(module, None, "weight") if linear and not is_excluded(
-                module, self.exclude) else None  # fmt: skip
+            return (
+                Target(module, None, "weight")
+                if linear and not is_excluded(module, self.exclude)
+                else None
+            )
         target = self.targets.get(key.removesuffix(".weight")) if key.endswith(".weight") else None
         if target is not None and target.param == "weight" and tensor.dim() == 2:
             return target
@@ -226,9 +238,23 @@ def _joined_experts(reader, plan: _Plan, module: str, handler, config):
 
 
 # Files of a model directory that are weights or quantization configs: not copied to the output.
-_NOT_COPIED = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt",
-               "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.gguf", "*.onnx", ".*", "config.json",
-               QUANTIZATION_CONFIG_NAME, "hf_quant_config.json")  # fmt: skip
+_NOT_COPIED = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.bin.index.json",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.h5",
+    "*.msgpack",
+    "*.gguf",
+    "*.onnx",
+    ".*",
+    "config.json",
+    QUANTIZATION_CONFIG_NAME,
+    "hf_quant_config.json",
+)
 
 
 def _complete_model_directory(model_dir: pathlib.Path, out_dir: pathlib.Path) -> None:
@@ -260,14 +286,20 @@ def _replace(final: pathlib.Path, write) -> None:
 def _check_model_dir(model_dir: pathlib.Path) -> None:
     """`model_dir` is a directory holding config.json or *.safetensors."""
     if not model_dir.exists():
-        raise QShardError(f"qshard quantize: {model_dir} does not exist; pass a Hugging Face "
-                          f"model directory (config.json and *.safetensors)")  # fmt: skip
+        raise QShardError(
+            f"qshard quantize: {model_dir} does not exist; pass a Hugging Face "
+            f"model directory (config.json and *.safetensors)"
+        )
     if not model_dir.is_dir():
-        raise QShardError(f"qshard quantize: {model_dir} is not a directory; pass the model "
-                          f"directory that holds it")  # fmt: skip
+        raise QShardError(
+            f"qshard quantize: {model_dir} is not a directory; pass the model "
+            f"directory that holds it"
+        )
     if not (model_dir / "config.json").is_file() and not any(model_dir.glob("*.safetensors")):
-        raise QShardError(f"qshard quantize: {model_dir} holds neither config.json nor "
-                          f"*.safetensors; pass a Hugging Face model directory")  # fmt: skip
+        raise QShardError(
+            f"qshard quantize: {model_dir} holds neither config.json nor "
+            f"*.safetensors; pass a Hugging Face model directory"
+        )
 
 
 def _check_out_dir(out_dir: pathlib.Path, model_dir: pathlib.Path) -> None:
@@ -282,19 +314,27 @@ def _check_out_dir(out_dir: pathlib.Path, model_dir: pathlib.Path) -> None:
     elif model.is_relative_to(out) or any(_same_dir(out, p) for p in model.parents):
         where = "contains the input directory"
     if where:
-        raise QShardError(f"qshard quantize: --out {out_dir} {where} {model_dir}; writing "
-                          f"there would replace or delete the files being read. Choose an "
-                          f"--out outside it")  # fmt: skip
+        raise QShardError(
+            f"qshard quantize: --out {out_dir} {where} {model_dir}; writing "
+            f"there would replace or delete the files being read. Choose an "
+            f"--out outside it"
+        )
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not existing.is_dir():
-        raise QShardError(f"qshard quantize: --out {out_dir}: {existing} is a file, not a "
-                          f"directory; choose a new directory for --out")  # fmt: skip
+        raise QShardError(
+            f"qshard quantize: --out {out_dir}: {existing} is a file, not a "
+            f"directory; choose a new directory for --out"
+        )
     if existing == out and any(out.iterdir()) and not (out / QUANTIZATION_CONFIG_NAME).exists():
-        raise QShardError(f"qshard quantize: --out {out_dir} is not empty and is not a qshard "
-                          f"checkpoint; choose a new or empty directory")  # fmt: skip
+        raise QShardError(
+            f"qshard quantize: --out {out_dir} is not empty and is not a qshard "
+            f"checkpoint; choose a new or empty directory"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise QShardError(f"qshard quantize: cannot write to {existing} (permission denied) "
-                          f"for --out {out_dir}; choose a directory you can write to")  # fmt: skip
+        raise QShardError(
+            f"qshard quantize: cannot write to {existing} (permission denied) "
+            f"for --out {out_dir}; choose a directory you can write to"
+        )
 
 
 def _same_dir(a: pathlib.Path, b: pathlib.Path) -> bool:
@@ -309,9 +349,16 @@ def _same_dir(a: pathlib.Path, b: pathlib.Path) -> bool:
 # (docs/design.md, "Formats"), and of static input scales, torchao's `_weight_qdata`, GPTQ / AWQ and
 # bitsandbytes. A float model has none of them, in any dtype.
 QUANTIZED_SUFFIXES = (
-    *QUANTIZATION_SUFFIXES, *PACKED_SUFFIXES,
-    ".input_scale", "_qdata", ".qweight", ".qzeros", ".absmax", ".quant_map", ".SCB",
-)  # fmt: skip
+    *QUANTIZATION_SUFFIXES,
+    *PACKED_SUFFIXES,
+    ".input_scale",
+    "_qdata",
+    ".qweight",
+    ".qzeros",
+    ".absmax",
+    ".quant_map",
+    ".SCB",
+)
 
 
 def _refuse_quantized(model_dir: pathlib.Path, own: bool, reason: str | None) -> None:
@@ -324,8 +371,10 @@ def _refuse_quantized(model_dir: pathlib.Path, own: bool, reason: str | None) ->
         how = f"a qshard checkpoint ({reason}); load it with qshard.load('{model_dir}', model)"
     else:
         how = f"({reason}); load it with qshard.load_pretrained('{model_dir}')"
-    raise CheckpointError(f"qshard quantize: {model_dir} is quantized already, {how}, or "
-                          f"quantize the float checkpoint it was made from")  # fmt: skip
+    raise CheckpointError(
+        f"qshard quantize: {model_dir} is quantized already, {how}, or "
+        f"quantize the float checkpoint it was made from"
+    )
 
 
 def _is_float_model(directory: pathlib.Path) -> bool:
@@ -374,15 +423,21 @@ def inspect_checkpoint(path: str | os.PathLike, out=None) -> dict:
     out = out or sys.stdout
     directory = pathlib.Path(path)
     if not directory.exists():
-        raise QShardError(f"qshard inspect: {directory} does not exist; pass a qshard checkpoint "
-                          f"or a quantized Hugging Face model directory")  # fmt: skip
+        raise QShardError(
+            f"qshard inspect: {directory} does not exist; pass a qshard checkpoint "
+            f"or a quantized Hugging Face model directory"
+        )
     is_qshard = (directory / "quantization_config.json").exists() or directory.suffix in (
-        ".safetensors", ".json")  # fmt: skip
+        ".safetensors",
+        ".json",
+    )
     if not is_qshard and directory.is_dir() and _is_float_model(directory):
-        raise QShardError(f"qshard inspect: {directory} is a float model (no quantization "
-                          f"config, no quantized tensor); quantize it first: qshard quantize "
-                          f"{directory} --config fp8-block --out OUT, then qshard inspect "
-                          f"OUT")  # fmt: skip
+        raise QShardError(
+            f"qshard inspect: {directory} is a float model (no quantization "
+            f"config, no quantized tensor); quantize it first: qshard quantize "
+            f"{directory} --config fp8-block --out OUT, then qshard inspect "
+            f"OUT"
+        )
     state = load(directory) if is_qshard else load_pretrained(directory)
     rows, totals = [], {"quantized": 0, "float": 0}
     for name, value in state.items():
@@ -390,12 +445,21 @@ def inspect_checkpoint(path: str | os.PathLike, out=None) -> dict:
         if isinstance(value, QTensor):
             bits = 8 * nbytes / value.numel()
             attrs = ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in value.attrs().items())
-            rows.append((name, type(value).__name__, list(value.shape), f"{bits:.3f}", nbytes,
-                         attrs))  # fmt: skip
+            rows.append(
+                (name, type(value).__name__, list(value.shape), f"{bits:.3f}", nbytes, attrs)
+            )
             totals["quantized"] += nbytes
         else:
-            rows.append((name, str(value.dtype).removeprefix("torch."), list(value.shape),
-                         f"{8 * value.element_size()}", nbytes, ""))  # fmt: skip
+            rows.append(
+                (
+                    name,
+                    str(value.dtype).removeprefix("torch."),
+                    list(value.shape),
+                    f"{8 * value.element_size()}",
+                    nbytes,
+                    "",
+                )
+            )
             totals["float"] += nbytes
     out.write("| tensor | layout / dtype | shape | bits per weight | bytes | attributes |\n")
     out.write("|---|---|---|---|---|---|\n")

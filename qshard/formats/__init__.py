@@ -50,8 +50,12 @@ FORMATS = {
     for m in (deepseek_fp8, modelopt_nvfp4, compressed_tensors, fbgemm_fp8, gpt_oss_mxfp4, torchao)
 }
 EXPORT_FORMATS = (
-    "deepseek-fp8", "modelopt-nvfp4", "compressed-tensors", "fbgemm-fp8", "gpt-oss-mxfp4",
-)  # fmt: skip
+    "deepseek-fp8",
+    "modelopt-nvfp4",
+    "compressed-tensors",
+    "fbgemm-fp8",
+    "gpt-oss-mxfp4",
+)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -59,8 +63,10 @@ QSHARD = "qshard"  # qshard's own checkpoints, for load_pretrained(format=...)
 
 
 def _is_qshard(directory: pathlib.Path) -> bool:
-    for path, key in ((directory / QUANTIZATION_CONFIG_NAME, None),
-                      (directory / "config.json", "quantization_config")):  # fmt: skip
+    for path, key in (
+        (directory / QUANTIZATION_CONFIG_NAME, None),
+        (directory / "config.json", "quantization_config"),
+    ):
         data = read_json(path)
         data = data.get(key) if isinstance(data, dict) and key else data
         if _names_qshard(data):
@@ -79,8 +85,9 @@ def _format_of(directory: pathlib.Path, format: str | None) -> str:
     if format is None:
         return QSHARD if _is_qshard(directory) else detect_format(directory)
     if format not in (*FORMATS, QSHARD):
-        raise QShardError(f"qshard.load_pretrained: format={format!r} is not one of "
-                          f"{[*FORMATS, QSHARD]}")  # fmt: skip
+        raise QShardError(
+            f"qshard.load_pretrained: format={format!r} is not one of {[*FORMATS, QSHARD]}"
+        )
     is_qshard = _is_qshard(directory)
     if format == QSHARD:
         matches = is_qshard
@@ -92,9 +99,11 @@ def _format_of(directory: pathlib.Path, format: str | None) -> str:
             found = found or detect_format(directory)
         except CheckpointError:
             found = "no format qshard reads"
-        raise CheckpointError(f"{directory}: format={format!r} was asked for, and the "
-                              f"directory's config files say {found!r}; pass that format, or "
-                              f"leave format out to detect it")  # fmt: skip
+        raise CheckpointError(
+            f"{directory}: format={format!r} was asked for, and the "
+            f"directory's config files say {found!r}; pass that format, or "
+            f"leave format out to detect it"
+        )
     return format
 
 
@@ -151,8 +160,9 @@ def load_pretrained(
     if isinstance(dtype_name, str) and dtype_name in DTYPES:
         dtype = DTYPES[dtype_name]
     if dtype is None:
-        raise CheckpointError(f"{directory / 'config.json'}: torch_dtype {dtype_name!r} is not "
-                              f"one of {list(DTYPES)}")  # fmt: skip
+        raise CheckpointError(
+            f"{directory / 'config.json'}: torch_dtype {dtype_name!r} is not one of {list(DTYPES)}"
+        )
     state = FORMATS[name].load(SafetensorsDir(directory), config, hf_quant, dtype)
     # Per-expert linears into the model's fused 3-D experts (all of them without a model)
     targets = None if model is None else model.state_dict(keep_vars=True)
@@ -174,9 +184,15 @@ def load_pretrained(
 # Tensors a format stores beside its quantized weights: left in a loaded state_dict as plain
 # tensors, they would be quantized codes or scales read as numbers (issue 21).
 QUANTIZATION_SUFFIXES = (
-    ".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".weight_packed",
-    ".weight_zero_point", ".weight_global_scale", ".weight_shape", ".weight_g_idx",
-)  # fmt: skip
+    ".weight_scale",
+    ".weight_scale_inv",
+    ".weight_scale_2",
+    ".weight_packed",
+    ".weight_zero_point",
+    ".weight_global_scale",
+    ".weight_shape",
+    ".weight_g_idx",
+)
 # Names other models may use for float tensors too: quantization data only when not float.
 PACKED_SUFFIXES = (".qdata", "_blocks", "_scales")
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)

@@ -158,8 +158,9 @@ def _args(fields: Fields) -> Args:
     inferred = "tensor" if group is None else "channel" if group == -1 else "group"
     strategy = fields.choice("strategy", STRATEGIES, inferred, casefold=True)
     if strategy in ("group", "tensor_group") and (group is None or group < 1):
-        raise fields.error("group_size", group, f"strategy {strategy!r} needs a positive group "
-                                                f"size")  # fmt: skip
+        raise fields.error(
+            "group_size", group, f"strategy {strategy!r} needs a positive group size"
+        )
     block = fields.sizes("block_structure", 2, None)
     if strategy == "block" and block is None:
         raise fields.error("block_structure", None, "strategy 'block' needs [rows, cols]")
@@ -216,8 +217,12 @@ def _inferred_format(w: Args, acts: Args | None) -> str:
     the first compressor, in its priority order, whose can_compress accepts them)."""
     if w.type == "float" and w.group_size == MX_GROUP and w.num_bits in (4, 6):
         return MXFP4_FORMAT if w.num_bits == 4 else "mxfp6-pack-quantized"
-    if w.type == "float" and w.num_bits == 8 and w.group_size == MX_GROUP \
-            and w.scale_dtype == "uint8":  # fmt: skip
+    if (
+        w.type == "float"
+        and w.num_bits == 8
+        and w.group_size == MX_GROUP
+        and w.scale_dtype == "uint8"
+    ):
         return "mxfp8-quantized"
     if w.type == "float" and w.num_bits == 4 and w.group_size == NVFP4_GROUP:
         return NVFP4_FORMAT
@@ -256,8 +261,9 @@ def schemes(config: dict, where: str) -> list[Scheme]:
 
 def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dict:
     if sys.byteorder != "little":
-        raise QShardError("compressed-tensors: reading packed int32 words needs a little-endian "
-                          "machine")  # fmt: skip
+        raise QShardError(
+            "compressed-tensors: reading packed int32 words needs a little-endian machine"
+        )
     act_order = [k for k in reader.names() if k.endswith(".weight_g_idx")]
     if act_order:
         raise CheckpointError(
@@ -306,20 +312,45 @@ def _scheme_of(reader, prefix: str, first: str, groups: list[Scheme]) -> Scheme:
 # What qshard holds, per format: weights' (type, bits), strategies, group sizes of the grouped
 # strategies (None: any), whether they must be symmetric, and the rule a refusal states.
 HOLDS = {
-    INT4_FORMAT: (("int", 4), ("group",), GROUP_SIZES, False,
-                  f"qshard's int layout holds 4-bit weights in groups of {list(GROUP_SIZES)} "
-                  f"along K (no int8 or other widths, no scale per channel or tensor)"),
-    NVFP4_FORMAT: (("float", 4), ("tensor_group",), (NVFP4_GROUP,), True,
-                   "NVFP4 is symmetric 4-bit float in groups of 16 with a global scale"),
-    MXFP4_FORMAT: (("float", 4), ("group",), (MX_GROUP,), True,
-                   "MXFP4 is symmetric 4-bit float in groups of 32"),
-    INT_FORMAT: (("int", 4), ("group", "channel"), GROUP_SIZES, False,
-                 f"qshard's int layout holds 4-bit weights per channel or in groups of "
-                 f"{list(GROUP_SIZES)} along K (no int8 layout: it runs int4 as W4A16)"),
-    FP8_FORMAT: (("float", 8), ("channel", "tensor", "block"), None, True,
-                 "qshard reads symmetric FP8 (e4m3) weights with a scale per channel, per "
-                 "tensor or per block from this format, and has no int8 layout"),
-}  # fmt: skip
+    INT4_FORMAT: (
+        ("int", 4),
+        ("group",),
+        GROUP_SIZES,
+        False,
+        f"qshard's int layout holds 4-bit weights in groups of {list(GROUP_SIZES)} "
+        f"along K (no int8 or other widths, no scale per channel or tensor)",
+    ),
+    NVFP4_FORMAT: (
+        ("float", 4),
+        ("tensor_group",),
+        (NVFP4_GROUP,),
+        True,
+        "NVFP4 is symmetric 4-bit float in groups of 16 with a global scale",
+    ),
+    MXFP4_FORMAT: (
+        ("float", 4),
+        ("group",),
+        (MX_GROUP,),
+        True,
+        "MXFP4 is symmetric 4-bit float in groups of 32",
+    ),
+    INT_FORMAT: (
+        ("int", 4),
+        ("group", "channel"),
+        GROUP_SIZES,
+        False,
+        f"qshard's int layout holds 4-bit weights per channel or in groups of "
+        f"{list(GROUP_SIZES)} along K (no int8 layout: it runs int4 as W4A16)",
+    ),
+    FP8_FORMAT: (
+        ("float", 8),
+        ("channel", "tensor", "block"),
+        None,
+        True,
+        "qshard reads symmetric FP8 (e4m3) weights with a scale per channel, per "
+        "tensor or per block from this format, and has no int8 layout",
+    ),
+}
 HOLDS[NAIVE_FORMAT] = HOLDS[FP8_FORMAT]
 INT_ACTIVATIONS = (
     "qshard has no int activation quantization: it runs int activations only with 4-bit int "
@@ -352,12 +383,19 @@ def _unpack_words(words: torch.Tensor, count: int) -> torch.Tensor:
 
 def _weight_shape(reader, prefix: str) -> tuple[int, int]:
     where = f"{reader.directory}: {prefix}"
-    shape = check_stored(where, "weight_shape", reader.get(prefix + ".weight_shape"),
-                         (torch.int64, torch.int32), (2,))  # fmt: skip
+    shape = check_stored(
+        where,
+        "weight_shape",
+        reader.get(prefix + ".weight_shape"),
+        (torch.int64, torch.int32),
+        (2,),
+    )
     n, k = (int(v) for v in shape)
     if not (1 <= n <= MAX_SIZE and 1 <= k <= MAX_SIZE):
-        raise CheckpointError(f"{where}: weight_shape is {[n, k]}; it must be two sizes in "
-                              f"1..{MAX_SIZE}. The file is damaged")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: weight_shape is {[n, k]}; it must be two sizes in "
+            f"1..{MAX_SIZE}. The file is damaged"
+        )
     return n, k
 
 
@@ -366,10 +404,12 @@ def _int4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     n, k = _weight_shape(reader, prefix)
     group = scheme.weights.group_size
     groups = -(-k // group)
-    packed = check_stored(where, "weight_packed", reader.get(prefix + ".weight_packed"),
-                          torch.int32, (n, -(-k // 8)))  # fmt: skip
-    scale = check_stored(where, "weight_scale", reader.get(prefix + ".weight_scale"), SCALES,
-                         (n, groups))  # fmt: skip
+    packed = check_stored(
+        where, "weight_packed", reader.get(prefix + ".weight_packed"), torch.int32, (n, -(-k // 8))
+    )
+    scale = check_stored(
+        where, "weight_scale", reader.get(prefix + ".weight_scale"), SCALES, (n, groups)
+    )
     scale = exact_bf16(scale, where + ".weight_scale")
     # Bytes of the words, little-endian: the layout's packing, cut to ceil(K/2) bytes.
     qdata = packed.contiguous().view(torch.uint8)[:, : -(-k // 2)].contiguous()
@@ -380,13 +420,18 @@ def _int4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     if symmetric:
         zero = torch.zeros(0, 0, dtype=torch.bfloat16)
     else:
-        words = check_stored(where, "weight_zero_point", reader.get(zero_key), torch.int32,
-                             (-(-n // 8), groups))  # fmt: skip
+        words = check_stored(
+            where, "weight_zero_point", reader.get(zero_key), torch.int32, (-(-n // 8), groups)
+        )
         zero = _unpack_words(words.t(), n).t().to(torch.bfloat16)  # z + 8: the zero's code
     tensor = Int4Tensor(
         {"qdata": qdata, "scale": scale, "zero": zero.contiguous()},
-        shape=(n, k), dtype=dtype, group_size=group, symmetric=symmetric, backend=Backend.AUTO,
-    )  # fmt: skip
+        shape=(n, k),
+        dtype=dtype,
+        group_size=group,
+        symmetric=symmetric,
+        backend=Backend.AUTO,
+    )
     tensor.validate()
     return tensor.repack_for_device()
 
@@ -396,9 +441,11 @@ def _symmetric(reader, where: str, zero_key: str, scheme: Scheme) -> bool:
     symmetric = scheme.weights.symmetric
     if (zero_key in reader) == symmetric:
         state = "has" if symmetric else "lacks"
-        raise CheckpointError(f"{where}: config group {scheme.name!r} says symmetric="
-                              f"{symmetric} but the linear {state} a weight_zero_point; the "
-                              f"file and its config disagree")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: config group {scheme.name!r} says symmetric="
+            f"{symmetric} but the linear {state} a weight_zero_point; the "
+            f"file and its config disagree"
+        )
     return symmetric
 
 
@@ -408,10 +455,12 @@ def _int4_values(where: str, name: str, values: torch.Tensor) -> torch.Tensor:
     bad = ((values < low) | (values > high)).nonzero()
     if len(bad):
         at = tuple(int(i) for i in bad[0])
-        raise CheckpointError(f"{where}: {name}{list(at)} is {int(values[at])}; a 4-bit int "
-                              f"is in {low}..{high} (compressed-tensors clamps to that range). "
-                              f"The file is damaged, or its config's num_bits is not 4: "
-                              f"re-export the checkpoint")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: {name}{list(at)} is {int(values[at])}; a 4-bit int "
+            f"is in {low}..{high} (compressed-tensors clamps to that range). "
+            f"The file is damaged, or its config's num_bits is not 4: "
+            f"re-export the checkpoint"
+        )
     return values
 
 
@@ -429,8 +478,9 @@ def _int4_unpacked(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> Q
         group = scheme.weights.group_size
         stored = (n, -(-k // group))
     groups = -(-k // group)
-    scale = check_stored(where, "weight_scale", reader.get(prefix + ".weight_scale"), SCALES,
-                         stored)  # fmt: skip
+    scale = check_stored(
+        where, "weight_scale", reader.get(prefix + ".weight_scale"), SCALES, stored
+    )
     scale = exact_bf16(scale, where + ".weight_scale")
     zero_key = prefix + ".weight_zero_point"
     symmetric = _symmetric(reader, where, zero_key, scheme)
@@ -446,8 +496,12 @@ def _int4_unpacked(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> Q
     qdata = pack_nibbles((q + 8).to(torch.uint8))  # codes u = q + 8, even index low
     tensor = Int4Tensor(
         {"qdata": qdata, "scale": scale.contiguous(), "zero": zero.contiguous()},
-        shape=(n, k), dtype=dtype, group_size=group, symmetric=symmetric, backend=Backend.AUTO,
-    )  # fmt: skip
+        shape=(n, k),
+        dtype=dtype,
+        group_size=group,
+        symmetric=symmetric,
+        backend=Backend.AUTO,
+    )
     tensor.validate()
     return tensor.repack_for_device()
 
@@ -455,11 +509,13 @@ def _int4_unpacked(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> Q
 def _fp4_codes(reader, prefix: str, group: int, scales) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight_packed` uint8 [N, K/2] and `weight_scale` [N, ceil(K/group)] of one of `scales`."""
     where = f"{reader.directory}: {prefix}"
-    packed = check_stored(where, "weight_packed", reader.get(prefix + ".weight_packed"),
-                          torch.uint8, (None, None))  # fmt: skip
+    packed = check_stored(
+        where, "weight_packed", reader.get(prefix + ".weight_packed"), torch.uint8, (None, None)
+    )
     n, k = packed.shape[0], packed.shape[1] * 2
-    scale = check_stored(where, "weight_scale", reader.get(prefix + ".weight_scale"), scales,
-                         (n, -(-k // group)))  # fmt: skip
+    scale = check_stored(
+        where, "weight_scale", reader.get(prefix + ".weight_scale"), scales, (n, -(-k // group))
+    )
     _check_dropped(reader, prefix, "input_global_scale", torch.float32)
     return packed, scale
 
@@ -478,12 +534,13 @@ def _nvfp4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     divisor = check_scalar(where, "weight_global_scale", divisor, torch.float32)
     d = float(divisor.reshape(()))
     if not (math.isfinite(d) and d > 0):
-        raise CheckpointError(f"{where}: weight_global_scale {d} is not positive and finite; a "
-                              f"divisor must be. The file is damaged: re-export it")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: weight_global_scale {d} is not positive and finite; a "
+            f"divisor must be. The file is damaged: re-export it"
+        )
     inner = {"qdata": packed, "scale": scale, "global_scale": 1.0 / divisor.reshape(1, 1)}
     n, k = packed.shape[0], packed.shape[1] * 2
-    tensor = Nvfp4Tensor(inner, shape=(n, k), dtype=dtype, backend=Backend.AUTO,
-                         global_divisor=d)  # fmt: skip
+    tensor = Nvfp4Tensor(inner, shape=(n, k), dtype=dtype, backend=Backend.AUTO, global_divisor=d)
     tensor.validate()
     return tensor
 
@@ -492,16 +549,18 @@ def _mxfp4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     packed, scale = _fp4_codes(reader, prefix, MX_GROUP, (torch.uint8, torch.float8_e8m0fnu))
     n, k = packed.shape[0], packed.shape[1] * 2
     inner = {"qdata": packed, "scale": scale.contiguous().view(torch.float8_e8m0fnu)}
-    tensor = Mxfp4Tensor(inner, shape=(n, k), dtype=dtype, group_size=MX_GROUP,
-                         backend=Backend.AUTO)  # fmt: skip
+    tensor = Mxfp4Tensor(
+        inner, shape=(n, k), dtype=dtype, group_size=MX_GROUP, backend=Backend.AUTO
+    )
     tensor.validate()
     return tensor
 
 
 def _fp8(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     where = f"{reader.directory}: {prefix}"
-    qdata = check_stored(where, "weight", reader.get(prefix + ".weight"), torch.float8_e4m3fn,
-                         (None, None))  # fmt: skip
+    qdata = check_stored(
+        where, "weight", reader.get(prefix + ".weight"), torch.float8_e4m3fn, (None, None)
+    )
     n, k = qdata.shape
     _check_dropped(reader, prefix, "input_scale", SCALES)
     w = scheme.weights
@@ -509,26 +568,44 @@ def _fp8(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
     scale = reader.get(prefix + ".weight_scale")
     if w.strategy == "channel":  # one scale per row: [N, 1] (or [N])
         rows = (n, 1) if scale.dim() == 2 else (n,)
-        return fp8_rows(qdata, check_stored(where, "weight_scale", scale, SCALES, rows).float(),
-                        dtype, weight_only)  # fmt: skip
+        return fp8_rows(
+            qdata,
+            check_stored(where, "weight_scale", scale, SCALES, rows).float(),
+            dtype,
+            weight_only,
+        )
     if w.strategy == "tensor":  # one scale: [1] (or [])
-        return fp8_rows(qdata, check_scalar(where, "weight_scale", scale, SCALES).float(), dtype,
-                        weight_only)  # fmt: skip
-    attrs = fp8_block_attrs(w.block_structure, weight_only, ScaleFormat.FP32, lambda e: (
-        CheckpointError(f"{reader.directory / 'config.json'}: config group {scheme.name!r} "
-                        f"weights.block_structure {list(w.block_structure)}: {e}")))  # fmt: skip
+        return fp8_rows(
+            qdata, check_scalar(where, "weight_scale", scale, SCALES).float(), dtype, weight_only
+        )
+    attrs = fp8_block_attrs(
+        w.block_structure,
+        weight_only,
+        ScaleFormat.FP32,
+        lambda e: CheckpointError(
+            f"{reader.directory / 'config.json'}: config group {scheme.name!r} "
+            f"weights.block_structure {list(w.block_structure)}: {e}"
+        ),
+    )
     bn, bk = w.block_structure
     blocks = (-(-n // bn), -(-k // bk))
     scale = check_stored(where, "weight_scale", scale, SCALES, blocks).float()
-    tensor = Fp8BlockwiseTensor({"qdata": qdata, "scale": scale}, shape=(n, k), dtype=dtype,
-                                **attrs)  # fmt: skip
+    tensor = Fp8BlockwiseTensor(
+        {"qdata": qdata, "scale": scale}, shape=(n, k), dtype=dtype, **attrs
+    )
     tensor.validate()
     return tensor
 
 
 # The reader of each format of HOLDS.
-LOADERS = {INT4_FORMAT: _int4, NVFP4_FORMAT: _nvfp4, MXFP4_FORMAT: _mxfp4, FP8_FORMAT: _fp8,
-           NAIVE_FORMAT: _fp8, INT_FORMAT: _int4_unpacked}  # fmt: skip
+LOADERS = {
+    INT4_FORMAT: _int4,
+    NVFP4_FORMAT: _nvfp4,
+    MXFP4_FORMAT: _mxfp4,
+    FP8_FORMAT: _fp8,
+    NAIVE_FORMAT: _fp8,
+    INT_FORMAT: _int4_unpacked,
+}
 
 
 # ---- export -----------------------------------------------------------------------------------
@@ -582,13 +659,20 @@ def _divisor(w: Nvfp4Tensor) -> torch.Tensor:
 
 def _group_config(args: tuple[dict, dict | None], fmt: str, targets: list[str]) -> dict:
     weights, inputs = args
-    return {"targets": sorted(targets), "weights": weights, "input_activations": inputs,
-            "output_activations": None, "format": fmt}  # fmt: skip
+    return {
+        "targets": sorted(targets),
+        "weights": weights,
+        "input_activations": inputs,
+        "output_activations": None,
+        "format": fmt,
+    }
 
 
 def _refuse(key: str, value: QTensor, why: str) -> QShardError:
-    return QShardError(f"qshard.export(format='{NAME}'): {key!r} is a {type(value).__name__} "
-                       f"{list(value.shape)}; {why}")  # fmt: skip
+    return QShardError(
+        f"qshard.export(format='{NAME}'): {key!r} is a {type(value).__name__} "
+        f"{list(value.shape)}; {why}"
+    )
 
 
 def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
@@ -609,14 +693,22 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
             add(FP8_FORMAT, *_fp8_export(w, prefix, tensors), prefix)
         elif isinstance(w, Int4Tensor):
             if w.float_zero:
-                raise _refuse(key, value, "it has float zero points (zero_point_domain='float'); "
-                              "compressed-tensors int4 zero points are integers")  # fmt: skip
+                raise _refuse(
+                    key,
+                    value,
+                    "it has float zero points (zero_point_domain='float'); "
+                    "compressed-tensors int4 zero points are integers",
+                )
             if w.group_size not in GROUP_SIZES or k % w.group_size:
-                raise _refuse(key, value, f"K = {k} in groups of {w.group_size}: compressed-"
-                              f"tensors reads int4 groups that divide K exactly (its group "
-                              f"dequantization refuses a partial last group); quantize with a "
-                              f"group size of {list(GROUP_SIZES)} that divides {k}, or leave "
-                              f"this linear unquantized")  # fmt: skip
+                raise _refuse(
+                    key,
+                    value,
+                    f"K = {k} in groups of {w.group_size}: compressed-"
+                    f"tensors reads int4 groups that divide K exactly (its group "
+                    f"dequantization refuses a partial last group); quantize with a "
+                    f"group size of {list(GROUP_SIZES)} that divides {k}, or leave "
+                    f"this linear unquantized",
+                )
             tensors[prefix + ".weight_packed"] = _pack_words(unpack_nibbles(w.qdata, k))
             tensors[prefix + ".weight_scale"] = w.scale
             tensors[prefix + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
@@ -624,27 +716,49 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
                 zero_codes = w.zero.to(torch.uint8)  # z + 8 in compressed-tensors' terms
                 packed_zero = _pack_words(zero_codes.t()).t().contiguous()  # along N
                 tensors[prefix + ".weight_zero_point"] = packed_zero
-            args = {"num_bits": 4, "type": "int", "symmetric": w.symmetric, "strategy": "group",
-                    "group_size": w.group_size, "dynamic": False}  # fmt: skip
+            args = {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": w.symmetric,
+                "strategy": "group",
+                "group_size": w.group_size,
+                "dynamic": False,
+            }
             add(INT4_FORMAT, args, None, prefix)
         elif isinstance(w, Nvfp4Tensor) and k % NVFP4_GROUP == 0:
             tensors[prefix + ".weight_packed"] = w.qdata
             tensors[prefix + ".weight_scale"] = w.scale
             tensors[prefix + ".weight_global_scale"] = _divisor(w).reshape(1)
-            args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
-                    "group_size": NVFP4_GROUP, "dynamic": False}  # fmt: skip
+            args = {
+                "num_bits": 4,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "tensor_group",
+                "group_size": NVFP4_GROUP,
+                "dynamic": False,
+            }
             add(NVFP4_FORMAT, args, None, prefix)
         elif isinstance(w, Mxfp4Tensor) and w.group_size == MX_GROUP and k % MX_GROUP == 0:
             tensors[prefix + ".weight_packed"] = w.qdata
             tensors[prefix + ".weight_scale"] = w.scale.view(torch.uint8)
-            args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group",
-                    "group_size": MX_GROUP, "dynamic": False,
-                    "scale_dtype": "torch.uint8"}  # fmt: skip
+            args = {
+                "num_bits": 4,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": MX_GROUP,
+                "dynamic": False,
+                "scale_dtype": "torch.uint8",
+            }
             add(MXFP4_FORMAT, args, None, prefix)
         else:
-            raise _refuse(key, value, "the format holds FP8 per row or in blocks, int4 in "
-                          "groups of 32..256 dividing K, and NVFP4 / MXFP4 (32-blocks) with K a "
-                          "multiple of 16 / 32")  # fmt: skip
+            raise _refuse(
+                key,
+                value,
+                "the format holds FP8 per row or in blocks, int4 in "
+                "groups of 32..256 dividing K, and NVFP4 / MXFP4 (32-blocks) with K a "
+                "multiple of 16 / 32",
+            )
     config_groups = {
         f"group_{i}": _group_config(args, fmt, targets)
         for i, ((fmt, *_), (args, targets)) in enumerate(sorted(groups.items()))

@@ -38,8 +38,15 @@ __all__ = [
 REQUIRED: Any = object()  # the default of a field that must be present
 DEFAULT_FIX = "Fix the file, or re-export the checkpoint in a form qshard reads"
 
-_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
-               int: "an integer", float: "a number", type(None): "null"}  # fmt: skip
+_JSON_NAMES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    type(None): "null",
+}
 
 
 def _json_type(value: Any) -> str:
@@ -91,8 +98,9 @@ class Fields:
     def _value(self, key: str, default: Any) -> Any:
         value = self.data.get(key)
         if value is None and default is REQUIRED:
-            raise CheckpointError(f"{self.where}: {self.at(key)} is missing; the format "
-                                  f"needs it. {DEFAULT_FIX}")  # fmt: skip
+            raise CheckpointError(
+                f"{self.where}: {self.at(key)} is missing; the format needs it. {DEFAULT_FIX}"
+            )
         return value
 
     def get(self, key: str, kind: type, default: Any = REQUIRED, note: str | None = None) -> Any:
@@ -109,8 +117,14 @@ class Fields:
             raise self.error(key, value, f"it must be {_JSON_NAMES.get(kind, kind.__name__)}", note)
         return float(value) if kind is float else value
 
-    def choice(self, key: str, choices: Iterable[Any], default: Any = REQUIRED,
-               note: str | None = None, casefold: bool = False) -> Any:  # fmt: skip
+    def choice(
+        self,
+        key: str,
+        choices: Iterable[Any],
+        default: Any = REQUIRED,
+        note: str | None = None,
+        casefold: bool = False,
+    ) -> Any:
         """The field, which must be one of `choices`; with `casefold`, a string is read in lower
         case (as compressed-tensors reads its enums)."""
         choices = tuple(choices)
@@ -123,8 +137,9 @@ class Fields:
             raise self.error(key, value, f"it must be one of {list(choices)}", note)
         return value
 
-    def size(self, key: str, default: Any = REQUIRED, note: str | None = None,
-             maximum: int = MAX_SIZE) -> int:  # fmt: skip
+    def size(
+        self, key: str, default: Any = REQUIRED, note: str | None = None, maximum: int = MAX_SIZE
+    ) -> int:
         """The field as an integer in 1..maximum."""
         value = self._value(key, default)
         if value is None:
@@ -133,16 +148,23 @@ class Fields:
             raise self.error(key, value, f"it must be an integer in 1..{maximum}", note)
         return value
 
-    def sizes(self, key: str, count: int, default: Any = REQUIRED, note: str | None = None,
-              maximum: int = MAX_SIZE) -> tuple[int, ...]:  # fmt: skip
+    def sizes(
+        self,
+        key: str,
+        count: int,
+        default: Any = REQUIRED,
+        note: str | None = None,
+        maximum: int = MAX_SIZE,
+    ) -> tuple[int, ...]:
         """The field as a list of `count` integers, each in 1..maximum."""
         value = self._value(key, default)
         if value is None:
             return default
         ok = isinstance(value, list) and len(value) == count
         if not ok or not all(_is_int(v) and 1 <= v <= maximum for v in value):
-            raise self.error(key, value, f"it must be a list of {count} integers in "
-                                         f"1..{maximum}", note)  # fmt: skip
+            raise self.error(
+                key, value, f"it must be a list of {count} integers in 1..{maximum}", note
+            )
         return tuple(value)
 
     def strings(self, key: str, default: Any = REQUIRED, note: str | None = None) -> list[str]:
@@ -166,8 +188,9 @@ class Fields:
         value = self.get(key, dict, default)
         if value is default:
             return default
-        return {name: Fields(item, self.where, f"{self.at(key)}.{name}")
-                for name, item in value.items()}  # fmt: skip
+        return {
+            name: Fields(item, self.where, f"{self.at(key)}.{name}") for name, item in value.items()
+        }
 
 
 def quantization_config(config: Mapping, where: str = "config.json") -> Fields | None:
@@ -177,9 +200,13 @@ def quantization_config(config: Mapping, where: str = "config.json") -> Fields |
     return None if value is None else Fields(value, where, "quantization_config")
 
 
-def check_stored(where: str, name: str, tensor: torch.Tensor,
-                 dtypes: torch.dtype | Iterable[torch.dtype],
-                 shape: Iterable[int | None] | None = None) -> torch.Tensor:  # fmt: skip
+def check_stored(
+    where: str,
+    name: str,
+    tensor: torch.Tensor,
+    dtypes: torch.dtype | Iterable[torch.dtype],
+    shape: Iterable[int | None] | None = None,
+) -> torch.Tensor:
     """`tensor` (stored as `name`) if its dtype is one of `dtypes` and its shape is `shape`
     (None: any size on that dim; `shape` None: any shape), else CheckpointError naming the
     tensor, what it is and what the format stores there."""
@@ -187,9 +214,11 @@ def check_stored(where: str, name: str, tensor: torch.Tensor,
     shape = None if shape is None else tuple(shape)
     fits = tensor.dtype in dtypes and (
         shape is None
-        or (tensor.dim() == len(shape) and all(s is None or s == t
-                                               for s, t in zip(shape, tensor.shape, strict=True)))
-    )  # fmt: skip
+        or (
+            tensor.dim() == len(shape)
+            and all(s is None or s == t for s, t in zip(shape, tensor.shape, strict=True))
+        )
+    )
     if not fits:
         names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         want = "" if shape is None else str(["*" if s is None else s for s in shape])
@@ -202,15 +231,17 @@ def check_stored(where: str, name: str, tensor: torch.Tensor,
     return tensor
 
 
-def check_scalar(where: str, name: str, tensor: torch.Tensor,
-                 dtypes: torch.dtype | Iterable[torch.dtype]) -> torch.Tensor:  # fmt: skip
+def check_scalar(
+    where: str, name: str, tensor: torch.Tensor, dtypes: torch.dtype | Iterable[torch.dtype]
+) -> torch.Tensor:
     """`tensor` (stored as `name`) if it is one value ([] or [1]) of one of `dtypes`, else
     CheckpointError."""
     return check_stored(where, name, tensor, dtypes, (1,) if tensor.dim() == 1 else ())
 
 
-def unquantized_modules(state: Mapping[str, torch.Tensor], linear_names: list[str],
-                        quantized: Iterable[str]) -> list[str]:  # fmt: skip
+def unquantized_modules(
+    state: Mapping[str, torch.Tensor], linear_names: list[str], quantized: Iterable[str]
+) -> list[str]:
     """The linears an export leaves in float, for the format's skip list: those of
     `linear_names` (a model's nn.Linear modules) not in `quantized`; for a bare state_dict
     (no names), every 2-D float `<m>.weight` (an embedding too: the skip lists name modules
@@ -218,8 +249,11 @@ def unquantized_modules(state: Mapping[str, torch.Tensor], linear_names: list[st
     quantized = set(quantized)
     if not linear_names:
         linear_names = [
-            key.removesuffix(".weight") for key, value in state.items()
-            if key.endswith(".weight") and value.dim() == 2 and value.is_floating_point()
+            key.removesuffix(".weight")
+            for key, value in state.items()
+            if key.endswith(".weight")
+            and value.dim() == 2
+            and value.is_floating_point()
             and not isinstance(value, QTensor)
-        ]  # fmt: skip
+        ]
     return [name for name in linear_names if name not in quantized]

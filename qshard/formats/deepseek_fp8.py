@@ -40,15 +40,21 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
     block = qc.sizes("weight_block_size", 2, note=blocks)
     ue8m0 = qc.choice("scale_fmt", ("float", "ue8m0"), "float") == "ue8m0"
     scale_format = ScaleFormat.UE8M0 if ue8m0 else ScaleFormat.FP32
-    attrs = fp8_block_attrs(block, False, scale_format, lambda e: qc.error(
-        "weight_block_size", list(block), f"the FP8 layout refuses it: {e}"))  # fmt: skip
+    attrs = fp8_block_attrs(
+        block,
+        False,
+        scale_format,
+        lambda e: qc.error("weight_block_size", list(block), f"the FP8 layout refuses it: {e}"),
+    )
     state = {}
     scaled = {k[: -len(SCALE_SUFFIX)] for k in reader.names() if k.endswith(SCALE_SUFFIX)}
     orphans = sorted(p + SCALE_SUFFIX for p in scaled if p + ".weight" not in reader)
     if orphans:
-        raise CheckpointError(f"{reader.directory}: {orphans[0]!r} has no weight beside it "
-                              f"({orphans[0].removesuffix(SCALE_SUFFIX)}.weight); the file is "
-                              f"damaged or incomplete: re-export the checkpoint")  # fmt: skip
+        raise CheckpointError(
+            f"{reader.directory}: {orphans[0]!r} has no weight beside it "
+            f"({orphans[0].removesuffix(SCALE_SUFFIX)}.weight); the file is "
+            f"damaged or incomplete: re-export the checkpoint"
+        )
     for key in reader.names():
         prefix = key.removesuffix(".weight")
         if key.endswith(SCALE_SUFFIX):
@@ -63,20 +69,21 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
 def _tensor(reader, prefix: str, attrs: dict, dtype) -> QTensor:
     where = f"{reader.directory}: {prefix}"
     block, ue8m0 = attrs["block_size"], attrs["scale_format"] is ScaleFormat.UE8M0
-    weight = check_stored(where, "weight", reader.get(prefix + ".weight"), torch.float8_e4m3fn,
-                          (None, None))  # fmt: skip
+    weight = check_stored(
+        where, "weight", reader.get(prefix + ".weight"), torch.float8_e4m3fn, (None, None)
+    )
     n, k = weight.shape
     blocks = (-(-n // block[0]), -(-k // block[1]))
     # fp32, or bf16 (some Qwen3 files); e8m0 bytes with scale_fmt "ue8m0" (transformers' V4
     # convention). Each widens to fp32 exactly.
     scales = (torch.float32, torch.bfloat16, *((torch.float8_e8m0fnu,) if ue8m0 else ()))
-    scale = check_stored(where, SCALE_SUFFIX[1:], reader.get(prefix + SCALE_SUFFIX), scales,
-                         blocks)  # fmt: skip
+    scale = check_stored(where, SCALE_SUFFIX[1:], reader.get(prefix + SCALE_SUFFIX), scales, blocks)
     # Scales must be powers of two under ue8m0: the layout's own value rule, which
     # load_pretrained's validation (check_state) runs on every tensor.
     scale = scale.float()
-    tensor = Fp8BlockwiseTensor({"qdata": weight, "scale": scale}, shape=(n, k), dtype=dtype,
-                                **attrs)  # fmt: skip
+    tensor = Fp8BlockwiseTensor(
+        {"qdata": weight, "scale": scale}, shape=(n, k), dtype=dtype, **attrs
+    )
     tensor.validate()
     return tensor
 
@@ -122,8 +129,13 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
     # transformers skips only its defaults (lm_head) and makes every other nn.Linear an FP8
     # linear that expects a weight_scale_inv.
     skipped = unquantized_modules(state, linear_names, quantized)
-    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-          "weight_block_size": list(blocks.pop()), "modules_to_not_convert": skipped}  # fmt: skip
+    qc = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(blocks.pop()),
+        "modules_to_not_convert": skipped,
+    }
     if formats.pop() is ScaleFormat.UE8M0:
         qc["scale_fmt"] = "ue8m0"
     return tensors, {"quantization_config": qc}, {}

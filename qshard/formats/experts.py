@@ -53,8 +53,10 @@ __all__ = [
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 FUSED = ("gate_up_proj", "down_proj")
-EXPERT_KEY = re.compile(r"(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|"
-                        r"down_proj)\.weight")  # fmt: skip
+EXPERT_KEY = re.compile(
+    r"(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|"
+    r"down_proj)\.weight"
+)
 
 
 LEGACY_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -145,13 +147,17 @@ def _fuse_module(state, module: str, projections: dict[str, dict[int, str]], whe
     pieces = {p: [state[projections[p][e]] for e in range(experts)] for p in PROJECTIONS}
     _check_alike(module, pieces, where)
     try:
-        gate_up = [_join_rows(g, u) for g, u in zip(pieces["gate_proj"], pieces["up_proj"],
-                                                    strict=True)]  # fmt: skip
-        return {f"{module}.gate_up_proj": _stack(gate_up),
-                f"{module}.down_proj": _stack(pieces["down_proj"])}  # fmt: skip
+        gate_up = [
+            _join_rows(g, u) for g, u in zip(pieces["gate_proj"], pieces["up_proj"], strict=True)
+        ]
+        return {
+            f"{module}.gate_up_proj": _stack(gate_up),
+            f"{module}.down_proj": _stack(pieces["down_proj"]),
+        }
     except QShardError as e:
-        raise CheckpointError(f"{where}: {module}: joining the per-expert linears into the "
-                              f"model's 3-D experts: {e}") from None  # fmt: skip
+        raise CheckpointError(
+            f"{where}: {module}: joining the per-expert linears into the model's 3-D experts: {e}"
+        ) from None
 
 
 def _check_alike(module: str, pieces: dict[str, list[torch.Tensor]], where: str) -> None:
@@ -193,8 +199,12 @@ def _join_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             gate, up = gate.reblock(block_size), up.reblock(block_size)
             step = block
     if rows % step:
-        reblock = (f" (re-blocking finds no power-of-two block of {MIN_BLOCK} rows or more "
-                   f"dividing {rows})" if isinstance(gate, Fp8BlockwiseTensor) else "")  # fmt: skip
+        reblock = (
+            f" (re-blocking finds no power-of-two block of {MIN_BLOCK} rows or more "
+            f"dividing {rows})"
+            if isinstance(gate, Fp8BlockwiseTensor)
+            else ""
+        )
         raise CheckpointError(
             f"gate_proj and up_proj have I = {rows} rows, and {type(gate).__name__} packs rows "
             f"in steps of {step} {gate._packing_text()}: gate_up_proj would hold a partial "
@@ -275,8 +285,9 @@ def coarsen_fp8(w: Fp8BlockwiseTensor, block_size: tuple[int, int]) -> Fp8Blockw
     return w.with_changes({"scale": scale.contiguous()}, fresh=True, block_size=(cn, ck))
 
 
-def check_fit(state: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor],
-              where: str) -> None:  # fmt: skip
+def check_fit(
+    state: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], where: str
+) -> None:
     """CheckpointError if an experts weight of `state` (3-D) has another expert count or shape
     than the model's tensor under its key (`targets`), naming both, before anything is loaded."""
     for key, value in state.items():
@@ -284,8 +295,11 @@ def check_fit(state: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Ten
         if value.dim() != 3 or target is None or tuple(target.shape) == tuple(value.shape):
             continue
         ours, theirs = list(value.shape), list(target.shape)
-        what = (f"{ours[0]} experts in the checkpoint and {theirs[0]} in the model"
-                if ours[0] != theirs[0] else "experts of another shape")  # fmt: skip
+        what = (
+            f"{ours[0]} experts in the checkpoint and {theirs[0]} in the model"
+            if ours[0] != theirs[0]
+            else "experts of another shape"
+        )
         raise CheckpointError(
             f"{where}: {key!r} is {ours} in the checkpoint and {theirs} in the model ({what}); "
             f"build the model from the checkpoint's own config.json (its expert count and "

@@ -33,8 +33,9 @@ def detect(config: dict, hf_quant: dict | None) -> bool:
 
 
 def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dict:
-    scaled = {k.removesuffix(".weight_scale") for k in reader.names()
-              if k.endswith(".weight_scale")}  # fmt: skip
+    scaled = {
+        k.removesuffix(".weight_scale") for k in reader.names() if k.endswith(".weight_scale")
+    }
     state = {}
     for key in reader.names():
         prefix, _, name = key.rpartition(".")
@@ -47,8 +48,9 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
 
 def _weight(reader, prefix: str, dtype: torch.dtype) -> QTensor:
     where = f"{reader.directory}: {prefix}"
-    qdata = check_stored(where, "weight", reader.get(prefix + ".weight"), torch.float8_e4m3fn,
-                         (None, None))  # fmt: skip
+    qdata = check_stored(
+        where, "weight", reader.get(prefix + ".weight"), torch.float8_e4m3fn, (None, None)
+    )
     n = qdata.shape[0]
     scale = reader.get(prefix + ".weight_scale")  # [N, 1] (HF), or [N]
     rows = (n, 1) if scale.dim() == 2 else (n,)
@@ -78,6 +80,9 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
         else:
             tensors[key] = value
     skipped = unquantized_modules(state, linear_names, quantized)
-    qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": DEFAULT_SCALE_UB,
-          "modules_to_not_convert": skipped}  # fmt: skip
+    qc = {
+        "quant_method": "fbgemm_fp8",
+        "activation_scale_ub": DEFAULT_SCALE_UB,
+        "modules_to_not_convert": skipped,
+    }
     return tensors, {"quantization_config": qc}, {}

@@ -53,17 +53,32 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
 
 def _experts(reader, prefix: str, dtype: torch.dtype) -> dict:
     where = str(reader.directory)
-    blocks = check_stored(where, prefix + "_blocks", reader.get(prefix + "_blocks"), torch.uint8,
-                          (None, None, None, GROUP // 2))  # fmt: skip
+    blocks = check_stored(
+        where,
+        prefix + "_blocks",
+        reader.get(prefix + "_blocks"),
+        torch.uint8,
+        (None, None, None, GROUP // 2),
+    )
     experts, rows, groups = blocks.shape[:3]
-    scales = check_stored(where, prefix + "_scales", reader.get(prefix + "_scales"), torch.uint8,
-                          (experts, rows, groups))  # fmt: skip
+    scales = check_stored(
+        where,
+        prefix + "_scales",
+        reader.get(prefix + "_scales"),
+        torch.uint8,
+        (experts, rows, groups),
+    )
     inner = {
         "qdata": blocks.reshape(experts, rows, groups * GROUP // 2),
         "scale": scales.view(torch.float8_e8m0fnu),
     }
-    tensor = Mxfp4Tensor(inner, shape=(experts, rows, groups * GROUP), dtype=dtype,
-                         group_size=GROUP, backend=Backend.AUTO)  # fmt: skip
+    tensor = Mxfp4Tensor(
+        inner,
+        shape=(experts, rows, groups * GROUP),
+        dtype=dtype,
+        group_size=GROUP,
+        backend=Backend.AUTO,
+    )
     tensor.validate()
     return {prefix: tensor.transpose(-2, -1)}  # the model's [E, in, out]
 
@@ -76,9 +91,13 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
         if not isinstance(value, QTensor):
             tensors[key] = value
             continue
-        fits = (isinstance(value, Mxfp4Tensor) and value.group_size == GROUP
-                and value.experts is not None and value.transposed
-                and value.matrix_shape[1] % GROUP == 0)  # fmt: skip
+        fits = (
+            isinstance(value, Mxfp4Tensor)
+            and value.group_size == GROUP
+            and value.experts is not None
+            and value.transposed
+            and value.matrix_shape[1] % GROUP == 0
+        )
         if not fits:
             raise QShardError(
                 f"qshard.export(format='{NAME}'): {key!r} is a {type(value).__name__} "

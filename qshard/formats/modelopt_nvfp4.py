@@ -53,8 +53,9 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
     quantization = _quantization(config, hf_quant, reader.directory)
     quantization.choice("quant_algo", QUANT_ALGOS)
     quantization.choice("group_size", (GROUP,), GROUP, note="NVFP4 blocks are 16 values")
-    quantized = {k.removesuffix(".weight_scale_2") for k in reader.names()
-                 if k.endswith(".weight_scale_2")}  # fmt: skip
+    quantized = {
+        k.removesuffix(".weight_scale_2") for k in reader.names() if k.endswith(".weight_scale_2")
+    }
     state = {}
     for key in reader.names():
         prefix, _, name = key.rpartition(".")
@@ -71,13 +72,20 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
 
 def _tensor(reader, prefix: str, dtype: torch.dtype) -> QTensor:
     where = f"{reader.directory}: {prefix}"
-    packed = check_stored(where, "weight", reader.get(prefix + ".weight"), torch.uint8,
-                          (None, None))  # fmt: skip
+    packed = check_stored(
+        where, "weight", reader.get(prefix + ".weight"), torch.uint8, (None, None)
+    )
     n, k = packed.shape[0], packed.shape[1] * 2
-    scale = check_stored(where, "weight_scale", reader.get(prefix + ".weight_scale"),
-                         torch.float8_e4m3fn, (n, -(-k // GROUP)))  # fmt: skip
-    global_scale = check_scalar(where, "weight_scale_2", reader.get(prefix + ".weight_scale_2"),
-                                torch.float32)  # fmt: skip
+    scale = check_stored(
+        where,
+        "weight_scale",
+        reader.get(prefix + ".weight_scale"),
+        torch.float8_e4m3fn,
+        (n, -(-k // GROUP)),
+    )
+    global_scale = check_scalar(
+        where, "weight_scale_2", reader.get(prefix + ".weight_scale_2"), torch.float32
+    )
     if prefix + ".input_scale" in reader:  # dropped, but checked: it must be what it claims
         check_scalar(where, "input_scale", reader.get(prefix + ".input_scale"), torch.float32)
     inner = {"qdata": packed, "scale": scale, "global_scale": global_scale.float().reshape(1, 1)}
@@ -92,8 +100,10 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
         if isinstance(value, Nvfp4Tensor):
             w = value.t() if value.transposed else value
             if w.logical_shape[1] % GROUP:
-                raise QShardError(f"qshard.export(format='{NAME}'): {key!r} has K = "
-                                  f"{w.logical_shape[1]}, not a multiple of 16")  # fmt: skip
+                raise QShardError(
+                    f"qshard.export(format='{NAME}'): {key!r} has K = "
+                    f"{w.logical_shape[1]}, not a multiple of 16"
+                )
             prefix = key.removesuffix(".weight")
             tensors[prefix + ".weight"] = w.qdata
             tensors[prefix + ".weight_scale"] = w.scale
@@ -107,7 +117,11 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
         else:
             tensors[key] = value
     excluded = unquantized_modules(state, linear_names, quantized)
-    quantization = {"quant_algo": WEIGHT_ONLY_ALGO, "group_size": GROUP,
-                    "exclude_modules": excluded, "kv_cache_quant_algo": None}  # fmt: skip
+    quantization = {
+        "quant_algo": WEIGHT_ONLY_ALGO,
+        "group_size": GROUP,
+        "exclude_modules": excluded,
+        "kv_cache_quant_algo": None,
+    }
     hf_quant = {"producer": {"name": "qshard"}, "quantization": quantization}
     return tensors, {}, {HF_QUANT_CONFIG: hf_quant}

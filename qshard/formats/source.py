@@ -63,8 +63,10 @@ class SafetensorsDir:
     def __init__(self, directory: str | os.PathLike):
         self.directory = pathlib.Path(directory)
         if not self.directory.is_dir():
-            raise CheckpointError(f"{self.directory}: not a directory (a model directory holds "
-                                  f"config.json and *.safetensors)")  # fmt: skip
+            raise CheckpointError(
+                f"{self.directory}: not a directory (a model directory holds "
+                f"config.json and *.safetensors)"
+            )
         index_path = self.directory / INDEX_NAME
         if index_path.exists():
             files, weight_map = checkpoint_files(index_path)
@@ -123,25 +125,40 @@ def exact_bf16(values: torch.Tensor, where: str) -> torch.Tensor:
     return widened
 
 
-def fp8_rows(qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-             weight_only: bool) -> Fp8RowwiseTensor:  # fmt: skip
+def fp8_rows(
+    qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, weight_only: bool
+) -> Fp8RowwiseTensor:
     """The per-row FP8 layout of e4m3 `qdata` [N, K] with one multiplier per row, or one for
     the whole tensor (then repeated on every row: the same weights)."""
     n, k = qdata.shape
     rows = scale.float().reshape(-1, 1).expand(n, 1).contiguous()
-    tensor = Fp8RowwiseTensor({"qdata": qdata, "scale": rows}, shape=(n, k), dtype=dtype,
-                              weight_only=weight_only, backend=Backend.AUTO)  # fmt: skip
+    tensor = Fp8RowwiseTensor(
+        {"qdata": qdata, "scale": rows},
+        shape=(n, k),
+        dtype=dtype,
+        weight_only=weight_only,
+        backend=Backend.AUTO,
+    )
     tensor.validate()
     return tensor
 
 
-def fp8_block_attrs(block: tuple[int, ...], weight_only: bool, scale_format: ScaleFormat,
-                    refused: Callable[[QShardError], CheckpointError]) -> dict:  # fmt: skip
+def fp8_block_attrs(
+    block: tuple[int, ...],
+    weight_only: bool,
+    scale_format: ScaleFormat,
+    refused: Callable[[QShardError], CheckpointError],
+) -> dict:
     """The FP8 blockwise layout's attributes for a checkpoint's `block` (activation groups of
     1 x its K side), checked by the layout's own rules before any arithmetic with the block;
     else `refused(the layout's error)`, the reader's CheckpointError naming file and field."""
-    attrs = {"block_size": tuple(block), "act_group_size": block[-1], "weight_only": weight_only,
-             "scale_format": scale_format, "backend": Backend.AUTO}  # fmt: skip
+    attrs = {
+        "block_size": tuple(block),
+        "act_group_size": block[-1],
+        "weight_only": weight_only,
+        "scale_format": scale_format,
+        "backend": Backend.AUTO,
+    }
     try:
         Fp8BlockwiseTensor.check_attrs(attrs)
     except QShardError as e:
@@ -161,8 +178,9 @@ def matches_any(name: str, patterns: Iterable[str]) -> bool:
     return False
 
 
-def write_directory(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
-                    json_files: Mapping[str, dict]) -> pathlib.Path:  # fmt: skip
+def write_directory(
+    out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor], json_files: Mapping[str, dict]
+) -> pathlib.Path:
     """model.safetensors and the JSON files, all or nothing: written into a temporary directory
     beside `out_dir`, then renamed to it. `out_dir` must not exist or be empty."""
     out = pathlib.Path(out_dir)

@@ -58,15 +58,19 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
     metadata = reader.metadata()
     where = f"{reader.directory}: safetensors metadata"
     if "tensor_names" not in metadata:
-        raise CheckpointError(f"{reader.directory}: a torchao checkpoint without 'tensor_names' "
-                              f"in its safetensors metadata (torchao < 0.14 pickles; re-save "
-                              f"it with torchao's safetensors support)")  # fmt: skip
+        raise CheckpointError(
+            f"{reader.directory}: a torchao checkpoint without 'tensor_names' "
+            f"in its safetensors metadata (torchao < 0.14 pickles; re-save "
+            f"it with torchao's safetensors support)"
+        )
     names = parse_json(metadata["tensor_names"], f"{where} 'tensor_names'")
     state = {}
     for name in Fields({"tensor_names": names}, where).strings("tensor_names"):
         if name not in metadata:
-            raise CheckpointError(f"{where}: no entry for {name!r}, which tensor_names lists; "
-                                  f"the file is damaged, re-save it with torchao")  # fmt: skip
+            raise CheckpointError(
+                f"{where}: no entry for {name!r}, which tensor_names lists; "
+                f"the file is damaged, re-save it with torchao"
+            )
         entry = Fields(parse_json(metadata[name], f"{where} {name!r}"), where, repr(name))
         kind = entry.get("_type", str)
         if kind == "Tensor":
@@ -77,8 +81,10 @@ def load(reader, config: dict, hf_quant: dict | None, dtype: torch.dtype) -> dic
             state[name] = _int4(reader, name, entry, dtype)
         else:
             why = WHY_NOT.get(kind, "qshard reads Float8Tensor, Int4Tensor and plain tensors")
-            raise CheckpointError(f"{reader.directory}: {name!r} is a torchao {kind}, which "
-                                  f"qshard cannot load as stored: {why}")  # fmt: skip
+            raise CheckpointError(
+                f"{reader.directory}: {name!r} is a torchao {kind}, which "
+                f"qshard cannot load as stored: {why}"
+            )
     return state
 
 
@@ -92,30 +98,39 @@ def _int4(reader, name: str, entry: Fields, dtype: torch.dtype) -> Int4Tensor:
     data, prefix = entry.child("_data"), _prefix(name)
     where = f"{reader.directory}: {name}"
     if "act_pre_scale" in entry.strings("_tensor_data_names", []):
-        raise CheckpointError(f"{where}: an Int4Tensor with act_pre_scale (activations "
-                              f"scaled before the matmul, AWQ-style); qshard has none")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: an Int4Tensor with act_pre_scale (activations "
+            f"scaled before the matmul, AWQ-style); qshard has none"
+        )
     (n, k), block = data.sizes("shape", 2), data.sizes("block_size", 2)
     group = block[-1] if block[0] == 1 else 0
     if group not in GROUP_SIZES:
-        raise data.error("block_size", list(block), f"qshard reads Int4Tensors in groups of "
-                                                    f"{list(GROUP_SIZES)}: [1, group]")  # fmt: skip
+        raise data.error(
+            "block_size",
+            list(block),
+            f"qshard reads Int4Tensors in groups of {list(GROUP_SIZES)}: [1, group]",
+        )
     groups = -(-k // group)
-    qdata = check_stored(where, "qdata", reader.get(prefix + "qdata"), torch.int8,
-                         (n, -(-k // 2)))  # fmt: skip
+    qdata = check_stored(where, "qdata", reader.get(prefix + "qdata"), torch.int8, (n, -(-k // 2)))
     scale, zero = (
-        exact_bf16(check_stored(where, t, reader.get(prefix + t), SCALES, (groups, n)),
-                   f"{where} {t}")
+        exact_bf16(
+            check_stored(where, t, reader.get(prefix + t), SCALES, (groups, n)), f"{where} {t}"
+        )
         for t in ("scale", "zero_point")
-    )  # fmt: skip
+    )
     # q in -8..7 as two's complement nibbles -> the code u = q + 8: flip each nibble's top bit.
     codes = qdata.view(torch.uint8) ^ 0x88
     if k % 2:
         codes[:, -1] &= 15  # the layout leaves an odd K's last high nibble zero
     tensor = Int4Tensor(
         {"qdata": codes, "scale": scale.t().contiguous(), "zero": zero.t().contiguous()},
-        shape=(n, k), dtype=dtype, group_size=group, symmetric=False, backend=Backend.AUTO,
+        shape=(n, k),
+        dtype=dtype,
+        group_size=group,
+        symmetric=False,
+        backend=Backend.AUTO,
         zero_point_domain=ZeroPointDomain.FLOAT,
-    )  # fmt: skip
+    )
     tensor.validate()
     return tensor.repack_for_device()
 
@@ -125,21 +140,29 @@ def _float8(reader, name: str, entry: Fields, dtype: torch.dtype):
     data = entry.child("_data")
     block = data.sizes("block_size", 2, note="qshard reads 2-D Float8Tensors")
     weight_only = data.child("act_quant_kwargs", None) is None
-    qdata = check_stored(where, "qdata", reader.get(prefix + "qdata"), torch.float8_e4m3fn,
-                         (None, None))  # fmt: skip
+    qdata = check_stored(
+        where, "qdata", reader.get(prefix + "qdata"), torch.float8_e4m3fn, (None, None)
+    )
     n, k = qdata.shape
     scale = reader.get(prefix + "scale")  # fp32 (torchao's _choose_scale_float8)
     if block in ((1, k), (n, k)):  # per row ([N, 1]), or one scale for the whole tensor
         shape = (n, 1) if block[0] == 1 else (1,) * min(scale.dim(), 2)
         scale = check_stored(where, "scale", scale, torch.float32, shape)
         return fp8_rows(qdata, scale, dtype, weight_only)
-    attrs = fp8_block_attrs(block, weight_only, ScaleFormat.FP32, lambda e: CheckpointError(
-        f"{where}: a Float8Tensor with block_size {list(block)}; qshard's FP8 layouts take "
-        f"rows ([1, K]), the whole tensor, or blocks the blockwise layout accepts "
-        f"(torchao's PerBlock([128, 128])): {e}"))  # fmt: skip
+    attrs = fp8_block_attrs(
+        block,
+        weight_only,
+        ScaleFormat.FP32,
+        lambda e: CheckpointError(
+            f"{where}: a Float8Tensor with block_size {list(block)}; qshard's FP8 layouts take "
+            f"rows ([1, K]), the whole tensor, or blocks the blockwise layout accepts "
+            f"(torchao's PerBlock([128, 128])): {e}"
+        ),
+    )
     blocks = (-(-n // block[0]), -(-k // block[1]))
     scale = check_stored(where, "scale", scale, torch.float32, blocks)
-    tensor = Fp8BlockwiseTensor({"qdata": qdata, "scale": scale}, shape=(n, k), dtype=dtype,
-                                **attrs)  # fmt: skip
+    tensor = Fp8BlockwiseTensor(
+        {"qdata": qdata, "scale": scale}, shape=(n, k), dtype=dtype, **attrs
+    )
     tensor.validate()
     return tensor

@@ -194,14 +194,18 @@ def local_part(weight: QTensor, target, key: str, style: str | None, record=None
     mesh, placements = target.device_mesh, tuple(target.placements)
     where = f"from_pretrained with a tp_plan: {key!r} (style {style!r}, placed {placements})"
     if mesh.ndim != 1 or len(placements) != 1:
-        raise QShardError(f"{where} is placed on a {mesh.ndim}-D mesh; qshard cuts quantized "
-                          f"weights over one mesh dimension: {_INSTEAD}")  # fmt: skip
+        raise QShardError(
+            f"{where} is placed on a {mesh.ndim}-D mesh; qshard cuts quantized "
+            f"weights over one mesh dimension: {_INSTEAD}"
+        )
     (placement,) = placements
     if isinstance(placement, Replicate):
         return weight
     if not isinstance(placement, Shard | _StridedShard):
-        raise QShardError(f"{where}: qshard cuts quantized weights by Shard and _StridedShard "
-                          f"placements, not {placement}; {_INSTEAD}")  # fmt: skip
+        raise QShardError(
+            f"{where}: qshard cuts quantized weights by Shard and _StridedShard "
+            f"placements, not {placement}; {_INSTEAD}"
+        )
     world, rank = mesh.size(), mesh.get_local_rank()
     dim = placement.dim % weight.dim()
     realigned = _realigned(weight, dim, placement, world, where, record)
@@ -218,8 +222,9 @@ def local_part(weight: QTensor, target, key: str, style: str | None, record=None
 
 
 def _cuts(size: int, placement, world: int) -> list[int]:
-    bounds = {o for r in range(world) for a, b in rank_ranges(size, placement, world, r)
-              for o in (a, b)}  # fmt: skip
+    bounds = {
+        o for r in range(world) for a, b in rank_ranges(size, placement, world, r) for o in (a, b)
+    }
     return sorted(bounds - {0, size})
 
 
@@ -265,8 +270,7 @@ class QShardDeserialize(ConversionOps):
         # records and the failures it raises at the end) instead of copying it each time
         return type(self)(self.hf_quantizer)
 
-    def convert(self, input_dict, source_patterns=None, model=None, full_layer_name=None,
-                **kwargs):  # fmt: skip
+    def convert(self, input_dict, source_patterns=None, model=None, full_layer_name=None, **kwargs):
         quantizer = self.hf_quantizer
         try:
             inner = {}
@@ -281,7 +285,6 @@ class QShardDeserialize(ConversionOps):
                 weight = quantizer.build(full_layer_name, inner, target.dtype)
                 return {full_layer_name: nn.Parameter(weight, requires_grad=False)}
             if not hasattr(quantizer, "parallel_styles"):  # no update_parallel_plan call
-
                 raise QShardError(
                     f"from_pretrained with a tp_plan: {full_layer_name!r} is sharded by "
                     f"transformers {transformers.__version__}, which did not show qshard its "
@@ -290,8 +293,9 @@ class QShardDeserialize(ConversionOps):
                 )
             # transformers read each inner tensor cut as if it were the weight: read them whole
             device = next(iter(inner.values())).device
-            whole = quantizer.build(full_layer_name, quantizer.read_whole(full_layer_name),
-                                    target.dtype)  # fmt: skip
+            whole = quantizer.build(
+                full_layer_name, quantizer.read_whole(full_layer_name), target.dtype
+            )
             style = getattr(quantizer, "parallel_styles", {}).get(full_layer_name)
             record = quantizer.records[full_layer_name]
             local = local_part(whole, target, full_layer_name, style, record)

@@ -116,17 +116,24 @@ class QShardConfig(QuantizationConfigMixin):
         self.config_groups = groups
         self.config = config
         self.include, self.exclude = include, exclude
-        for field, value in (("include", include), ("exclude", exclude), ("keep_float",
-                                                                          keep_float)):  # fmt: skip
+        for field, value in (
+            ("include", include),
+            ("exclude", exclude),
+            ("keep_float", keep_float),
+        ):
             patterns = [value] if isinstance(value, str) else value
-            if value is not None and not (isinstance(patterns, list | tuple) and
-                                          all(isinstance(p, str) for p in patterns)):  # fmt: skip
+            if value is not None and not (
+                isinstance(patterns, list | tuple) and all(isinstance(p, str) for p in patterns)
+            ):
                 raise ConfigError(
                     f"QShardConfig: {field}={value!r}; pass a fnmatch pattern or a list of them, "
                     f"e.g. ['*.mlp.*']"
                 )
-        self.keep_float = list(KEEP_FLOAT) if keep_float is None else (
-            [keep_float] if isinstance(keep_float, str) else list(keep_float))  # fmt: skip
+        self.keep_float = (
+            list(KEEP_FLOAT)
+            if keep_float is None
+            else ([keep_float] if isinstance(keep_float, str) else list(keep_float))
+        )
 
     @classmethod
     def of_model(cls, model: nn.Module) -> QShardConfig:
@@ -148,8 +155,12 @@ class QShardConfig(QuantizationConfigMixin):
             "config_groups": self.config_groups,
         }
         if self.config is not None:  # a request to quantize while loading
-            out.update(config=self.config.to_dict(), include=self.include, exclude=self.exclude,
-                       keep_float=self.keep_float)  # fmt: skip
+            out.update(
+                config=self.config.to_dict(),
+                include=self.include,
+                exclude=self.exclude,
+                keep_float=self.keep_float,
+            )
         return out
 
 
@@ -188,8 +199,9 @@ class QShardHfQuantizer(HfQuantizer):
         if not self.pre_quantized:
             self._select_for_quantization(model)
             return
-        if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in
-                                           checkpoint_files):  # fmt: skip
+        if not checkpoint_files or not all(
+            str(f).endswith(".safetensors") for f in checkpoint_files
+        ):
             raise CheckpointError(
                 f"from_pretrained of a qshard checkpoint: files {checkpoint_files}; qshard "
                 f"checkpoints are safetensors files (model.safetensors or an index), written by "
@@ -208,8 +220,9 @@ class QShardHfQuantizer(HfQuantizer):
             )
         prefix = f"{model.base_model_prefix}."
         for key, record in quantized.items():
-            target = next((k for k in (key, prefix + key, key.removeprefix(prefix)) if k in
-                           params), None)  # fmt: skip
+            target = next(
+                (k for k in (key, prefix + key, key.removeprefix(prefix)) if k in params), None
+            )
             if target is None:
                 raise CheckpointError(
                     f"{where[key]}: quantized entry {key!r} is no parameter of "
@@ -346,8 +359,9 @@ class QShardHfQuantizer(HfQuantizer):
         selected = self.selected[key]
         weight = value.to(target.dtype)
         try:
-            return quantize_tensor(self.handler, weight, self.quantization_config.config,
-                                   selected.transposed)  # fmt: skip
+            return quantize_tensor(
+                self.handler, weight, self.quantization_config.config, selected.transposed
+            )
         except UnsupportedWeightError as e:
             self.skipped[selected.name] = str(e)
             return weight
@@ -361,16 +375,18 @@ class QShardHfQuantizer(HfQuantizer):
 
         qc = self.quantization_config
         left = {**self.selected, **self.tied}
-        names = {t.name for k, t in left.items() if not isinstance(model.get_parameter(k),
-                                                                     QTensor)}  # fmt: skip
+        names = {t.name for k, t in left.items() if not isinstance(model.get_parameter(k), QTensor)}
         names -= set(self.skipped)
         if names:
             report = quantize_(model, qc.config, include=sorted(names), keep_float=qc.keep_float)
             self.skipped.update({s.name: s.reason for s in report.skipped if s.name in names})
         if self.skipped:
             lines = "; ".join(f"{name}: {why}" for name, why in sorted(self.skipped.items()))
-            warnings.warn(f"from_pretrained with a QShardConfig: {len(self.skipped)} selected "
-                          f"weights stayed float: {lines}", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"from_pretrained with a QShardConfig: {len(self.skipped)} selected "
+                f"weights stayed float: {lines}",
+                stacklevel=2,
+            )
         self.pre_quantized = True
         self.quantization_config = QShardConfig.of_model(model)
         model.config.quantization_config = self.quantization_config
@@ -481,8 +497,10 @@ def read_records(files) -> tuple[dict[str, Record], dict[str, str], dict[str, st
     headers = [read_header(pathlib.Path(f)) for f in files]
     where = str(headers[0].path.parent if len(headers) > 1 else headers[0].path)
     records, holder = decode_headers(headers, where)
-    places = {key: str(holder[r.stored()[0].key].path) if r.stored() else where for key, r in
-              records.items()}  # fmt: skip
+    places = {
+        key: str(holder[r.stored()[0].key].path) if r.stored() else where
+        for key, r in records.items()
+    }
     return records, places, {key: str(header.path) for key, header in holder.items()}
 
 

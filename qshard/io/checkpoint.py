@@ -416,8 +416,9 @@ def _verified_range(f, header: FileHeader, stored: StoredTensor, begin: int, end
     f.seek(header.offsets[stored.key] + low)
     count = f.readinto(buffer.numpy()) if high > low else 0
     if count != high - low:
-        raise CheckpointError(f"{header.path}: tensor {stored.key!r} is cut short; the file "
-                              f"changed while loading")  # fmt: skip
+        raise CheckpointError(
+            f"{header.path}: tensor {stored.key!r} is cut short; the file changed while loading"
+        )
     data = buffer.numpy()
     for index in range(first, last):
         piece = data[index * chunk - low : (index + 1) * chunk - low]

@@ -349,9 +349,14 @@ def _decode_record(key: str, raw: Any, stored: Mapping[str, StoredTensor], where
                 f"{dtype_name(expected_dtype)}{list(expected_shape)}"
             )
     return Record(
-        key, layout=layout, shape=shape, dtype=dtype, transposed=transposed, attrs=attrs,
+        key,
+        layout=layout,
+        shape=shape,
+        dtype=dtype,
+        transposed=transposed,
+        attrs=attrs,
         inner=inner,
-    )  # fmt: skip
+    )
 
 
 def _decode_stored(raw: Any, stored: Mapping[str, StoredTensor], at: str) -> StoredTensor:

@@ -113,8 +113,10 @@ def load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, stri
             values = _read_all(checkpoint, keys, placements, device, mesh, dtypes)
         except Exception as e:  # re-raised below, on every rank
             failure = e
-        other = ("qshard.load: another rank's part of the checkpoint failed its checks (that "
-                 "rank's error names it); no rank's model was changed")  # fmt: skip
+        other = (
+            "qshard.load: another rank's part of the checkpoint failed its checks (that "
+            "rank's error names it); no rank's model was changed"
+        )
         failure = agree_on_failure(mesh, failure, other)
         if failure is not None:
             raise failure

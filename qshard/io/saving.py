@@ -52,9 +52,16 @@ __all__ = ["DEFAULT_MAX_SHARD_SIZE", "QUANTIZATION_CONFIG_NAME", "parse_size", "
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 QUANTIZATION_CONFIG_NAME = "quantization_config.json"
 _UNITS = {
-    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-}  # fmt: skip
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
@@ -168,8 +175,10 @@ def _agree(state: Mapping[str, torch.Tensor], failure: QShardError | None) -> QS
     """This rank's failure, or one saying that another rank's shard failed: every rank of a
     sharded save agrees (one all_reduce) before the gathers, so none is left waiting in one."""
     mesh = next(v.device_mesh for v in state.values() if is_dtensor(v))
-    other = ("qshard.save: another rank's shard of a quantized weight failed its checks (that "
-             "rank's error names it); nothing was written")  # fmt: skip
+    other = (
+        "qshard.save: another rank's shard of a quantized weight failed its checks (that "
+        "rank's error names it); nothing was written"
+    )
     return agree_on_failure(mesh, failure, other)
 
 
@@ -403,8 +412,9 @@ def _file_contents(group: list[_Entry], version: str, save_id: str):
         for part, (key, tensor) in zip(entry.parts(), entry.stored().items(), strict=True):
             tensors[key] = cpu = tensor.detach().to("cpu").contiguous()
             whole, chunks = chunk_crcs(cpu, CHUNK_BYTES)
-            stored[part] = StoredTensor(key, cpu.dtype, tuple(cpu.shape), whole, CHUNK_BYTES,
-                                        chunks)  # fmt: skip
+            stored[part] = StoredTensor(
+                key, cpu.dtype, tuple(cpu.shape), whole, CHUNK_BYTES, chunks
+            )
         if isinstance(entry.value, QTensor):
             records[entry.key] = qtensor_record(entry.key, entry.value, stored)
         else:

@@ -68,8 +68,10 @@ except Exception as error:  # an old or a future Triton
 if GLUON_IMPORT_ERROR is None:
     # a shared-memory view with another shape or layout: `reinterpret` since triton 3.7,
     # `_reinterpret` in 3.6
-    _REINTERPRET = (getattr(gl.shared_memory_descriptor, "reinterpret", None)
-                    or gl.shared_memory_descriptor._reinterpret)  # fmt: skip
+    _REINTERPRET = (
+        getattr(gl.shared_memory_descriptor, "reinterpret", None)
+        or gl.shared_memory_descriptor._reinterpret
+    )
 
     @gluon.jit
     def reinterpret(desc, shape: gl.constexpr):
@@ -83,16 +85,31 @@ if GLUON_IMPORT_ERROR is None:
         if HAS_BIAS:
             acc += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
         mask = (rows < N)[:, None] & (toks < M)[None, :]
-        gl.store(out_ptr + toks[None, :] * N + rows[:, None],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        gl.store(
+            out_ptr + toks[None, :] * N + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask
+        )
 
     _HALF_ROWS = gl.constexpr(HALF_ROWS)
     _TILE_ROWS = gl.constexpr(TILE_ROWS)
 
     @gluon.jit
-    def finish_half(acc, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, split, splits, half,
-                     tiles, M, N, toks, HAS_BIAS: gl.constexpr,
-                     SPLIT: gl.constexpr):  # fmt: skip
+    def finish_half(
+        acc,
+        bias_ptr,
+        out_ptr,
+        part_ptr,
+        cnt_ptr,
+        tile,
+        split,
+        splits,
+        half,
+        tiles,
+        M,
+        N,
+        toks,
+        HAS_BIAS: gl.constexpr,
+        SPLIT: gl.constexpr,
+    ):
         """Write this warpgroup's half tile, or store it as its split's partial sums and, if it
         is the half's last to arrive, write their sum in split order (split_k.py's scheme)."""
         MMA: gl.constexpr = acc.type.layout
@@ -112,8 +129,7 @@ if GLUON_IMPORT_ERROR is None:
             if arrived == splits - 1:
                 total = gl.zeros_like(acc)
                 for sp in range(splits):
-                    total += gl.load(part_ptr + sp * stride + half_tile + at,
-                                     cache_modifier=".cg")  # fmt: skip
+                    total += gl.load(part_ptr + sp * stride + half_tile + at, cache_modifier=".cg")
                 store_transposed(total, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
         else:
             store_transposed(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
@@ -124,8 +140,9 @@ def half_tile_workspace(splits: int, tiles: int, block_t: int, out: torch.Tensor
     and a counter per half tile; `out` twice when K is not split (nothing is read then)."""
     if splits == 1:
         return out, out
-    partials = torch.empty(splits * tiles * TILE_ROWS * block_t, dtype=torch.float32,
-                           device=out.device)  # fmt: skip
+    partials = torch.empty(
+        splits * tiles * TILE_ROWS * block_t, dtype=torch.float32, device=out.device
+    )
     # zeroed per launch (a memset): counters kept per device and stream and re-zeroed by the
     # last arrivals break when the cached tensor is first allocated under torch.compile's CUDA
     # graphs (warm-up and capture allocate from the graph's pool): "Detected 1 tensor(s) in the

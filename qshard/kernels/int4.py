@@ -30,7 +30,7 @@ from .packing import (
     linear_float64,
     pack_nibbles,
     unpack_nibbles,
-)  # fmt: skip
+)
 
 __all__ = [
     "SCALE_DTYPE",
@@ -46,9 +46,12 @@ SYMMETRIC_ZERO = 8.0
 
 
 def quantize_int4(
-    weight: torch.Tensor, group: int, symmetric: bool, float_zero: bool = False,
+    weight: torch.Tensor,
+    group: int,
+    symmetric: bool,
+    float_zero: bool = False,
     params: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float -> (packed uint8 [N, ceil(K/2)], scale bf16 [N, G], zero bf16 [N, G] or
     [0, 0] when symmetric), G = ceil(K/group). `float_zero`: zero is a float (see above).
     `params`: (scale, zero) to round with instead of the groups' own (a calibration's: GPTQ)."""
@@ -80,9 +83,13 @@ def quantize_int4(
 
 
 def int4_codes(
-    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, symmetric: bool,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group: int,
+    symmetric: bool,
     float_zero: bool,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """fp32 [N, K] -> its codes u (uint8 0..15) under the groups' scale and zero, rounded to
     nearest (ties to even) and clamped."""
     k = w.shape[1]
@@ -111,9 +118,14 @@ def _quantize_float_zero(w: torch.Tensor, group: int):
 
 
 def dequantize_int4(
-    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, k: int,
-    dtype: torch.dtype, float_zero: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group: int,
+    k: int,
+    dtype: torch.dtype,
+    float_zero: bool = False,
+) -> torch.Tensor:
     """(u - zero) * scale in fp32, rounded once to `dtype`; zero = 8 when `zero` is empty.
     `float_zero`: (u - 8) * scale + zero, rounded once to fp32 (an FMA), then to `dtype`: the
     product has at most 12 significant bits (4 of the code, 8 of the bf16 scale), so it is
@@ -131,9 +143,14 @@ def dequantize_int4(
 
 
 def int4_linear_reference(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-    group: int, bias: torch.Tensor | None = None, float_zero: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None = None,
+    float_zero: bool = False,
+) -> torch.Tensor:
     """y = x @ W.T + bias with W dequantized to x's dtype (what a W4A16 kernel multiplies),
     accumulated in float64 and rounded once: exact enough that the result does not depend on
     BLAS blocking, so column-parallel shards equal the single-device output bit for bit."""

@@ -61,9 +61,13 @@ def _load_gemlite():
 
 
 def gemlite_form(
-    qdata: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, k: int,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group: int,
+    k: int,
     dtype: torch.dtype,
-) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:  # fmt: skip
+) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
     """({"gemlite_w", "gemlite_scales", "gemlite_zeros", "gemlite_meta_scale"}, meta) for the
     canonical int4 weight; meta = (K, K_pad, N, gemlite's 12 meta arguments...). A partial last
     group is padded with zero-weight columns (code = zero point)."""

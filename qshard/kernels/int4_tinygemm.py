@@ -52,9 +52,14 @@ def _inner_k_tiles(k_padded: int) -> int:
 
 
 def tinygemm_form(
-    qdata: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, k: int,
-    dtype: torch.dtype, float_zero: bool = False,
-) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:  # fmt: skip
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group: int,
+    k: int,
+    dtype: torch.dtype,
+    float_zero: bool = False,
+) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
     """({"tinygemm_qdata", "tinygemm_scale_zero"}, (group, K, N)) for the canonical int4 weight
     on qdata's device. scale_zero is [K_pad / group, N_pad, 2]: bf16 on CUDA; on the CPU, whose
     kernel takes it in the activation dtype, in the weight's dtype `dtype` (what activations

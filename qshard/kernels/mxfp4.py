@@ -28,12 +28,16 @@ from .packing import (
     linear_float64,
     pack_nibbles,
     unpack_nibbles,
-)  # fmt: skip
+)
 
 __all__ = [
-    "E2M1_VALUES", "GROUP", "dequantize_mxfp4", "e2m1_values", "mxfp4_linear_reference",
+    "E2M1_VALUES",
+    "GROUP",
+    "dequantize_mxfp4",
+    "e2m1_values",
+    "mxfp4_linear_reference",
     "quantize_mxfp4",
-]  # fmt: skip
+]
 
 GROUP = 32
 E2M1_MAX = 6.0
@@ -104,9 +108,12 @@ def dequantize_mxfp4(
 
 
 def mxfp4_linear_reference(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    group: int,
     bias: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """y = x @ W.T + bias, W dequantized to x's dtype, accumulated in float64 (packing.py)."""
     weight = dequantize_mxfp4(packed, scale, group, x.shape[-1], x.dtype)
     return linear_float64(x, weight, bias)

@@ -52,9 +52,11 @@ def global_scale_of(weight: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nvfp4(
-    weight: torch.Tensor, global_scale: torch.Tensor, group: int = GROUP,
+    weight: torch.Tensor,
+    global_scale: torch.Tensor,
+    group: int = GROUP,
     scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (packed uint8 [N, ceil(K/2)], block scales e4m3 [N, ceil(K/group)]).
     `scale`: e4m3 block scales to round with instead of the blocks' own (a calibration's)."""
     w = weight.float()
@@ -72,18 +74,25 @@ def quantize_nvfp4(
 
 
 def dequantize_nvfp4(
-    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, group: int, k: int,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    group: int,
+    k: int,
     dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     values = apply_groups(e2m1_values(packed, k), scale.float(), group, torch.Tensor.mul_)
     return values.mul_(global_scale).to(dtype)
 
 
 def nvfp4_linear_reference(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
     group: int,
     bias: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """y = x @ W.T + bias, W dequantized to x's dtype, accumulated in float64 (packing.py)."""
     weight = dequantize_nvfp4(packed, scale, global_scale, group, x.shape[-1], x.dtype)
     return linear_float64(x, weight, bias)

@@ -7,9 +7,17 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "NATIVE_CHUNK", "apply_groups", "canonical_codes", "check_native_order", "expand_groups",
-    "group_reduce", "linear_float64", "native_codes", "pack_nibbles", "unpack_nibbles",
-]  # fmt: skip
+    "NATIVE_CHUNK",
+    "apply_groups",
+    "canonical_codes",
+    "check_native_order",
+    "expand_groups",
+    "group_reduce",
+    "linear_float64",
+    "native_codes",
+    "pack_nibbles",
+    "unpack_nibbles",
+]
 
 NATIVE_CHUNK = 128  # the columns the native code order permutes within (`native_codes`)
 
@@ -49,8 +57,10 @@ def _permute_chunks(qdata: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     packed = qdata.view(torch.uint8)
     lead, k = packed.shape[:-1], 2 * packed.shape[-1]
     if k % NATIVE_CHUNK:
-        raise ValueError(f"the native code order permutes whole {NATIVE_CHUNK}-column chunks: "
-                         f"K % {NATIVE_CHUNK} == 0, not K = {k}")
+        raise ValueError(
+            f"the native code order permutes whole {NATIVE_CHUNK}-column chunks: "
+            f"K % {NATIVE_CHUNK} == 0, not K = {k}"
+        )
     rows = packed.reshape(-1, k // 2)
     codes = unpack_nibbles(rows, k).view(rows.shape[0], k // NATIVE_CHUNK, NATIVE_CHUNK)
     out = pack_nibbles(codes[:, :, index].reshape(rows.shape[0], k))
@@ -79,8 +89,10 @@ def check_native_order(int4: bool, group: int, format_name: str) -> None:
     its group must hold whole chunks: FP4's groups of 16 and 32, and int4 re-grouped by a TP
     cut, do not; the wgmma kernel's consumers also load one scale per canonical 32-column run)."""
     if not int4 or group % NATIVE_CHUNK:
-        raise ValueError(f"the native code order is for int4 formats with groups of "
-                         f"{NATIVE_CHUNK} or a multiple: not {format_name}, group {group}")
+        raise ValueError(
+            f"the native code order is for int4 formats with groups of "
+            f"{NATIVE_CHUNK} or a multiple: not {format_name}, group {group}"
+        )
 
 
 def group_reduce(weight: torch.Tensor, group: int, reduce) -> torch.Tensor:

@@ -51,8 +51,9 @@ def workspace(m: int, n: int, splits: int, tiles: int, device: torch.device):
 
 
 @triton.jit
-def store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om,
-               HAS_BIAS: tl.constexpr):  # fmt: skip
+def store_tile(
+    acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om, HAS_BIAS: tl.constexpr
+):
     """out[m, n] = acc.T[m, n] + bias[n], the bias added in fp32, then cast to out's dtype."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -61,8 +62,22 @@ def store_tile(acc, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, stride_om,
 
 
 @triton.jit
-def finish_tile(acc, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok,
-                M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+def finish_tile(
+    acc,
+    partials_ptr,
+    arrived_ptr,
+    bias_ptr,
+    out_ptr,
+    offs_n,
+    offs_m,
+    n_ok,
+    m_ok,
+    M,
+    N,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """Write this program's [BLOCK_N, BLOCK_M] tile, or with SPLIT store it as its split's
     partial sums and, if it is the tile's last program to arrive, write their sum in split
     order. Grid: (n-tile, split, m-tile)."""

@@ -144,9 +144,15 @@ def weight_only_backend(weight: QTensor, x: torch.Tensor) -> Backend:
 
 
 def weight_only_grouped_linear(
-    weight: QTensor, x: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None, fmt: str,
-    group: int, zero: torch.Tensor | None = None, global_scale: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+    weight: QTensor,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    bias: torch.Tensor | None,
+    fmt: str,
+    group: int,
+    zero: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`grouped_linear` of 4-bit experts (int4, MXFP4, NVFP4; `fmt` names the kernel's format):
     the fused grouped kernel (kernels/grouped/) where `weight_only_backend` picks
     Triton, else each expert's reference (QTensor.grouped_linear)."""
@@ -156,7 +162,14 @@ def weight_only_grouped_linear(
     load_grouped_ops()
     empty = weight.qdata.new_empty(0)
     return torch.ops.qshard.w4a16_grouped_linear(
-        x, offs, weight.qdata, weight.scale, empty if zero is None else zero,
-        empty if global_scale is None else global_scale, bias, fmt, group,
+        x,
+        offs,
+        weight.qdata,
+        weight.scale,
+        empty if zero is None else zero,
+        empty if global_scale is None else global_scale,
+        bias,
+        fmt,
+        group,
         weight.logical_shape[-1],
-    )  # fmt: skip
+    )

@@ -230,9 +230,16 @@ class Fp8BlockwiseTensor(QTensor):
             load_gpu_ops()
             (bn, bk), ue8m0 = self.block_size, self.scale_format is ScaleFormat.UE8M0
             return torch.ops.qshard.fp8_blockwise_linear(
-                x, self.qdata, self.scale, bias, bn, bk, self.act_group_size, ue8m0,
+                x,
+                self.qdata,
+                self.scale,
+                bias,
+                bn,
+                bk,
+                self.act_group_size,
+                ue8m0,
                 backend.value,
-            )  # fmt: skip
+            )
         # auto where no qshard kernel runs (the CPU): dequantize, then the BLAS.
         linear = (
             fp8_blockwise_linear_reference

@@ -80,9 +80,11 @@ class Fp8RowwiseTensor(QTensor):
 
     @classmethod
     def quantize_matrix(
-        cls, weight: torch.Tensor, config: Fp8RowwiseConfig | None = None,
+        cls,
+        weight: torch.Tensor,
+        config: Fp8RowwiseConfig | None = None,
         scale: torch.Tensor | None = None,
-    ) -> Fp8RowwiseTensor:  # fmt: skip
+    ) -> Fp8RowwiseTensor:
         """Quantize `weight` with its own row scales, or with `scale` [N, 1] (its whole rows')."""
         config = checked_config(cls.__name__, Fp8RowwiseConfig, config)
         check_float_weight(cls.__name__, weight)

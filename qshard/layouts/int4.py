@@ -77,8 +77,12 @@ MIN_GROUP = 16  # the finest re-grouping of a TP cut
 # measured), finer groups more.
 INT4_MIN_SQNR_DB = 17.0
 AVAILABLE_BACKENDS = (
-    Backend.AUTO, Backend.REFERENCE, Backend.TRITON, Backend.TINYGEMM, Backend.GEMLITE,
-)  # fmt: skip
+    Backend.AUTO,
+    Backend.REFERENCE,
+    Backend.TRITON,
+    Backend.TINYGEMM,
+    Backend.GEMLITE,
+)
 DEVICE_FORM_BACKENDS = (Backend.TINYGEMM, Backend.GEMLITE)
 
 
@@ -110,8 +114,10 @@ class Int4WeightOnlyConfig(QuantConfig):
         domain = parse_enum(ZeroPointDomain, self.zero_point_domain, "zero_point_domain", name)
         self._set("zero_point_domain", domain)
         if domain is ZeroPointDomain.FLOAT and self.symmetric:
-            raise ConfigError(f"{name}: zero_point_domain='float' is for asymmetric weights; "
-                              f"use symmetric=False, or zero_point_domain='int'")  # fmt: skip
+            raise ConfigError(
+                f"{name}: zero_point_domain='float' is for asymmetric weights; "
+                f"use symmetric=False, or zero_point_domain='int'"
+            )
         if domain is ZeroPointDomain.FLOAT and self.backend is Backend.GEMLITE:
             raise ConfigError(
                 f"{name}: gemlite takes integer zero points ((u - z) * s); a float zero point "
@@ -144,8 +150,9 @@ class Int4Tensor(QTensor):
     # Checkpoints written before the attributes existed hold integer zero points and canonical
     # codes.
     attr_defaults: ClassVar[dict] = {
-        "zero_point_domain": ZeroPointDomain.INT, "code_order": CodeOrder.CANONICAL,
-    }  # fmt: skip
+        "zero_point_domain": ZeroPointDomain.INT,
+        "code_order": CodeOrder.CANONICAL,
+    }
     storage_attrs = ("code_order",)
     min_linear_sqnr_db: ClassVar[float] = INT4_MIN_SQNR_DB
 
@@ -163,14 +170,18 @@ class Int4Tensor(QTensor):
         try:  # a string names an order too; the comparisons below are of members
             self.code_order = CodeOrder(self.code_order)
         except ValueError:
-            raise ConfigError(f"Int4Tensor: code_order {self.code_order!r} is not one of "
-                              f"{[o.value for o in CodeOrder]}") from None  # fmt: skip
+            raise ConfigError(
+                f"Int4Tensor: code_order {self.code_order!r} is not one of "
+                f"{[o.value for o in CodeOrder]}"
+            ) from None
 
     @classmethod
     def quantize_matrix(
-        cls, weight: torch.Tensor, config: Int4WeightOnlyConfig | None = None,
+        cls,
+        weight: torch.Tensor,
+        config: Int4WeightOnlyConfig | None = None,
         group_params: dict[str, torch.Tensor] | None = None,
-    ) -> Int4Tensor:  # fmt: skip
+    ) -> Int4Tensor:
         """Quantize `weight`; with `group_params` ({"scale", "zero"} as this layout stores them,
         e.g. chosen by `qshard.gptq_`) round with those instead of the groups' own."""
         config = checked_config(cls.__name__, Int4WeightOnlyConfig, config)
@@ -178,8 +189,9 @@ class Int4Tensor(QTensor):
         weight = weight.detach()
         float_zero = config.zero_point_domain is ZeroPointDomain.FLOAT
         params = (group_params["scale"], group_params["zero"]) if group_params else None
-        qdata, scale, zero = quantize_int4(weight, config.group_size, config.symmetric, float_zero,
-                                           params)  # fmt: skip
+        qdata, scale, zero = quantize_int4(
+            weight, config.group_size, config.symmetric, float_zero, params
+        )
         return quantized(
             cls(
                 {"qdata": qdata, "scale": scale, "zero": zero},
@@ -313,16 +325,23 @@ class Int4Tensor(QTensor):
         count = rows_max(lambda z: _bad_zero_codes(z).sum().reshape(1), self.zero)
         if count:
             first = [int(i) for i in _bad_zero_codes(self.zero).nonzero()[0]]
-            return (f"some zero points are not integer codes in 0..15 (first at {first}: "
-                    f"{float(self.zero[tuple(first)])}); integer zero points "
-                    f"(zero_point_domain='int') are codes of the 4-bit range")  # fmt: skip
+            return (
+                f"some zero points are not integer codes in 0..15 (first at {first}: "
+                f"{float(self.zero[tuple(first)])}); integer zero points "
+                f"(zero_point_domain='int') are codes of the 4-bit range"
+            )
         return None
 
     def dequantize_matrix(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         weight = dequantize_int4(
-            self.canonical().qdata, self.scale, self.zero, self.group_size, self.logical_shape[-1],
-            dtype or self.dtype, self.float_zero,
-        )  # fmt: skip
+            self.canonical().qdata,
+            self.scale,
+            self.zero,
+            self.group_size,
+            self.logical_shape[-1],
+            dtype or self.dtype,
+            self.float_zero,
+        )
         return weight.t() if self.transposed else weight
 
     # ---- the code order ---------------------------------------------------------------------
@@ -339,8 +358,10 @@ class Int4Tensor(QTensor):
         if self.dtype not in NATIVE_DTYPES:
             return f"the kernels that read it take bf16 / fp16 activations, not {self.dtype}"
         if self.logical_shape[-1] % NATIVE_CHUNK or self.group_size % NATIVE_CHUNK:
-            return (f"it permutes whole {NATIVE_CHUNK}-column chunks within groups: K = "
-                    f"{self.logical_shape[-1]}, groups of {self.group_size}")  # fmt: skip
+            return (
+                f"it permutes whole {NATIVE_CHUNK}-column chunks within groups: K = "
+                f"{self.logical_shape[-1]}, groups of {self.group_size}"
+            )
         return native_int4_problem(self.device)
 
     def with_code_order(self, order: CodeOrder) -> Int4Tensor:
@@ -431,9 +452,15 @@ class Int4Tensor(QTensor):
             load_w4a16_ops()
             native = self.code_order is CodeOrder.NATIVE
             return torch.ops.qshard.int4_linear(
-                x, self.qdata, self.scale, self.zero, bias, self.group_size, self.float_zero,
+                x,
+                self.qdata,
+                self.scale,
+                self.zero,
+                bias,
+                self.group_size,
+                self.float_zero,
                 native,
-            )  # fmt: skip
+            )
         qdata = self.canonical().qdata
         if self.backend is Backend.REFERENCE:
             return int4_linear_reference(
@@ -441,8 +468,9 @@ class Int4Tensor(QTensor):
             )
         # auto where no qshard kernel runs (the CPU): the reference's weight, the BLAS's sums.
         k = self.logical_shape[-1]
-        weight = dequantize_int4(qdata, self.scale, self.zero, self.group_size, k, x.dtype,
-                                 self.float_zero)  # fmt: skip
+        weight = dequantize_int4(
+            qdata, self.scale, self.zero, self.group_size, k, x.dtype, self.float_zero
+        )
         return linear_in_dtype(x, weight, bias)
 
     def grouped_linear(self, x, offs, bias=None):
@@ -453,8 +481,9 @@ class Int4Tensor(QTensor):
             )
         fmt = "int4_fzero" if self.float_zero else "int4_sym" if self.symmetric else "int4_asym"
         weight = self.canonical()  # (experts are never native: `native_order_problem`)
-        return weight_only_grouped_linear(weight, x, offs, bias, fmt, self.group_size,
-                                          zero=self.zero)  # fmt: skip
+        return weight_only_grouped_linear(
+            weight, x, offs, bias, fmt, self.group_size, zero=self.zero
+        )
 
     def select_backend(self, x: torch.Tensor) -> Backend:
         return weight_only_backend(self, x)

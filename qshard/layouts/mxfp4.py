@@ -80,9 +80,11 @@ class Mxfp4Tensor(QTensor):
 
     @classmethod
     def quantize_matrix(
-        cls, weight: torch.Tensor, config: MXFP4WeightOnlyConfig | None = None,
+        cls,
+        weight: torch.Tensor,
+        config: MXFP4WeightOnlyConfig | None = None,
         group_params: dict[str, torch.Tensor] | None = None,
-    ) -> Mxfp4Tensor:  # fmt: skip
+    ) -> Mxfp4Tensor:
         """Quantize `weight`; with `group_params` ({"scale"}: e8m0 [N, ceil(K/32)], e.g. chosen
         by `qshard.gptq_`) round with those scales instead of the blocks' own."""
         config = checked_config(cls.__name__, MXFP4WeightOnlyConfig, config)

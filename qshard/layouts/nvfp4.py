@@ -89,10 +89,12 @@ class Nvfp4Tensor(QTensor):
 
     @classmethod
     def quantize_matrix(
-        cls, weight: torch.Tensor, config: NVFP4WeightOnlyConfig | None = None,
+        cls,
+        weight: torch.Tensor,
+        config: NVFP4WeightOnlyConfig | None = None,
         global_scale: torch.Tensor | None = None,
         group_params: dict[str, torch.Tensor] | None = None,
-    ) -> Nvfp4Tensor:  # fmt: skip
+    ) -> Nvfp4Tensor:
         """Quantize `weight`, with its own global scale unless one (a parent's) is given; with
         `group_params` ({"scale"}: e4m3 [N, ceil(K/16)], e.g. chosen by `qshard.gptq_`) round
         with those block scales instead of the blocks' own."""
@@ -176,9 +178,11 @@ class Nvfp4Tensor(QTensor):
     def matrix_value_problem(self) -> str | None:
         scale = float(self.global_scale.reshape(-1)[0]) if self.global_scale.numel() else 1.0
         if not scale > 0:
-            return (f"global_scale {scale} is not positive "
-                    f"(a multiplier, amax / (6 * 448): ModelOpt's weight_scale_2, or 1 / "
-                    f"compressed-tensors' weight_global_scale)")  # fmt: skip
+            return (
+                f"global_scale {scale} is not positive "
+                f"(a multiplier, amax / (6 * 448): ModelOpt's weight_scale_2, or 1 / "
+                f"compressed-tensors' weight_global_scale)"
+            )
         return None
 
     def dequantize_matrix(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -203,8 +207,9 @@ class Nvfp4Tensor(QTensor):
         return linear_in_dtype(x, weight, bias)
 
     def grouped_linear(self, x, offs, bias=None):
-        return weight_only_grouped_linear(self, x, offs, bias, "nvfp4", GROUP,
-                                          global_scale=self.global_scale)  # fmt: skip
+        return weight_only_grouped_linear(
+            self, x, offs, bias, "nvfp4", GROUP, global_scale=self.global_scale
+        )
 
     def select_backend(self, x: torch.Tensor) -> Backend:
         return weight_only_backend(self, x)

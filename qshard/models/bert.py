@@ -67,8 +67,9 @@ class _Linear(nn.Module):  # HF nests the projection as `.dense`, with `.LayerNo
 class _SelfAttention(nn.Module):
     def __init__(self, c: BertConfig):
         super().__init__()
-        self.query, self.key, self.value = (nn.Linear(c.hidden_size, c.hidden_size)
-                                            for _ in range(3))  # fmt: skip
+        self.query, self.key, self.value = (
+            nn.Linear(c.hidden_size, c.hidden_size) for _ in range(3)
+        )
         self.head_dim = c.hidden_size // c.num_attention_heads
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

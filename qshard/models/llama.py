@@ -61,16 +61,36 @@ class LlamaConfig:
         7168, vocabulary 129280) under this model's grouped-query attention (56 heads of 128, 8
         KV heads) in place of MLA, with no shared expert and no dense first layers: a model
         of its expert shapes, not of DeepSeek-V3."""
-        return cls(vocab_size=129280, dim=7168, n_layers=n_layers, n_heads=56, n_kv_heads=8,
-                   hidden=2048, rope_theta=10000.0, norm_eps=1e-6, n_experts=256, top_k=8,
-                   expert_hidden=2048)  # fmt: skip
+        return cls(
+            vocab_size=129280,
+            dim=7168,
+            n_layers=n_layers,
+            n_heads=56,
+            n_kv_heads=8,
+            hidden=2048,
+            rope_theta=10000.0,
+            norm_eps=1e-6,
+            n_experts=256,
+            top_k=8,
+            expert_hidden=2048,
+        )
 
     @classmethod
     def qwen3_30b_a3b(cls, n_layers: int = 48) -> LlamaConfig:
         """Qwen3-30B-A3B's shapes (its config.json): 128 experts of 768, top-8, hidden 2048."""
-        return cls(vocab_size=151936, dim=2048, n_layers=n_layers, n_heads=32, n_kv_heads=4,
-                   hidden=768, rope_theta=1e6, norm_eps=1e-6, n_experts=128, top_k=8,
-                   expert_hidden=768)  # fmt: skip
+        return cls(
+            vocab_size=151936,
+            dim=2048,
+            n_layers=n_layers,
+            n_heads=32,
+            n_kv_heads=4,
+            hidden=768,
+            rope_theta=1e6,
+            norm_eps=1e-6,
+            n_experts=128,
+            top_k=8,
+            expert_hidden=768,
+        )
 
     @classmethod
     def tiny(cls) -> LlamaConfig:
@@ -140,8 +160,9 @@ class FeedForward(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
         if c.hidden % self.UNIT and not c.n_experts:
-            raise ConfigError(f"Llama: hidden={c.hidden} is not a multiple of the gate/up unit "
-                              f"{self.UNIT}")  # fmt: skip
+            raise ConfigError(
+                f"Llama: hidden={c.hidden} is not a multiple of the gate/up unit {self.UNIT}"
+            )
         self.w13 = nn.Linear(c.dim, 2 * c.hidden, bias=False)  # [gate_i, up_i] per unit i
         self.w2 = nn.Linear(c.hidden, c.dim, bias=False)  # down
 
@@ -205,8 +226,11 @@ class Llama(nn.Module):
         # (an MoE layer's experts are cut by the expert styles, which check their own sizes)
         units = tp_world if c.n_experts else c.hidden // FeedForward.UNIT
         if c.n_kv_heads % tp_world or units % tp_world:
-            works = [n for n in range(1, c.n_kv_heads + 1)
-                     if c.n_kv_heads % n == 0 and (c.n_experts or units % n == 0)]  # fmt: skip
+            works = [
+                n
+                for n in range(1, c.n_kv_heads + 1)
+                if c.n_kv_heads % n == 0 and (c.n_experts or units % n == 0)
+            ]
             raise ConfigError(
                 f"Llama: TP {tp_world} would split a KV group ({c.n_kv_heads} KV heads) or a "
                 f"gate/up unit ({units} of {FeedForward.UNIT}); use a TP size in {works}"

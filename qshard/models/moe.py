@@ -54,8 +54,9 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(experts, dim, hidden))
 
-    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         """hidden [T, dim], top_k_index [T, k] (ids >= num_experts: skipped), top_k_weights
         [T, k] -> [T, dim], each token's routes weighted and summed."""
         tokens, top_k = top_k_index.shape

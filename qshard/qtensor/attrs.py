@@ -38,8 +38,10 @@ def decode_attrs(layout: type[QTensor], raw: dict, at: str) -> dict[str, Any]:
         raise CheckpointError(
             f"{at}: attributes {sorted(raw)}; {layout.__name__} has {sorted(types_)}"
         )
-    attrs = {name: _decode_value(raw[name], hint, f"{at} attribute {name!r}") for name, hint in
-             types_.items()}  # fmt: skip
+    attrs = {
+        name: _decode_value(raw[name], hint, f"{at} attribute {name!r}")
+        for name, hint in types_.items()
+    }
     try:
         layout.check_attrs(attrs)
     except QShardError as e:

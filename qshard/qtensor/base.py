@@ -271,8 +271,10 @@ class QTensor(torch.Tensor):
             return self.expert(first).quantize_matrix_like(weight, inner_at)
         if weight.dim() != 3 or not weight.shape[0]:
             return type(self).from_float(weight, self.config())  # its typed refusal
-        parts = [self.expert(first + i).quantize_matrix_like(w, inner_at)
-                 for i, w in enumerate(weight.unbind(0))]  # fmt: skip
+        parts = [
+            self.expert(first + i).quantize_matrix_like(w, inner_at)
+            for i, w in enumerate(weight.unbind(0))
+        ]
         return self.stack_experts(parts)
 
     @classmethod
@@ -837,17 +839,46 @@ def _source_file(cls: type) -> str:
 
 # What a model's forward does to a weight Parameter (QTensor.__torch_function__): views of it,
 # and the matmuls that take it as it is (transformers' experts).
-_USES_OF_WEIGHTS = frozenset({
-    torch.Tensor.t, torch.Tensor.transpose, torch.Tensor.__getitem__, torch.Tensor.view,
-    torch.Tensor.permute, torch.Tensor.unbind, torch.Tensor.select, torch.Tensor.narrow,
-    torch.t, torch.transpose, torch.permute, torch.unbind, torch.select, torch.narrow,
-    torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.H.__get__,
-    torch.Tensor.mH.__get__, torch.Tensor.swapaxes, torch.Tensor.swapdims, torch.swapaxes,
-    torch.swapdims, torch.Tensor.movedim, torch.movedim, torch.adjoint, torch.Tensor.adjoint,
-    torch._grouped_mm, torch.bmm, torch.matmul, torch.mm, torch.Tensor.__matmul__,
-    torch.Tensor.__rmatmul__, torch.Tensor.matmul, torch.Tensor.mm, torch.Tensor.bmm,
-    *([torch.nn.functional.grouped_mm] if hasattr(torch.nn.functional, "grouped_mm") else []),
-})  # fmt: skip
+_USES_OF_WEIGHTS = frozenset(
+    {
+        torch.Tensor.t,
+        torch.Tensor.transpose,
+        torch.Tensor.__getitem__,
+        torch.Tensor.view,
+        torch.Tensor.permute,
+        torch.Tensor.unbind,
+        torch.Tensor.select,
+        torch.Tensor.narrow,
+        torch.t,
+        torch.transpose,
+        torch.permute,
+        torch.unbind,
+        torch.select,
+        torch.narrow,
+        torch.Tensor.T.__get__,
+        torch.Tensor.mT.__get__,
+        torch.Tensor.H.__get__,
+        torch.Tensor.mH.__get__,
+        torch.Tensor.swapaxes,
+        torch.Tensor.swapdims,
+        torch.swapaxes,
+        torch.swapdims,
+        torch.Tensor.movedim,
+        torch.movedim,
+        torch.adjoint,
+        torch.Tensor.adjoint,
+        torch._grouped_mm,
+        torch.bmm,
+        torch.matmul,
+        torch.mm,
+        torch.Tensor.__matmul__,
+        torch.Tensor.__rmatmul__,
+        torch.Tensor.matmul,
+        torch.Tensor.mm,
+        torch.Tensor.bmm,
+        *([torch.nn.functional.grouped_mm] if hasattr(torch.nn.functional, "grouped_mm") else []),
+    }
+)
 
 
 def is_frozen_parameter(t: Any) -> bool:

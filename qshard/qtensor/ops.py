@@ -127,8 +127,14 @@ def _narrow(func, args, kwargs):
     return _slice(aten.slice.Tensor, (q, dim, start, start + length), {})
 
 
-_TRANSPOSE_ALIASES = [aten.numpy_T.default, aten.mT.default, aten.mH.default,
-                      aten.adjoint.default, aten.swapaxes.default, aten.swapdims.default]
+_TRANSPOSE_ALIASES = [
+    aten.numpy_T.default,
+    aten.mT.default,
+    aten.mH.default,
+    aten.adjoint.default,
+    aten.swapaxes.default,
+    aten.swapdims.default,
+]
 
 
 @QTensor.implements(_TRANSPOSE_ALIASES)
@@ -207,10 +213,12 @@ def _to_copy(func, args, kwargs):
         lambda t: t.to(device, non_blocking=non_blocking, copy=True), fresh=True, dtype=dtype
     )
     if dtype != q.dtype:  # `.half()`: the packed data stays; its values must fit float16
-        fix = (f"Keep this weight in {q.dtype} or bfloat16 (model.to(torch.bfloat16)), or "
-               f"quantize the {dtype} model instead. In a model.half() / model.to(), the "
-               f"modules converted before this one are {dtype} now: convert the model back "
-               f"(e.g. model.to({q.dtype})) or reload it")  # fmt: skip
+        fix = (
+            f"Keep this weight in {q.dtype} or bfloat16 (model.to(torch.bfloat16)), or "
+            f"quantize the {dtype} model instead. In a model.half() / model.to(), the "
+            f"modules converted before this one are {dtype} now: convert the model back "
+            f"(e.g. model.to({q.dtype})) or reload it"
+        )
         check_magnitude(out, f".to({dtype})", NonFiniteWeightError, fix)
     # A device form is made for one device: re-made there from the copied canonical tensors.
     return out.repack_for_device()
@@ -423,8 +431,9 @@ def _index(func, args, kwargs):
     # No host sync (compiled graphs): index_select itself refuses ids out of range.
     flat = ids.reshape(-1).to(torch.long)
     flat = torch.where(flat < 0, flat + experts, flat)
-    inner = {n: as_bytes(t).index_select(0, flat).view(t.dtype)
-             for n, t in q.inner_tensors().items()}  # fmt: skip
+    inner = {
+        n: as_bytes(t).index_select(0, flat).view(t.dtype) for n, t in q.inner_tensors().items()
+    }
     if ids.dim() == 0:  # w[tensor(e)]: the eager experts loop's index
         inner = {n: t.squeeze(0) for n, t in inner.items()}
         return q.with_changes(inner, shape=q.matrix_shape, fresh=True)

@@ -57,6 +57,8 @@ __all__ = [
 MAX_SIZE = 2**31 - 1
 # Largest element count (E * N * K for experts): an int64 numel with room to spare.
 MAX_ELEMENTS = 2**62
+
+
 def check_chunk(tensor: torch.Tensor) -> int:
     """Elements per step of a value check (NaN/Inf counts, bounds), so that no temporary is the
     size of the weight: 2**16 on CPU, where glibc keeps freed temporaries of 2**20 elements
@@ -78,14 +80,18 @@ def check_qtensor(tensor: QTensor, where: str, error: type[QShardError] = Checkp
             f"0..{MAX_SIZE} and at most {MAX_ELEMENTS} elements"
         )
     if tensor.dtype not in FLOAT_DTYPES:
-        raise error(f"{at}: stands for a {tensor.dtype}; quantized weights stand for one of "
-                    f"{[str(d) for d in FLOAT_DTYPES]}")  # fmt: skip
+        raise error(
+            f"{at}: stands for a {tensor.dtype}; quantized weights stand for one of "
+            f"{[str(d) for d in FLOAT_DTYPES]}"
+        )
     specs = type(tensor).inner_specs(shape, tensor.attrs())
     for inner_name, (spec_shape, spec_dtype) in specs.items():
         inner = getattr(tensor, inner_name, None)
         if type(inner) is not torch.Tensor and not isinstance(inner, torch.nn.Parameter):
-            raise error(f"{at}: inner tensor {inner_name!r} is a {type(inner).__name__}, not a "
-                        f"plain torch.Tensor")  # fmt: skip
+            raise error(
+                f"{at}: inner tensor {inner_name!r} is a {type(inner).__name__}, not a "
+                f"plain torch.Tensor"
+            )
         if tuple(inner.shape) != tuple(spec_shape) or inner.dtype != spec_dtype:
             raise error(
                 f"{at} {list(shape)} with {attrs_text(tensor.attrs())}: inner tensor "
@@ -93,8 +99,10 @@ def check_qtensor(tensor: QTensor, where: str, error: type[QShardError] = Checkp
                 f"{_dtype(spec_dtype)}{list(spec_shape)}"
             )
         if inner.device != tensor.device:
-            raise error(f"{at}: inner tensor {inner_name!r} is on {inner.device}, the tensor on "
-                        f"{tensor.device}")  # fmt: skip
+            raise error(
+                f"{at}: inner tensor {inner_name!r} is on {inner.device}, the tensor on "
+                f"{tensor.device}"
+            )
     check_values(tensor, where, error)
 
 
@@ -122,8 +130,9 @@ def check_pickled_state(cls: type[QTensor], state: Any, where: str) -> dict[str,
     """The state a pickle gives a `cls` tensor, checked for its keys and their kinds (no key may
     shadow a method or be missing); the values are then checked by `check_qtensor`."""
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-        raise CheckpointError(f"{where}: the pickled state is a {type(state).__name__}, not a "
-                              f"dict of attribute names")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: the pickled state is a {type(state).__name__}, not a dict of attribute names"
+        )
     allowed = {*cls.inner_names, *cls.attr_names, *_BASE_STATE}
     required = allowed - set(cls.attr_defaults) - set(_OPTIONAL_BASE_STATE)
     unknown, missing = sorted(set(state) - allowed), sorted(required - set(state))
@@ -212,9 +221,11 @@ def _non_finite(values: torch.Tensor) -> torch.Tensor | None:
 
 
 def check_attr_types(
-    cls: type[QTensor], attrs: Mapping[str, Any], where: str,
+    cls: type[QTensor],
+    attrs: Mapping[str, Any],
+    where: str,
     error: type[QShardError] = CheckpointError,
-) -> None:  # fmt: skip
+) -> None:
     """Every attribute of the layout, of its annotated type, and valid by `cls.check_attrs`."""
     hints = attr_types(cls)
     if set(attrs) != set(hints):

@@ -78,8 +78,10 @@ def to_local(model: nn.Module) -> nn.Module:
     for module_name, module in model.named_modules():
         if id(module) in locals_ or local_experts(module) is not None:  # experts: below
             continue
-        for name, tensor in [*module.named_parameters(recurse=False),
-                             *module.named_buffers(recurse=False)]:  # fmt: skip
+        for name, tensor in [
+            *module.named_parameters(recurse=False),
+            *module.named_buffers(recurse=False),
+        ]:
             if isinstance(tensor, DTensor):
                 where = f"{module_name}.{name}" if module_name else name
                 raise ConfigError(

@@ -42,8 +42,7 @@ class deadline:  # lower case: called like a function, `qshard.tp.deadline(300)`
 
     def __init__(self, seconds: float):
         if not seconds > 0:
-            raise ConfigError(f"qshard.tp.deadline({seconds!r}): pass a positive number of "
-                              f"seconds")  # fmt: skip
+            raise ConfigError(f"qshard.tp.deadline({seconds!r}): pass a positive number of seconds")
         try:
             sys.stderr.fileno()
             stream = sys.stderr

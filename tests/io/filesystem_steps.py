@@ -8,8 +8,19 @@ import builtins
 import os
 
 # Every os call a save may make on the checkpoint directory (pathlib calls these too).
-OPERATIONS = ("mkdir", "rmdir", "replace", "rename", "link", "symlink", "unlink", "remove",
-              "truncate", "ftruncate", "fsync")  # fmt: skip
+OPERATIONS = (
+    "mkdir",
+    "rmdir",
+    "replace",
+    "rename",
+    "link",
+    "symlink",
+    "unlink",
+    "remove",
+    "truncate",
+    "ftruncate",
+    "fsync",
+)
 
 
 def step_hooks(tick) -> list[tuple[object, str, object]]:

@@ -60,9 +60,14 @@ _LOADER = textwrap.dedent(
 def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 

@@ -40,8 +40,11 @@ def test_an_explicit_format_is_checked_against_the_directory(tmp_path):
     qshard.save(model, tmp_path / "q")
     state = qshard.load_pretrained(tmp_path / "ct", format="compressed-tensors")
     assert isinstance(state["0.weight"], qshard.Int4Tensor)
-    with pytest.raises(CheckpointError, match=r"format='deepseek-fp8' was asked for.*"
-                                              r"'compressed-tensors'"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"format='deepseek-fp8' was asked for.*"
+        r"'compressed-tensors'",
+    ):
         qshard.load_pretrained(tmp_path / "ct", format="deepseek-fp8")
     with pytest.raises(CheckpointError, match=r"format='compressed-tensors'.*say 'qshard'"):
         qshard.load_pretrained(tmp_path / "q", format="compressed-tensors")

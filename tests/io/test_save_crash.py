@@ -318,8 +318,10 @@ def test_an_interrupt_at_any_step_leaves_no_temporary_file(states, tmp_path, new
             qshard.save(states["new"], directory, max_shard_size=new_size)
         if count[0] <= step:
             break
-        assert not [n for n in os.listdir(directory) if n.endswith(".tmp")], (step, os.listdir(
-            directory))  # fmt: skip
+        assert not [n for n in os.listdir(directory) if n.endswith(".tmp")], (
+            step,
+            os.listdir(directory),
+        )
         assert loads_as(directory, expected) in ("old", "new")
         shutil.rmtree(directory)
         directory.mkdir()
@@ -401,8 +403,10 @@ def test_shards_take_fresh_names_while_the_index_lists_the_plain_ones(states, tm
     assert len(save_id) == 16 and names[1] == [n.replace(".s", f"-{save_id}.s") for n in plain]
     assert all(save_module.SHARD_NAME.fullmatch(n) for n in names[1])
     written = qshard.save(states["new"], tmp_path, max_shard_size=TWO_SHARDS)
-    assert [p.name for p in written[:2]] == ["model-00001-of-00002.safetensors",
-                                             "model-00002-of-00002.safetensors"]  # fmt: skip
+    assert [p.name for p in written[:2]] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
 
 
 def test_an_index_that_lists_model_safetensors_stays_loadable(states, tmp_path):

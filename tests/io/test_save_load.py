@@ -178,8 +178,10 @@ def test_saving_again_replaces_the_files_of_the_previous_save(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     qshard.save(model, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "model.safetensors", "notes.txt", "quantization_config.json",
-    ]  # fmt: skip
+        "model.safetensors",
+        "notes.txt",
+        "quantization_config.json",
+    ]
     assert_same_state(qshard.load(tmp_path), model.state_dict())
     qshard.save(model, tmp_path, max_shard_size=40_000)
     assert not (tmp_path / "model.safetensors").exists()
@@ -217,8 +219,9 @@ def test_a_failing_write_leaves_the_previous_checkpoint_and_no_temporary_file(
         qshard.save(quantized_model(qshard.Fp8BlockwiseConfig(), seed=1), tmp_path)
     assert (tmp_path / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "model.safetensors", "quantization_config.json",
-    ]  # fmt: skip
+        "model.safetensors",
+        "quantization_config.json",
+    ]
 
 
 KILL_MID_WRITE = """
@@ -254,8 +257,9 @@ def test_save_refuses_what_it_cannot_store(tmp_path):
     class Unregistered(qshard.Fp8BlockwiseTensor):
         pass
 
-    stray = Unregistered(weight.inner_tensors(), shape=(64, 64), dtype=torch.float32,
-                         **weight.attrs())  # fmt: skip
+    stray = Unregistered(
+        weight.inner_tensors(), shape=(64, 64), dtype=torch.float32, **weight.attrs()
+    )
     bad_states = [
         ({"w": stray}, "not a registered layout"),
         ({"w": torch.empty(4, 4, device="meta")}, "meta device"),
@@ -324,8 +328,9 @@ def expect_load_error(path, match: str, file_is_bad: bool = True) -> None:
 def test_missing_unexpected_and_misshapen_keys(tmp_path):
     state = quantized_model(qshard.Fp8BlockwiseConfig()).state_dict()
     path = tmp_path / "model.safetensors"
-    qshard.save({k: v for k, v in state.items() if k != "norm.bias"} | {"extra": state["up.bias"]},
-                tmp_path)  # fmt: skip
+    qshard.save(
+        {k: v for k, v in state.items() if k != "norm.bias"} | {"extra": state["up.bias"]}, tmp_path
+    )
     model = meta_model()
     before = snapshot(model)
     with pytest.raises(CheckpointError, match=r"missing keys \['norm.bias'\].*unexpected.*extra"):
@@ -449,8 +454,9 @@ def test_header_metadata_that_does_not_parse_or_is_not_understood(tmp_path):
 def test_sharded_checkpoint_with_a_missing_or_foreign_shard(tmp_path):
     model = quantized_model(qshard.Fp8BlockwiseConfig(), seed=0)
     qshard.save(model, tmp_path / "a", max_shard_size=40_000)
-    qshard.save(quantized_model(qshard.Fp8BlockwiseConfig(), seed=1), tmp_path / "b",
-                max_shard_size=40_000)  # fmt: skip
+    qshard.save(
+        quantized_model(qshard.Fp8BlockwiseConfig(), seed=1), tmp_path / "b", max_shard_size=40_000
+    )
     shards = sorted((tmp_path / "a").glob("model-*.safetensors"))
     os.replace(tmp_path / "b" / shards[0].name, shards[0])  # another save's shard
     expect_load_error(tmp_path / "a", "the index and the shards are from different saves")
@@ -495,8 +501,9 @@ def test_malformed_safetensors_headers(tmp_path):
 def test_tensors_are_aligned_to_their_element_size(tmp_path):
     """Widest elements first, as safetensors' own writer does, so a reader can view in place."""
     weight = qshard.Fp8BlockwiseTensor.from_float(torch.randn(72, 40))
-    qshard.save({"flag": torch.ones(3, dtype=torch.bool), "w": weight, "i": torch.ones(3).long()},
-                tmp_path)  # fmt: skip
+    qshard.save(
+        {"flag": torch.ones(3, dtype=torch.bool), "w": weight, "i": torch.ones(3).long()}, tmp_path
+    )
     data = (tmp_path / "model.safetensors").read_bytes()
     start = 8 + int.from_bytes(data[:8], "little")
     assert start % 8 == 0
@@ -522,8 +529,9 @@ def test_an_unregistered_layout_is_refused_before_any_file_is_written(tmp_path):
     class Unregistered(qshard.Fp8BlockwiseTensor):
         pass
 
-    stray = Unregistered(weight.inner_tensors(), shape=(64, 64), dtype=torch.float32,
-                         **weight.attrs())  # fmt: skip
+    stray = Unregistered(
+        weight.inner_tensors(), shape=(64, 64), dtype=torch.float32, **weight.attrs()
+    )
     with pytest.raises(QShardError, match="not a registered layout"):
         qshard.save({"a": weight, "b": stray}, tmp_path / "out", max_shard_size=1)
     assert not (tmp_path / "out").exists()
@@ -540,8 +548,9 @@ def test_dtypes_follow_the_model_and_non_float_mismatches_are_refused(tmp_path):
     assert bf16.up.weight.dtype == torch.bfloat16 and bf16.up.bias.dtype == torch.bfloat16
     assert_same_qtensor(bf16.up.weight.to(torch.float32), model.up.weight)  # same packed data
     qshard.save(model.state_dict() | {"up.bias": torch.arange(336, dtype=torch.int32)}, tmp_path)
-    expect_load_error(tmp_path, "'up.bias' is torch.int32 in the checkpoint and torch.float32",
-                      file_is_bad=False)  # fmt: skip
+    expect_load_error(
+        tmp_path, "'up.bias' is torch.int32 in the checkpoint and torch.float32", file_is_bad=False
+    )
 
 
 def test_sliced_reads_are_copies_not_views_of_the_file(tmp_path):

@@ -104,10 +104,17 @@ def test_a_rank_reads_only_its_experts_bytes(transposed, tmp_path, monkeypatch):
 def test_a_qwen3_moe_model_saves_and_loads_onto_the_meta_device(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
     qshard.quantize_(model, qshard.Fp8BlockwiseConfig(block_size=(32, 32)))
@@ -161,8 +168,11 @@ def test_loading_experts_of_another_shape_leaves_the_model_unchanged(tmp_path):
     qshard.save({"w": w}, tmp_path)
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(E + 1, K, N))
-    with pytest.raises(CheckpointError, match=r"'w' is \[3, 192, 96\] in the checkpoint and "
-                       r"\[4, 192, 96\] in the model"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"'w' is \[3, 192, 96\] in the checkpoint and "
+        r"\[4, 192, 96\] in the model",
+    ):
         qshard.load(tmp_path, model)
     assert type(model.w.data) is torch.Tensor and model.w.shape == (E + 1, K, N)
 

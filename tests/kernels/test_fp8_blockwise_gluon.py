@@ -67,9 +67,15 @@ def test_where_it_cannot_run_it_says_why():
 
 @pytest.mark.parametrize(
     ("tiles", "groups", "programs", "block_t"),
-    [(224, 32, 132, 16), (32, 32, 132, 16), (48, 32, 132, 128), (32, 112, 132, 64), (1, 2, 132, 16),
-     (7, 1, 132, 16)],
-)  # fmt: skip
+    [
+        (224, 32, 132, 16),
+        (32, 32, 132, 16),
+        (48, 32, 132, 128),
+        (32, 112, 132, 64),
+        (1, 2, 132, 16),
+        (7, 1, 132, 16),
+    ],
+)
 def test_the_split_count_keeps_groups_in_every_split(tiles, groups, programs, block_t):
     """Every split has groups (>= 2 where there are 2), and a layer too small to fill the GPU
     is split: the o_proj-sized layer (32 tiles on 132 SMs) is not left on 32 programs."""
@@ -93,8 +99,15 @@ def _weight(n: int, k: int, ue8m0: bool):
 def _expected(x, qdata, scale, bias, ue8m0):
     fmt = qshard.ScaleFormat.UE8M0 if ue8m0 else qshard.ScaleFormat.FP32
     return ref.fp8_blockwise_linear_reference(
-        x, qdata, scale, block_size=(128, 128), act_group_size=128, scale_format=fmt,
-        weight_only=False, bias=bias)  # fmt: skip
+        x,
+        qdata,
+        scale,
+        block_size=(128, 128),
+        act_group_size=128,
+        scale_format=fmt,
+        weight_only=False,
+        bias=bias,
+    )
 
 
 @gpu

@@ -77,9 +77,15 @@ def test_triton_gemm_matches_the_reference(m, n, k, block, group, ue8m0):
         x, qdata, scale, bias, *block, group, ue8m0, "triton"
     )
     expected = ref.fp8_blockwise_linear_reference(
-        x, qdata, scale, block_size=block, act_group_size=group,
-        scale_format=scale_format(ue8m0), weight_only=False, bias=bias,
-    )  # fmt: skip
+        x,
+        qdata,
+        scale,
+        block_size=block,
+        act_group_size=group,
+        scale_format=scale_format(ue8m0),
+        weight_only=False,
+        bias=bias,
+    )
     assert out.dtype == dtype and out.shape == (m, n)
     measured = relative_error(out, expected)
     assert measured <= MAX_RELATIVE_ERROR, f"relative error {measured:.2e} > {MAX_RELATIVE_ERROR}"
@@ -113,9 +119,15 @@ def test_each_triton_kernel_matches_the_reference(kernel, m, n, k, block, group,
     bias = torch.randn(n, dtype=dtype, device=DEVICE)
     out = linear_launch(x, qdata, scale, bias, *block, group, ue8m0, KERNEL_CONFIGS[kernel])
     expected = ref.fp8_blockwise_linear_reference(
-        x, qdata, scale, block_size=block, act_group_size=group,
-        scale_format=scale_format(ue8m0), weight_only=False, bias=bias,
-    )  # fmt: skip
+        x,
+        qdata,
+        scale,
+        block_size=block,
+        act_group_size=group,
+        scale_format=scale_format(ue8m0),
+        weight_only=False,
+        bias=bias,
+    )
     measured = relative_error(out, expected)
     assert measured <= MAX_RELATIVE_ERROR, f"relative error {measured:.2e} > {MAX_RELATIVE_ERROR}"
 
@@ -141,9 +153,14 @@ def test_fused_activation_quantization_gives_the_reference_codes(ue8m0):
     assert torch.equal(fused, exact)
     gemv = dict(BLOCK_N=16, GROUPS_PER_STEP=4, num_warps=4)  # fused quantization too
     expected = ref.fp8_blockwise_linear_reference(
-        x[1:2], qdata, scale, block_size=(128, 128), act_group_size=128,
-        scale_format=scale_format(ue8m0), weight_only=False,
-    )  # fmt: skip
+        x[1:2],
+        qdata,
+        scale,
+        block_size=(128, 128),
+        act_group_size=128,
+        scale_format=scale_format(ue8m0),
+        weight_only=False,
+    )
     out = linear_launch(x[1:2], qdata, scale, None, 128, 128, 128, ue8m0, gemv)
     assert relative_error(out, expected) <= 1e-5
 
@@ -208,9 +225,10 @@ def test_the_ops_have_consistent_fake_implementations():
         test_utils="test_faketensor",
     )
     torch.library.opcheck(
-        torch.ops.qshard.fp8_act_quant.default, (x, 128, False),
+        torch.ops.qshard.fp8_act_quant.default,
+        (x, 128, False),
         test_utils="test_faketensor",
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="what the CPU cannot run")
@@ -243,9 +261,15 @@ def test_cublas_and_auto_match_the_reference_on_gpu(m):
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     bias = torch.randn(n, dtype=torch.bfloat16, device="cuda")
     expected = ref.fp8_blockwise_linear_reference(
-        x, qdata, scale, block_size=(128, 128), act_group_size=128,
-        scale_format=ScaleFormat.FP32, weight_only=False, bias=bias,
-    )  # fmt: skip
+        x,
+        qdata,
+        scale,
+        block_size=(128, 128),
+        act_group_size=128,
+        scale_format=ScaleFormat.FP32,
+        weight_only=False,
+        bias=bias,
+    )
     for backend in ("cublas", "auto"):
         out = torch.ops.qshard.fp8_blockwise_linear(
             x, qdata, scale, bias, 128, 128, 128, False, backend
@@ -258,9 +282,11 @@ def test_auto_is_the_default_on_gpu_and_compiles_once_with_a_dynamic_batch():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    model = torch.nn.Sequential(
-        torch.nn.Linear(512, 1024), torch.nn.SiLU(), torch.nn.Linear(1024, 512)
-    ).cuda().to(torch.bfloat16)  # fmt: skip
+    model = (
+        torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.SiLU(), torch.nn.Linear(1024, 512))
+        .cuda()
+        .to(torch.bfloat16)
+    )
     qshard.quantize_(model, Fp8BlockwiseConfig())
     x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
     assert model[0].weight.select_backend(x) is qshard.Backend.AUTO
@@ -319,6 +345,11 @@ def test_the_fp8_kernels_compile_for_sm89():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM89], env=env,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM89],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -102,8 +102,7 @@ def test_fp8_grouped_kernel_both_activation_paths(prequant):
     )
     x = torch.randn(12, 160, device=DEVICE, dtype=ACT_DTYPE)
     offs = offsets([5, 0, 6])
-    config = {"BLOCK_N": 64, "BLOCK_M": 16, "PREQUANT": prequant, "num_warps": 4,
-              "num_stages": 2}  # fmt: skip
+    config = {"BLOCK_N": 64, "BLOCK_M": 16, "PREQUANT": prequant, "num_warps": 4, "num_stages": 2}
     out = fp8_grouped_launch(x, offs, q.qdata, q.scale, None, 32, 32, 32, False, config)
     expected = q.with_changes(backend=Backend.REFERENCE).grouped_linear(x, offs)
     assert torch.equal(out[11:], torch.zeros_like(out[11:]))
@@ -151,7 +150,8 @@ def test_grouped_config_picks_the_gemv_for_decode_only():
 def test_grouped_decode_with_k_not_a_multiple_of_8():
     """Rows that are not whole words: decode takes the tensor-core kernel."""
     config = qshard.Int4WeightOnlyConfig(group_size=32, backend="triton")
-    q = layout_for(config).from_float((torch.randn(3, 48, 100, device=DEVICE) * 0.02).to(ACT_DTYPE),
-                                      config)  # fmt: skip
+    q = layout_for(config).from_float(
+        (torch.randn(3, 48, 100, device=DEVICE) * 0.02).to(ACT_DTYPE), config
+    )
     x = torch.randn(4, 100, device=DEVICE, dtype=ACT_DTYPE)
     check_against_reference(q, x, offsets([1, 0, 2]))

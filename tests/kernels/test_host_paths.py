@@ -114,8 +114,14 @@ def compile_spec(launch: Launch, module: str, name: str) -> dict:
             divisible += [index] if value.data_ptr() % 16 == 0 else []
         elif isinstance(value, int) and not isinstance(value, bool):
             divisible += [index] if value % 16 == 0 else []
-    return {"module": module, "name": name, "signature": signature, "constexprs": constexprs,
-            "divisible": divisible, "options": launch.options}  # fmt: skip
+    return {
+        "module": module,
+        "name": name,
+        "signature": signature,
+        "constexprs": constexprs,
+        "divisible": divisible,
+        "options": launch.options,
+    }
 
 
 COMPILE_SPECS_FOR_SM90 = """
@@ -236,7 +242,11 @@ def test_gluon_fp8_launch_passes_what_the_kernel_reads(monkeypatch, m, n, k, dty
     assert per_split * (splits - 1) < groups <= per_split * splits, "no split without groups"
     assert m <= block_t and (block_t == 16 or block_t // 2 < m), "the smallest tile"
     assert (a["BLOCK_T"], a["STAGES"], a["HAS_BIAS"], a["SPLIT"]) == (
-        block_t, config["STAGES"], with_bias, splits > 1)  # fmt: skip
+        block_t,
+        config["STAGES"],
+        with_bias,
+        splits > 1,
+    )
     if splits > 1:
         assert a["part_ptr"].dtype == torch.float32
         assert a["part_ptr"].numel() == splits * (2 * tiles * 64 * block_t), "part_ptr size"
@@ -392,9 +402,15 @@ def test_cublas_blockwise_call_matches_the_reference(monkeypatch, m, with_bias):
         x.reshape(1, m, k), qdata, scale, bias, 128, 128, 128, False, "cublas"
     )
     expected = fp8_ref.fp8_blockwise_linear_reference(
-        x, qdata, scale, block_size=(128, 128), act_group_size=128,
-        scale_format=ScaleFormat.FP32, weight_only=False, bias=bias,
-    )  # fmt: skip
+        x,
+        qdata,
+        scale,
+        block_size=(128, 128),
+        act_group_size=128,
+        scale_format=ScaleFormat.FP32,
+        weight_only=False,
+        bias=bias,
+    )
     assert out.shape == (1, m, n) and out.dtype == torch.bfloat16
     assert relative_error(out[0], expected) < 1e-2
 
@@ -518,7 +534,11 @@ def test_register_launch_passes_what_the_kernel_reads(monkeypatch, fmt, dtype, m
     splits = a["splits"]
     assert (splits - 1) * steps * 128 < k <= splits * steps * 128, "every split has chunks"
     assert (a["SPLIT"], a["STEPS"], a["STAGES"], a["BLOCK_M"]) == (
-        splits > 1, steps, config["STAGES"], config["BLOCK_M"])  # fmt: skip
+        splits > 1,
+        steps,
+        config["STAGES"],
+        config["BLOCK_M"],
+    )
     if splits > 1:
         assert_split_k_workspace(a["part_ptr"], a["cnt_ptr"], m, n, splits, tiles)
     assert launch.grid == (min(tiles * splits, config["PER_SM"] * H100_SMS),)
@@ -566,7 +586,11 @@ def test_ws_launch_passes_what_the_kernel_reads(monkeypatch, fmt, dtype, m, n, k
     splits, steps = a["splits"], config["STEPS"]
     assert splits * steps * 128 >= k > (splits - 1) * steps * 128
     assert (a["SPLIT"], a["STEPS"], a["STAGES"], a["BLOCK_M"]) == (
-        splits > 1, steps, config["STAGES"], config["BLOCK_M"])  # fmt: skip
+        splits > 1,
+        steps,
+        config["STAGES"],
+        config["BLOCK_M"],
+    )
     if splits > 1:
         tiles = triton.cdiv(n, tile_rows)
         assert_split_k_workspace(a["part_ptr"], a["cnt_ptr"], m, n, splits, tiles)
@@ -733,8 +757,9 @@ def test_gemlite_on_an_h200_loads_the_h100_config(fake_gemlite, monkeypatch, gpu
     loaded there, and nothing elsewhere."""
     from qshard.kernels.int4_gemlite import _load_gemlite
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: types.SimpleNamespace(name=gpu))  # fmt: skip
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(name=gpu)
+    )
     assert _load_gemlite() is sys.modules["gemlite"]
     h100 = str(fake_gemlite.configs / "h100.json")
     assert fake_gemlite.loaded == ([h100] if "H200" in gpu else [])
@@ -749,8 +774,9 @@ def test_gemlite_form_and_call_multiply_the_canonical_weight(fake_gemlite, monke
     from qshard.kernels.int4 import int4_linear_reference
     from qshard.kernels.int4_gemlite import gemlite_form, gemlite_linear
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: types.SimpleNamespace(name="NVIDIA H100"))  # fmt: skip
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(name="NVIDIA H100")
+    )
     n, k, group, dtype = 48, 200, 64, torch.float16
     config = qshard.Int4WeightOnlyConfig(group_size=group, symmetric=symmetric)
     q = qshard.Int4Tensor.from_float((torch.randn(n, k) * 0.02).to(dtype), config)

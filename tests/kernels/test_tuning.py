@@ -17,8 +17,15 @@ from qshard.kernels.availability import triton_unavailable_reason
 
 def test_m_buckets_and_keys():
     assert [tuning.m_bucket(m) for m in (1, 2, 3, 16, 17, 128, 129, 5000)] == [
-        1, 2, 4, 16, 32, 128, 256, 4096,
-    ]  # fmt: skip
+        1,
+        2,
+        4,
+        16,
+        32,
+        128,
+        256,
+        4096,
+    ]
     assert tuning.config_key("w4a16", "int4_asym_g128", 6144, 4096, 9) == (
         "w4a16/int4_asym_g128/6144x4096/m16"
     )

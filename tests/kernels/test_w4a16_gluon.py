@@ -17,8 +17,11 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 # As test_w4a16_triton.py: the reference multiplies the same (bit-exact) weights and sums in
 # float64; the kernel sums in fp32 and rounds once: a few units of the activation dtype.
 MAX_RELATIVE_ERROR = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
-FORMATS = {"int4-asym": (0, False, False), "int4-sym": (1, True, False),
-           "int4-fzero": (2, False, True)}  # fmt: skip
+FORMATS = {
+    "int4-asym": (0, False, False),
+    "int4-sym": (1, True, False),
+    "int4-fzero": (2, False, True),
+}
 
 COMPILE_FOR_SM90 = """
 import triton
@@ -87,8 +90,14 @@ def test_a_config_the_kernel_cannot_build_is_refused():
     q = torch.zeros(64, 128, dtype=torch.uint8)
     good = register_config(4, 64, 256, x.device)
     assert good["STEPS"] % good["STAGES"] == 0
-    bad_configs = ({"STEPS": 3, "STAGES": 2}, {"STEPS": 1, "STAGES": 1}, {"BLOCK_M": 12},
-                   {"WARPS": 2}, {"PER_SM": 0}, {"BLOCK_M": 8, "_tokens": 12})  # fmt: skip
+    bad_configs = (
+        {"STEPS": 3, "STAGES": 2},
+        {"STEPS": 1, "STAGES": 1},
+        {"BLOCK_M": 12},
+        {"WARPS": 2},
+        {"PER_SM": 0},
+        {"BLOCK_M": 8, "_tokens": 12},
+    )
     for bad in bad_configs:
         x = torch.zeros(bad.pop("_tokens", 4), 256, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="STEPS must be a multiple of STAGES"):
@@ -166,8 +175,9 @@ def test_e2m1_decode_emulated_equals_the_reference(dtype):
     n, k = 16, 256
     codes = torch.arange(n * k) % 16  # every code in every position of a word
     qdata = (codes[0::2] | codes[1::2] << 4).to(torch.uint8).reshape(n, k // 2)
-    exponents = torch.tensor([0, 1, 2, 60, 100, 120, 126, 127, 128, 130, 140, 160, 200, 230,
-                              250, 254], dtype=torch.uint8)  # fmt: skip
+    exponents = torch.tensor(
+        [0, 1, 2, 60, 100, 120, 126, 127, 128, 130, 140, 160, 200, 230, 250, 254], dtype=torch.uint8
+    )
     e = exponents[:, None].expand(n, k // 32)
     scale = e.contiguous().view(torch.float8_e8m0fnu)
     expected = mxfp4.dequantize_mxfp4(qdata, scale, 32, k, dtype)
@@ -204,7 +214,8 @@ SHAPES = [(96, 2880, 32), (1000, 4096, 128), (64, 128, 64), (4160, 14336, 128), 
 
 # bf16 on every shape, fp16 on one: each case compiles its own variants on the GPU
 CASES = [(name, torch.bfloat16, shape) for name in FORMATS for shape in SHAPES] + [
-    (name, torch.float16, SHAPES[0]) for name in FORMATS]
+    (name, torch.float16, SHAPES[0]) for name in FORMATS
+]
 
 
 @hopper
@@ -224,8 +235,9 @@ def test_matches_the_reference(name, dtype, shape):
         out = torch.empty(m, n, device="cuda", dtype=dtype)
         zero_arg = zero if zero.numel() else qdata
         got = register_launch(fmt, x, qdata, scale, zero_arg, bias if m % 2 else None, out, group)
-        want = int4.int4_linear_reference(x, qdata, scale, zero, group,
-                                          bias if m % 2 else None, float_zero)  # fmt: skip
+        want = int4.int4_linear_reference(
+            x, qdata, scale, zero, group, bias if m % 2 else None, float_zero
+        )
         err = relative_error(got, want)
         assert err <= MAX_RELATIVE_ERROR[dtype], f"M={m}: {err:.2e} > {MAX_RELATIVE_ERROR[dtype]}"
 
@@ -248,8 +260,14 @@ def test_every_config_matches_the_reference():
                     continue  # the ring would not fit in shared memory
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                config = {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages, "WARPS": warps,
-                          "MAXNREG": maxnreg, "PER_SM": per_sm or 10**6}  # fmt: skip
+                config = {
+                    "BLOCK_M": block_m,
+                    "STEPS": steps,
+                    "STAGES": stages,
+                    "WARPS": warps,
+                    "MAXNREG": maxnreg,
+                    "PER_SM": per_sm or 10**6,
+                }
                 got = register_launch(0, x, qdata, scale, zero, None, out, group, config)
                 want = int4.int4_linear_reference(x, qdata, scale, zero, group)
                 assert relative_error(got, want) <= MAX_RELATIVE_ERROR[torch.bfloat16], config
@@ -357,8 +375,9 @@ def test_mxfp4_weights_are_exact(dtype):
         got = register_launch(3, x, qdata, scale, qdata, None, out, 32)
         want = weight[:, cols].T + 0.0  # a token's sum starts at +0: a -0 weight reads as +0
         bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero().tolist()
-        examples = [(got[i, j].item(), want[i, j].item(), e[j, cols[i] // 32].item())
-                    for i, j in bad[:6]]  # fmt: skip
+        examples = [
+            (got[i, j].item(), want[i, j].item(), e[j, cols[i] // 32].item()) for i, j in bad[:6]
+        ]
         assert not bad, f"{len(bad)} weights differ, e.g. (got, want, E): {examples}"
 
 
@@ -375,9 +394,14 @@ def _fp4_weight(name: str, n: int, k: int) -> tuple:
 
 
 # (format, dtype, (N, K)): odd N and K, long K, and for NVFP4 one split (no split K)
-FP4_CASES = [("mxfp4", torch.bfloat16, (96, 2880)), ("mxfp4", torch.bfloat16, (4160, 14336)),
-             ("mxfp4", torch.float16, (1000, 4096)), ("nvfp4", torch.bfloat16, (96, 2880)),
-             ("nvfp4", torch.bfloat16, (200, 1024)), ("nvfp4", torch.float16, (1000, 4096))]
+FP4_CASES = [
+    ("mxfp4", torch.bfloat16, (96, 2880)),
+    ("mxfp4", torch.bfloat16, (4160, 14336)),
+    ("mxfp4", torch.float16, (1000, 4096)),
+    ("nvfp4", torch.bfloat16, (96, 2880)),
+    ("nvfp4", torch.bfloat16, (200, 1024)),
+    ("nvfp4", torch.float16, (1000, 4096)),
+]
 
 
 @hopper
@@ -394,8 +418,7 @@ def test_fp4_matches_the_reference(name, dtype, shape):
         assert register_problem(fmt, x, qdata, group) is None
         out = torch.empty(m, n, device="cuda", dtype=dtype)
         b = bias if m % 2 else None
-        got = register_launch(fmt, x, qdata, scale, qdata, b, out, group,
-                              global_scale=global_scale)  # fmt: skip
+        got = register_launch(fmt, x, qdata, scale, qdata, b, out, group, global_scale=global_scale)
         err = relative_error(got, reference(x, b))
         assert err <= MAX_RELATIVE_ERROR[dtype], f"M={m}: {err:.2e} > {MAX_RELATIVE_ERROR[dtype]}"
 
@@ -407,8 +430,10 @@ def assert_the_op_runs_fp4_on(kernel: str, name: str, tokens: int) -> None:
     from qshard.kernels.w4a16.format import Format
     from qshard.kernels.w4a16.select import choose
 
-    config, fmt, group = {"mxfp4": (qshard.MXFP4WeightOnlyConfig(), Format.MXFP4, 32),
-                          "nvfp4": (qshard.NVFP4WeightOnlyConfig(), Format.NVFP4, 16)}[name]
+    config, fmt, group = {
+        "mxfp4": (qshard.MXFP4WeightOnlyConfig(), Format.MXFP4, 32),
+        "nvfp4": (qshard.NVFP4WeightOnlyConfig(), Format.NVFP4, 16),
+    }[name]
     lin = torch.nn.Linear(2048, 1536, bias=True, device="cuda", dtype=torch.bfloat16)
     qshard.quantize_(lin, config)
     w = lin.weight

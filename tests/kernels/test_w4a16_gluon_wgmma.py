@@ -234,8 +234,12 @@ def test_the_op_chooses_it_where_it_was_measured_faster(m):
     from qshard.kernels.w4a16.format import Format
     from qshard.kernels.w4a16.select import wgmma_chosen
 
-    llama = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-             "down": (4096, 14336)}  # fmt: skip
+    llama = {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+    }
     for name, (n, k) in llama.items():
         big = name in ("gate_up", "down")
         int4 = 9 <= m <= 128 or (2 <= m <= 128 and big)
@@ -246,9 +250,15 @@ def test_the_op_chooses_it_where_it_was_measured_faster(m):
             assert wgmma_chosen(fmt, m, n, k) == fp4, (name, fmt)
 
 
-@pytest.mark.parametrize("config", [{"BLOCK_T": 32, "STEPS": 2}, {"BLOCK_T": 64, "STEPS": 0},
-                                    {"BLOCK_T": 64, "STEPS": 2, "STAGES": 9},
-                                    {"BLOCK_T": 64, "STEPS": 2, "GROUP_CHUNKS": 0}])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"BLOCK_T": 32, "STEPS": 2},
+        {"BLOCK_T": 64, "STEPS": 0},
+        {"BLOCK_T": 64, "STEPS": 2, "STAGES": 9},
+        {"BLOCK_T": 64, "STEPS": 2, "GROUP_CHUNKS": 0},
+    ],
+)
 def test_a_config_it_cannot_run_is_refused(config):
     from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
 
@@ -257,12 +267,17 @@ def test_a_config_it_cannot_run_is_refused(config):
         wgmma_launch(0, x, x, x, x, None, x, 128, config)
 
 
-@pytest.mark.parametrize("fmt,dtype,group,block_t", [(3, torch.bfloat16, 128, 16),
-                                                     (2, torch.bfloat16, 128, 16),
-                                                     (0, torch.float16, 128, 16),
-                                                     (0, torch.bfloat16, 64, 16),
-                                                     (0, torch.bfloat16, 0, 16),
-                                                     (0, torch.bfloat16, 128, 64)])
+@pytest.mark.parametrize(
+    "fmt,dtype,group,block_t",
+    [
+        (3, torch.bfloat16, 128, 16),
+        (2, torch.bfloat16, 128, 16),
+        (0, torch.float16, 128, 16),
+        (0, torch.bfloat16, 64, 16),
+        (0, torch.bfloat16, 0, 16),
+        (0, torch.bfloat16, 128, 64),
+    ],
+)
 def test_promote_where_it_cannot_run_is_refused(fmt, dtype, group, block_t):
     """PROMOTE scales a chunk's sums by one scale per row: int4 with whole groups of 128, bf16
     x (u - z exact), token tiles up to 32 (registers); elsewhere a ValueError naming the fix,
@@ -308,6 +323,7 @@ def test_where_it_cannot_run_it_says_why(monkeypatch):
 
 hopper = pytest.mark.skipif(not HOPPER, reason="the register kernel runs on Hopper (sm_90)")
 
+
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name,group,n,k", CASES, ids=str)
@@ -328,10 +344,16 @@ def test_matches_the_reference(name, group, n, k, dtype):
 
 @hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name,group,n,k", [("int4-asym", 128, 1000, 4096),
-                                            ("int4-sym", 128, 200, 1024),
-                                            ("int4-fzero", 128, 96, 128),
-                                            ("int4-asym", 256, 4160, 14336)], ids=str)
+@pytest.mark.parametrize(
+    "name,group,n,k",
+    [
+        ("int4-asym", 128, 1000, 4096),
+        ("int4-sym", 128, 200, 1024),
+        ("int4-fzero", 128, 96, 128),
+        ("int4-asym", 256, 4160, 14336),
+    ],
+    ids=str,
+)
 def test_native_codes_match_the_reference(name, group, n, k, dtype):
     """NATIVE = 1: the codes in `native_codes`' order, x unpermuted by TMA at every tile."""
     from qshard.kernels.w4a16.register_wgmma import launch as wgmma_launch
@@ -348,9 +370,11 @@ def test_native_codes_match_the_reference(name, group, n, k, dtype):
 
 
 @hopper
-@pytest.mark.parametrize("name,group,n,k", [("int4-asym", 128, 1000, 4096),
-                                            ("int4-sym", 256, 200, 1024),
-                                            ("int4-asym", 256, 333, 768)], ids=str)
+@pytest.mark.parametrize(
+    "name,group,n,k",
+    [("int4-asym", 128, 1000, 4096), ("int4-sym", 256, 200, 1024), ("int4-asym", 256, 333, 768)],
+    ids=str,
+)
 def test_promoted_sums_match_the_reference(name, group, n, k):
     """PROMOTE (the weights decoded unscaled, each chunk's sums times its rows' scales in
     fp32), canonical and native codes, 1-32 tokens (partial token tiles), a bias, partial
@@ -378,9 +402,20 @@ def test_promoted_sums_match_the_reference(name, group, n, k):
                 plain["STEPS"] = steps
             promoted = {**plain, **promote_config(fmt, x, group, plain["BLOCK_T"])}
             assert promoted["PROMOTE"] == 1
-            got, base = (wgmma_launch(fmt, x, codes, s, z, bias, torch.empty(
-                m, n, device="cuda", dtype=torch.bfloat16), group, c)
-                for c in (promoted, plain))  # fmt: skip
+            got, base = (
+                wgmma_launch(
+                    fmt,
+                    x,
+                    codes,
+                    s,
+                    z,
+                    bias,
+                    torch.empty(m, n, device="cuda", dtype=torch.bfloat16),
+                    group,
+                    c,
+                )
+                for c in (promoted, plain)
+            )
             assert not torch.equal(got, base), (native, m)  # PROMOTE did run
             err = relative_error(got, reference(x, bias))
             assert err <= MAX_RELATIVE_ERROR[torch.bfloat16], (native, m, err)
@@ -425,8 +460,9 @@ def test_every_split_and_ring_wrap(steps):
 
 
 @hopper
-@pytest.mark.parametrize("n,k,m", [(28672, 4096, 16), (4096, 14336, 32), (28672, 4096, 64),
-                                   (4096, 14336, 128)], ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "n,k,m", [(28672, 4096, 16), (4096, 14336, 32), (28672, 4096, 64), (4096, 14336, 128)], ids=str
+)
 def test_the_same_bits_on_every_run(n, k, m):
     """20 launches equal the first bit for bit: x copied by the producer's cp.async (16, 32
     tokens) and by TMA (64, 128), on the Llama shapes that fill the GPU."""
@@ -434,8 +470,9 @@ def test_the_same_bits_on_every_run(n, k, m):
 
     fmt, q, s, z, _, reference = _weight("int4-asym", 128, n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    first = wgmma_launch(fmt, x, q, s, z, None, torch.empty(m, n, device="cuda",
-                                                            dtype=torch.bfloat16), 128)  # fmt: skip
+    first = wgmma_launch(
+        fmt, x, q, s, z, None, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), 128
+    )
     assert relative_error(first, reference(x, None)) <= MAX_RELATIVE_ERROR[torch.bfloat16]
     for run in range(20):
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -457,8 +494,13 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
     # re-grouped; on Hopper a g128 weight holds the native order: tests/layouts/test_int4_native.py)
     lin.weight = torch.nn.Parameter(lin.weight.canonical(), requires_grad=False)
     w = lin.weight
-    for m, want in ((8, "register_ws"), (9, "register_wgmma"), (64, "register_wgmma"),
-                    (WGMMA_CHOICE_MAX_M, "register_wgmma"), (WGMMA_CHOICE_MAX_M + 1, "dequantize")):
+    for m, want in (
+        (8, "register_ws"),
+        (9, "register_wgmma"),
+        (64, "register_wgmma"),
+        (WGMMA_CHOICE_MAX_M, "register_wgmma"),
+        (WGMMA_CHOICE_MAX_M + 1, "dequantize"),
+    ):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         kernel = choose(Format.INT4_ASYM, x, w.qdata, 128).kernel
         assert kernel == want, (m, kernel)

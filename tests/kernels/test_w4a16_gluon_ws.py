@@ -106,8 +106,12 @@ def test_the_fence_check_sees_a_missing_fence():
 # Llama-3.1-8B's linears (N, K) on an H100 (132 SMs): the best of the configs measured at 8 and
 # 16 tokens (docs/kernels/w4a16_register.md, "The warp-specialized kernel
 # (`w4a16/register_ws.py`)"): int4 in K splits, MXFP4 / NVFP4 in chunks per work item
-LLAMA_BEST = {(6144, 4096): (2, 16), (4096, 4096): (4, 8), (28672, 4096): (1, 16),
-              (4096, 14336): (4, 16)}  # fmt: skip
+LLAMA_BEST = {
+    (6144, 4096): (2, 16),
+    (4096, 4096): (4, 8),
+    (28672, 4096): (1, 16),
+    (4096, 14336): (4, 16),
+}
 
 
 @pytest.mark.parametrize("nk,best", LLAMA_BEST.items(), ids=str)
@@ -159,8 +163,14 @@ hopper = pytest.mark.skipif(not HOPPER, reason="the register kernel runs on Hopp
 
 # (format, group, N, K): N not a multiple of the 128-row tile, one chunk, K split in balanced
 # parts (14336: 4 x 28 chunks), groups 32..256; MXFP4 / NVFP4 with their own groups
-CASES = [("int4-asym", 128, 1000, 4096), ("int4-sym", 64, 200, 1024), ("int4-fzero", 32, 96, 128),
-         ("int4-asym", 256, 4160, 14336), ("mxfp4", 32, 1000, 2048), ("nvfp4", 16, 200, 1024)]
+CASES = [
+    ("int4-asym", 128, 1000, 4096),
+    ("int4-sym", 64, 200, 1024),
+    ("int4-fzero", 32, 96, 128),
+    ("int4-asym", 256, 4160, 14336),
+    ("mxfp4", 32, 1000, 2048),
+    ("nvfp4", 16, 200, 1024),
+]
 
 
 def _weight(name: str, group: int, n: int, k: int):
@@ -171,8 +181,14 @@ def _weight(name: str, group: int, n: int, k: int):
     w = torch.randn(n, k, device="cuda") * 0.02
     fmt = {"int4-asym": 0, "int4-sym": 1, "int4-fzero": 2}[name]
     q, s, z = int4.quantize_int4(w, group, fmt == 1, fmt == 2)
-    return fmt, q, s, z if z.numel() else q, None, (
-        lambda x, b: int4.int4_linear_reference(x, q, s, z, group, b, fmt == 2))
+    return (
+        fmt,
+        q,
+        s,
+        z if z.numel() else q,
+        None,
+        (lambda x, b: int4.int4_linear_reference(x, q, s, z, group, b, fmt == 2)),
+    )
 
 
 @hopper
@@ -205,8 +221,9 @@ def test_the_same_bits_on_every_run(n, k):
     x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
     config = ws_config(16, n, k, x.device)
     assert config["PER_SM"] == 2 and config["STAGES"] == 8
-    first = ws_launch(fmt, x, q, s, z, None, torch.empty(16, n, device="cuda",
-                                                         dtype=torch.bfloat16), 128)  # fmt: skip
+    first = ws_launch(
+        fmt, x, q, s, z, None, torch.empty(16, n, device="cuda", dtype=torch.bfloat16), 128
+    )
     assert relative_error(first, reference(x, None)) <= MAX_RELATIVE_ERROR[torch.bfloat16]
     for run in range(20):
         out = torch.full((16, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -239,9 +256,15 @@ def test_the_op_chooses_it_and_tp_cuts_run_on_it():
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         kernel = choose(Format.INT4_ASYM, x, w.qdata, 128).kernel
         ws = WS_CHOICE_MIN_M <= m <= WS_CHOICE_MAX_M
-        assert kernel == ("register_wgmma" if wgmma_chosen(Format.INT4_ASYM, m, 1024, 4096)
-                          else "register_ws" if ws
-                          else "register" if m <= REGISTER_CHOICE_MAX_M else "small_m"), (m, kernel)
+        assert kernel == (
+            "register_wgmma"
+            if wgmma_chosen(Format.INT4_ASYM, m, 1024, 4096)
+            else "register_ws"
+            if ws
+            else "register"
+            if m <= REGISTER_CHOICE_MAX_M
+            else "small_m"
+        ), (m, kernel)
         want = int4.int4_linear_reference(x, w.qdata, w.scale, w.zero, 128, lin.bias)
         assert relative_error(lin(x), want) <= MAX_RELATIVE_ERROR[torch.bfloat16]
     x = torch.randn(WS_CHOICE_MAX_M, 4096, device="cuda", dtype=torch.bfloat16)

@@ -59,19 +59,34 @@ def quantized(name: str, weight: torch.Tensor, group: int) -> Quantized:
         symmetric, fz = name == "int4-sym", name == "int4-fzero"
         q, s, z = int4.quantize_int4(weight, group, symmetric, fz)
         fmt = Format.INT4_SYM if symmetric else Format.INT4_FZERO if fz else Format.INT4_ASYM
-        return Quantized(fmt, k, group, (q, s, z, s),
-                         lambda x, b: int4.int4_linear_reference(x, q, s, z, group, b, fz),
-                         lambda d: int4.dequantize_int4(q, s, z, group, k, d, fz))  # fmt: skip
+        return Quantized(
+            fmt,
+            k,
+            group,
+            (q, s, z, s),
+            lambda x, b: int4.int4_linear_reference(x, q, s, z, group, b, fz),
+            lambda d: int4.dequantize_int4(q, s, z, group, k, d, fz),
+        )
     if name == "mxfp4":
         q, s = mxfp4.quantize_mxfp4(weight, group)
-        return Quantized(Format.MXFP4, k, group, (q, s, q, q),
-                         lambda x, b: mxfp4.mxfp4_linear_reference(x, q, s, group, b),
-                         lambda d: mxfp4.dequantize_mxfp4(q, s, group, k, d))  # fmt: skip
+        return Quantized(
+            Format.MXFP4,
+            k,
+            group,
+            (q, s, q, q),
+            lambda x, b: mxfp4.mxfp4_linear_reference(x, q, s, group, b),
+            lambda d: mxfp4.dequantize_mxfp4(q, s, group, k, d),
+        )
     g = nvfp4.global_scale_of(weight)
     q, s = nvfp4.quantize_nvfp4(weight, g, group)
-    return Quantized(Format.NVFP4, k, group, (q, s, q, g),
-                     lambda x, b: nvfp4.nvfp4_linear_reference(x, q, s, g, group, b),
-                     lambda d: nvfp4.dequantize_nvfp4(q, s, g, group, k, d))  # fmt: skip
+    return Quantized(
+        Format.NVFP4,
+        k,
+        group,
+        (q, s, q, g),
+        lambda x, b: nvfp4.nvfp4_linear_reference(x, q, s, g, group, b),
+        lambda d: nvfp4.dequantize_nvfp4(q, s, g, group, k, d),
+    )
 
 
 # (format, group, N, K): K not a multiple of the group (a partial last group), odd K, the
@@ -212,8 +227,9 @@ WORD_GEMV_TOKENS = [
 
 
 @pytest.mark.parametrize("dtype", [ACT_DTYPE, torch.float32])
-@pytest.mark.parametrize(("name", "group", "n", "k", "options", "m"),
-                         WORD_GEMV_OPTIONS + WORD_GEMV_TOKENS)  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "group", "n", "k", "options", "m"), WORD_GEMV_OPTIONS + WORD_GEMV_TOKENS
+)
 def test_the_word_gemv_options_match_the_reference(name, group, n, k, options, m, dtype):
     load_w4a16_ops()
     weight = quantized(name, torch.randn(n, k, device=DEVICE) * 0.02, group)
@@ -230,13 +246,16 @@ def test_the_word_gemv_options_match_the_reference(name, group, n, k, options, m
 
 
 @pytest.mark.parametrize("dtype", [ACT_DTYPE, torch.float32])
-@pytest.mark.parametrize(("name", "group", "n", "k", "options", "m"), [
-    ("int4-asym", 128, 40, 1024, dict(BLOCK_N=16, BLOCK_W=16, SPLIT_K=3, PREFETCH=2), 1),
-    ("int4-sym", 128, 24, 512, dict(BLOCK_N=8, BLOCK_W=64), 2),
-    ("int4-fzero", 256, 33, 768, dict(BLOCK_N=16, BLOCK_W=32, SPLIT_K=2), 1),
-    ("int4-asym", 256, 17, 2048, dict(BLOCK_N=32, BLOCK_W=128, PREFETCH=2, EVICT=1), 1),
-    ("int4-asym", 128, 33, 1024, dict(BLOCK_N=16, BLOCK_W=64, BLOCK_M=2), 3),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "group", "n", "k", "options", "m"),
+    [
+        ("int4-asym", 128, 40, 1024, dict(BLOCK_N=16, BLOCK_W=16, SPLIT_K=3, PREFETCH=2), 1),
+        ("int4-sym", 128, 24, 512, dict(BLOCK_N=8, BLOCK_W=64), 2),
+        ("int4-fzero", 256, 33, 768, dict(BLOCK_N=16, BLOCK_W=32, SPLIT_K=2), 1),
+        ("int4-asym", 256, 17, 2048, dict(BLOCK_N=32, BLOCK_W=128, PREFETCH=2, EVICT=1), 1),
+        ("int4-asym", 128, 33, 1024, dict(BLOCK_N=16, BLOCK_W=64, BLOCK_M=2), 3),
+    ],
+)
 def test_the_word_gemv_reads_native_codes(name, group, n, k, options, m, dtype):
     """NATIVE = 1 (codes in `native_codes`' order, the wgmma kernel's): each word's nibbles
     meet x's columns through the permutation (`_x_planes`); steps of 16 words (two chunks per
@@ -452,8 +471,9 @@ def test_the_int4_word_decoding_gives_every_weight_exactly(name, prefetch, group
     # Every byte, so every code in both nibbles; in place, so the reference decodes them too.
     codes = weight.inner[0]
     codes.copy_(torch.randperm(n * k // 2, device=DEVICE).view_as(codes) % 256)
-    config = dict(BLOCK_N=64, BLOCK_M=64, BLOCK_K=block_k, SPLIT_K=3, PREFETCH=prefetch,
-                  num_warps=4)  # fmt: skip
+    config = dict(
+        BLOCK_N=64, BLOCK_M=64, BLOCK_K=block_k, SPLIT_K=3, PREFETCH=prefetch, num_warps=4
+    )
     out = weight.launch(torch.eye(k, device=DEVICE), None, config)  # [k, n]
     differ = (out.t() != weight.dequantized(torch.float32)).nonzero().tolist()
     assert not differ, f"{len(differ)} weights differ, first (row, column): {differ[:4]}"
@@ -500,8 +520,13 @@ def test_the_kernel_is_chosen_by_the_number_of_tokens():
     DEQUANTIZE = dequantize.config()
 
     assert [kernel_for(m, None) for m in (1, 2, 16, FUSED_MAX_M, FUSED_MAX_M + 1, 4096)] == [
-        "gemv", "small_m", "small_m", "small_m", "dequantize", "dequantize"
-    ] and GEMV_MAX_M == 1  # fmt: skip
+        "gemv",
+        "small_m",
+        "small_m",
+        "small_m",
+        "dequantize",
+        "dequantize",
+    ] and GEMV_MAX_M == 1
     assert kernel_for(1, DEQUANTIZE) == "dequantize"
     assert kernel_for(300, CONFIGS["split3"]) == "small_m"
     assert kernel_for(300, CONFIGS["gemv-wide"]) == "gemv"
@@ -597,6 +622,11 @@ def test_every_format_compiles_for_sm80():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM80], env=env,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM80],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]

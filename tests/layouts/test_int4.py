@@ -16,8 +16,11 @@ from qshard.kernels.loader import load_w4a16_ops
 
 
 def test_zero_points_are_codes_even_for_groups_that_miss_zero():
-    for weight in (torch.linspace(1.0, 1.01, 64)[None], torch.linspace(-1000, -999, 64)[None],
-                   torch.randn(8, 64) + 3.0):  # fmt: skip
+    for weight in (
+        torch.linspace(1.0, 1.01, 64)[None],
+        torch.linspace(-1000, -999, 64)[None],
+        torch.randn(8, 64) + 3.0,
+    ):
         q = qshard.Int4Tensor.from_float(weight, Int4WeightOnlyConfig(group_size=32))
         assert bool(((q.zero >= 0) & (q.zero <= 15) & (q.zero == q.zero.round())).all())
         step = q.scale.float().amax().item()
@@ -35,8 +38,9 @@ def test_extreme_finite_weights_dequantize_to_finite_values():
     for symmetric in (False, True):
         config = Int4WeightOnlyConfig(group_size=32, symmetric=symmetric)
         for weight in (torch.tensor([[3e38, -3e38, 1.0, 0.0]]), torch.full((1, 4), 1e-41)):
-            assert bool(torch.isfinite(qshard.Int4Tensor.from_float(weight, config)
-                                       .dequantize()).all())  # fmt: skip
+            assert bool(
+                torch.isfinite(qshard.Int4Tensor.from_float(weight, config).dequantize()).all()
+            )
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

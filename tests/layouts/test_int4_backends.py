@@ -23,9 +23,15 @@ from qshard.kernels.int4_tinygemm import tinygemm_problem
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # tinygemm on CUDA takes bf16 activations only; the CPU kernel takes all three.
-TINYGEMM_DTYPES = [torch.bfloat16] if DEVICE.type == "cuda" else [
-    torch.float32, torch.bfloat16, torch.float16,
-]  # fmt: skip
+TINYGEMM_DTYPES = (
+    [torch.bfloat16]
+    if DEVICE.type == "cuda"
+    else [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ]
+)
 # Output vs the float64 product of the very weights tinygemm multiplies: its output is rounded
 # once to the activation dtype and its bf16/fp16 paths may round partial sums (measured worst on
 # the CPU, torch 2.13, 20 cases: fp32 4e-7, fp16 3.6e-4, bf16 2.9e-3).
@@ -204,8 +210,12 @@ def test_a_copy_into_a_part_refreshes_the_whole_weights_device_form(part):
     fresh.set_device_form(None)
     fresh.repack_for_device()  # the form made from the updated canonical tensors
     assert torch.equal(F.linear(x, q), F.linear(x, fresh))
-    assert not torch.equal(q.dequantize(), qshard.Int4Tensor.from_float(
-        gaussian(64, 256, seed=1).to(DEVICE), config).to(torch.bfloat16).dequantize())  # fmt: skip
+    assert not torch.equal(
+        q.dequantize(),
+        qshard.Int4Tensor.from_float(gaussian(64, 256, seed=1).to(DEVICE), config)
+        .to(torch.bfloat16)
+        .dequantize(),
+    )
 
 
 def test_a_model_built_empty_gets_its_device_form_from_load_state_dict():
@@ -236,8 +246,9 @@ def test_cpu_tinygemm_refuses_scales_fp16_cannot_hold():
         F.linear(x.half(), q)
 
 
-@pytest.mark.parametrize(("in_features", "out_features", "rows"), [(0, 4, 3), (64, 0, 3),
-                                                                    (64, 8, 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "rows"), [(0, 4, 3), (64, 0, 3), (64, 8, 0)]
+)
 def test_tinygemm_gives_empty_products_as_the_other_backends_do(in_features, out_features, rows):
     """A zero-size weight or input: the empty sums are zeros (plus the bias), the same result
     as the reference backend, not an error from tinygemm's kernels."""

@@ -77,12 +77,14 @@ def test_what_holds_the_native_order_and_why_not():
     reasons = {
         "experts": Int4Tensor.from_float(gaussian(2, 8, 128, dtype=torch.bfloat16)),
         "backend 'tinygemm'": Int4Tensor.from_float(
-            gaussian(8, 128, dtype=torch.bfloat16), Int4WeightOnlyConfig(backend="tinygemm")),
+            gaussian(8, 128, dtype=torch.bfloat16), Int4WeightOnlyConfig(backend="tinygemm")
+        ),
         "not torch.float32": Int4Tensor.from_float(gaussian(8, 128)),
         "K = 192": Int4Tensor.from_float(gaussian(8, 192, dtype=torch.bfloat16)),
         "groups of 64": Int4Tensor.from_float(
-            gaussian(8, 128, dtype=torch.bfloat16), Int4WeightOnlyConfig(group_size=64)),
-    }  # fmt: skip
+            gaussian(8, 128, dtype=torch.bfloat16), Int4WeightOnlyConfig(group_size=64)
+        ),
+    }
     for words, tensor in reasons.items():
         assert words in tensor.native_order_problem(), (words, tensor.native_order_problem())
     with pytest.raises(ConfigError, match="groups of 64"):
@@ -191,8 +193,9 @@ def test_files_and_pickles_hold_the_canonical_codes(tmp_path):
     assert_same_qtensor(loaded.weight, canonical)
     buffer = io.BytesIO()
     torch.save({"w": native}, buffer)
-    assert_same_qtensor(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)["w"],
-                        canonical)  # fmt: skip
+    assert_same_qtensor(
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)["w"], canonical
+    )
 
 
 def test_exports_hold_the_canonical_codes(tmp_path):
@@ -234,8 +237,10 @@ def test_a_checkpoint_or_pickle_that_claims_native_codes_is_refused(tmp_path):
 def test_a_checkpoint_without_the_attribute_is_canonical(tmp_path):
     canonical, _ = pair()
     qshard.save(linear_of(canonical), tmp_path)
-    edit_metadata(tmp_path / "model.safetensors",
-                  lambda data: data["entries"]["weight"]["attrs"].pop("code_order"))  # fmt: skip
+    edit_metadata(
+        tmp_path / "model.safetensors",
+        lambda data: data["entries"]["weight"]["attrs"].pop("code_order"),
+    )
     assert_same_qtensor(qshard.load(tmp_path)["weight"], canonical)
 
 
@@ -264,8 +269,10 @@ def test_quantize_to_and_stack_give_the_order_of_the_device(hopper_here, tmp_pat
     assert model[0].weight.to(torch.float16).code_order is NATIVE
     expected = model[0].weight.canonical()
     qshard.save(model, tmp_path)
-    assert torch.equal(load_file(tmp_path / "model.safetensors")["0.weight.qdata"],
-                       model[0].weight.canonical().qdata)  # fmt: skip
+    assert torch.equal(
+        load_file(tmp_path / "model.safetensors")["0.weight.qdata"],
+        model[0].weight.canonical().qdata,
+    )
     assert torch.stack([model[0].weight] * 2).code_order is CodeOrder.CANONICAL  # experts
     loaded = nn.Sequential(nn.Linear(512, 96), nn.Linear(96, 64)).bfloat16()
     qshard.quantize_(loaded, Int4WeightOnlyConfig())
@@ -280,8 +287,10 @@ def test_copies_into_views_reach_the_whole_weight(hopper_here):
     experts = Int4Tensor.from_float(gaussian(2, 16, 256, dtype=torch.bfloat16))
     wide = Int4Tensor.from_float(gaussian(16, 320, dtype=torch.bfloat16))
     assert experts.code_order is CodeOrder.CANONICAL and wide.code_order is CodeOrder.CANONICAL
-    for whole, view_of, part in ((experts, lambda w: w[0], (slice(0, 1),)),
-                                 (wide, lambda w: w[:, :256], (slice(None), slice(0, 256)))):
+    for whole, view_of, part in (
+        (experts, lambda w: w[0], (slice(0, 1),)),
+        (wide, lambda w: w[:, :256], (slice(None), slice(0, 256))),
+    ):
         for seed in (1, 2):  # twice: a view that had split its codes off would miss the second
             source = Int4Tensor.from_float(gaussian(16, 256, dtype=torch.bfloat16, seed=seed))
             view_of(whole).copy_(source)
@@ -307,8 +316,12 @@ def test_a_string_names_the_order_and_new_empty_takes_any_shape():
     assert named.code_order is NATIVE
     assert torch.equal(named.dequantize(), canonical.dequantize())
     with pytest.raises(ConfigError, match="'sideways' is not one of"):
-        Int4Tensor(inner, shape=native.logical_shape, dtype=native.dtype,
-                   **{**attrs, "code_order": "sideways"})  # fmt: skip
+        Int4Tensor(
+            inner,
+            shape=native.logical_shape,
+            dtype=native.dtype,
+            **{**attrs, "code_order": "sideways"},
+        )
     empty = native.new_empty((16, 192))  # K = 192 cannot hold the native order
     source = Int4Tensor.from_float(gaussian(16, 192, dtype=torch.bfloat16))
     empty.copy_(source)
@@ -339,12 +352,20 @@ def test_the_op_reads_native_codes(config, m, dtype):
     words), dequantize (un-permuting) + BLAS above (fp16 activations: docs/design.md, "PyTorch
     behaviour")."""
     load_w4a16_ops()
-    canonical, native = pair(config, n=24, k=384 if config.group_size == 128 else 512,
-                             dtype=torch.float16)  # fmt: skip
+    canonical, native = pair(
+        config, n=24, k=384 if config.group_size == 128 else 512, dtype=torch.float16
+    )
     x = torch.randn(m, canonical.shape[1], dtype=dtype)
     args = (canonical.scale, canonical.zero, None, config.group_size, canonical.float_zero)
-    expected = ref.int4_linear_reference(x, canonical.qdata, canonical.scale, canonical.zero,
-                                         config.group_size, None, canonical.float_zero)  # fmt: skip
+    expected = ref.int4_linear_reference(
+        x,
+        canonical.qdata,
+        canonical.scale,
+        canonical.zero,
+        config.group_size,
+        None,
+        canonical.float_zero,
+    )
     got = torch.ops.qshard.int4_linear(x, native.qdata, *args, True)
     torch.testing.assert_close(got, expected, **KERNEL_TOLERANCE[dtype])
     unread = torch.ops.qshard.int4_linear(x, native.qdata, *args, False)
@@ -363,10 +384,19 @@ def test_the_dequantize_kernel_reads_native_codes_bit_exactly(config):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     k = 384 if config.group_size == 128 else 512
     canonical, native = pair(config, n=40, k=k, dtype=torch.float16, device=device)
-    fmt = Format.INT4_FZERO if canonical.float_zero else (
-        Format.INT4_SYM if config.symmetric else Format.INT4_ASYM)  # fmt: skip
-    args = (canonical.scale, canonical.zero, canonical.scale, config.group_size, k,
-            torch.float16)  # (the global scale: any tensor; int4 has none)
+    fmt = (
+        Format.INT4_FZERO
+        if canonical.float_zero
+        else (Format.INT4_SYM if config.symmetric else Format.INT4_ASYM)
+    )
+    args = (
+        canonical.scale,
+        canonical.zero,
+        canonical.scale,
+        config.group_size,
+        k,
+        torch.float16,
+    )  # (the global scale: any tensor; int4 has none)
     expected = dequantize_launch(fmt, canonical.qdata, *args)
     assert torch.equal(dequantize_launch(fmt, native.qdata, *args, native=True), expected)
     assert torch.equal(expected, canonical.dequantize().to(torch.float16))
@@ -382,10 +412,28 @@ def test_the_native_gemv_with_splits_and_prefetch(block_w):
 
     canonical, native = pair(n=24, k=768, dtype=torch.float16)
     x = torch.randn(1, 768, dtype=torch.float16)
-    config = {"KERNEL": "gemv_words", "BLOCK_N": 8, "BLOCK_W": block_w, "SPLIT_K": 3,
-              "PREFETCH": 2, "EVICT": 0, "NATIVE": 1, "num_warps": 4}  # fmt: skip
-    got = linear_launch(Format.INT4_ASYM, x, native.qdata, native.scale, native.zero,
-                        native.scale, None, 128, config, native=True)  # fmt: skip
+    config = {
+        "KERNEL": "gemv_words",
+        "BLOCK_N": 8,
+        "BLOCK_W": block_w,
+        "SPLIT_K": 3,
+        "PREFETCH": 2,
+        "EVICT": 0,
+        "NATIVE": 1,
+        "num_warps": 4,
+    }
+    got = linear_launch(
+        Format.INT4_ASYM,
+        x,
+        native.qdata,
+        native.scale,
+        native.zero,
+        native.scale,
+        None,
+        128,
+        config,
+        native=True,
+    )
     expected = ref.int4_linear_reference(x, canonical.qdata, canonical.scale, canonical.zero, 128)
     torch.testing.assert_close(got, expected, **KERNEL_TOLERANCE[torch.float16])
 
@@ -432,14 +480,19 @@ def test_on_hopper_quantize_holds_native_codes_and_the_op_reads_them(config):
     for m in (1, 2, 3, 16, 33, 64, 128, 129, 300):
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         kernel = choose(Format.INT4_ASYM, x, q.qdata, config.group_size, native=True).kernel
-        assert kernel == ("gemv_words" if m <= 2 else "register_wgmma" if m <= 128
-                          else "dequantize"), (m, kernel)  # fmt: skip (2: a small weight)
+        assert kernel == (
+            "gemv_words" if m <= 2 else "register_wgmma" if m <= 128 else "dequantize"
+        ), (m, kernel)  # (2: a small weight)
         expected = F.linear(x.cpu().float(), cpu.dequantize(torch.float32))
         assert_near(F.linear(x, q).cpu(), expected, m)
     x = torch.randn(5, 1024, device="cuda")
     assert choose(Format.INT4_ASYM, x, q.qdata, 128, native=True).kernel == "dequantize"
-    torch.testing.assert_close(F.linear(x, q.to(torch.float32)).cpu(),
-                               F.linear(x.cpu(), cpu.to(torch.float32)), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(
+        F.linear(x, q.to(torch.float32)).cpu(),
+        F.linear(x.cpu(), cpu.to(torch.float32)),
+        rtol=1e-4,
+        atol=1e-3,
+    )
 
 
 @pytest.mark.cuda

@@ -231,8 +231,10 @@ def test_whole_models_pickle_with_their_quantized_parameters():
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
-    for copy in (torch.load(buffer, weights_only=False), ForkingPickler.loads(
-            ForkingPickler.dumps(model))):  # fmt: skip
+    for copy in (
+        torch.load(buffer, weights_only=False),
+        ForkingPickler.loads(ForkingPickler.dumps(model)),
+    ):
         assert_same_qtensor(copy[0].weight, model[0].weight)
         x = torch.randn(3, 64)
         assert torch.equal(copy(x), model(x))

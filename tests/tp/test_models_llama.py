@@ -79,8 +79,9 @@ def test_every_layout_decodes_and_the_step_compiles(config):
 def _tp_worker(rank, world, mesh):
     with torch.no_grad():
         expected_model = tiny()
-        qshard.quantize_(expected_model, qshard.Int4WeightOnlyConfig(group_size=64),
-                         exclude=["output"])  # fmt: skip
+        qshard.quantize_(
+            expected_model, qshard.Int4WeightOnlyConfig(group_size=64), exclude=["output"]
+        )
         prompt = torch.randint(0, 512, (2, 6))
         expected = expected_model(prompt, torch.arange(6))
         model = tiny()
@@ -193,8 +194,17 @@ def test_to_local_refuses_a_dtensor_outside_a_linear_and_changes_nothing():
     spawn(_to_local_refusal_worker, 2)
 
 
-MOE = LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden=256,
-                  n_experts=8, top_k=2, expert_hidden=64)  # fmt: skip
+MOE = LlamaConfig(
+    vocab_size=256,
+    dim=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden=256,
+    n_experts=8,
+    top_k=2,
+    expert_hidden=64,
+)
 # The sharded MoE model's logits against one process's: the experts' outputs are summed over
 # the ranks (and, cut by ExpertTensorParallel, their down projection's K halves) in another
 # fp32 order than one device's, then pass the next layers (measured: below 1e-6).

@@ -41,9 +41,13 @@ def test_a_star_matches_one_dotted_segment_like_torch():
     }
     resolved = resolve_plan(model, plan)
     assert sorted(resolved) == [
-        "layers.0", "layers.0.attn.o", "layers.0.attn.qkv",
-        "layers.1", "layers.1.attn.o", "layers.1.attn.qkv",
-    ]  # fmt: skip
+        "layers.0",
+        "layers.0.attn.o",
+        "layers.0.attn.qkv",
+        "layers.1",
+        "layers.1.attn.o",
+        "layers.1.attn.qkv",
+    ]
     assert isinstance(resolved["layers.0"], PrepareModuleInput)
     assert type(resolved["layers.1.attn.qkv"]) is QuantColwiseParallel
     rowwise = resolved["layers.0.attn.o"]  # torch's style, converted, its layouts kept

@@ -44,8 +44,14 @@ _FINISHED = textwrap.dedent(
 def _torchrun(tmp_path, script: str, timeout: float) -> subprocess.CompletedProcess:
     path = tmp_path / "program.py"
     path.write_text(script)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", str(path)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(path),
+    ]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -65,14 +71,16 @@ def test_a_finished_program_exits(tmp_path):
 
 def test_the_deadline_as_a_block_is_cancelled_on_leaving_it():
     script = "import time, qshard.tp\nwith qshard.tp.deadline(1):\n    pass\ntime.sleep(2)\n"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0 and "Timeout" not in done.stderr
 
 
 def test_the_deadline_alone_holds_for_the_process():
     script = "import time, qshard.tp\nqshard.tp.deadline(1)\ntime.sleep(30)\n"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1 and "Timeout (0:00:01)!" in done.stderr
     assert "<string>" in done.stderr  # the stack names where it was

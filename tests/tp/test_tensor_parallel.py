@@ -42,8 +42,9 @@ RANK_DEADLINE_MARGIN_S = 20
 COLLECTIVE_TIMEOUT_S = 120  # a collective whose peer never comes raises after this
 
 
-def spawn(worker, world: int, *args, backend: str = "gloo",
-          deadline_s: float = SPAWN_DEADLINE_S) -> None:  # fmt: skip
+def spawn(
+    worker, world: int, *args, backend: str = "gloo", deadline_s: float = SPAWN_DEADLINE_S
+) -> None:
     """Run worker(rank, world, mesh, *args) on `world` processes (gloo on CPU, nccl on GPUs).
 
     A Python exception in any rank fails the test. A rank that dies by a signal or an exit code
@@ -80,8 +81,16 @@ def spawn(worker, world: int, *args, backend: str = "gloo",
 
 # The modules every rank imports, loaded once by the fork server that starts the ranks (a
 # rank forked from it starts in well under a second; a spawned one imports torch again).
-PRELOADED = ["torch", "torch.distributed.tensor", "torch._dynamo", "qshard", "qshard.tp",
-             "transformers", "helpers", "test_tensor_parallel"]  # fmt: skip
+PRELOADED = [
+    "torch",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "qshard",
+    "qshard.tp",
+    "transformers",
+    "helpers",
+    "test_tensor_parallel",
+]
 
 
 def _start_method(backend: str) -> str:
@@ -100,8 +109,9 @@ def _dump_and_kill(processes) -> None:
         process.kill()
 
 
-def _entry(rank: int, world: int, init: str, backend: str, tmp: str, worker, args,
-           rank_deadline_s: float) -> None:  # fmt: skip
+def _entry(
+    rank: int, world: int, init: str, backend: str, tmp: str, worker, args, rank_deadline_s: float
+) -> None:
     device_type = "cuda" if backend == "nccl" else "cpu"
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
     if device_type == "cuda":
@@ -177,8 +187,9 @@ def _realigned_like(reference: nn.Module, sharded: nn.Module, world: int) -> Non
                 )
 
 
-def _assert_shards_hold_the_whole_weights(whole: nn.Module, sharded: nn.Module, rank: int,
-                                          world: int) -> None:  # fmt: skip
+def _assert_shards_hold_the_whole_weights(
+    whole: nn.Module, sharded: nn.Module, rank: int, world: int
+) -> None:
     """Each rank's quantized shard dequantizes to exactly its rows (column-parallel) or columns
     (row-parallel) of the whole quantized weight's float64 dequantization, sliced as torch.chunk
     slices: a reference independent of `realign` (the path under test re-blocks cut blocks)."""
@@ -253,8 +264,10 @@ def _native_order_worker(rank, world, mesh):
     from qshard.tp.gather import full_tensor
 
     bf16 = {"rtol": 1e-2, "atol": 1e-2}  # the CPU BLAS's bf16 sums of another width
-    styles = ((ColwiseParallel(use_local_output=False), 0),
-              (RowwiseParallel(input_layouts=Shard(-1)), 1))  # fmt: skip
+    styles = (
+        (ColwiseParallel(use_local_output=False), 0),
+        (RowwiseParallel(input_layouts=Shard(-1)), 1),
+    )
     for style, dim in styles:
         linear = nn.Linear(world * 256, world * 96, bias=True, dtype=torch.bfloat16)
         _quantized(linear, qshard.Int4WeightOnlyConfig())

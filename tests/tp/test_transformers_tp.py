@@ -32,8 +32,15 @@ from qshard.tp import chunk_bounds
 
 # hidden 256, intermediate 512: at 2 ranks every cut is on a 128 boundary (FP8's default
 # 128x128 blocks and 1x128 activation groups stay whole), at 4 ranks on a 64 boundary.
-DENSE = dict(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+DENSE = dict(
+    vocab_size=128,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+)
 # intermediate 80: the down projection's 2-way cut (40) falls inside int4's packing (groups of
 # 32, re-grouped down to 16 at least): refused.
 MISALIGNED = dict(DENSE, hidden_size=64, intermediate_size=80, num_key_value_heads=2)
@@ -119,8 +126,9 @@ def check_modules(model, reference, world: int, where: str) -> None:
             else:
                 got = module(torch.tensor_split(x, world, dim=-1)[rank].contiguous())
         at = f"{where}: {name}"
-        torch.testing.assert_close(got, expected, **ROW_PARALLEL_TOLERANCE,
-                                   msg=lambda m, at=at: f"{at}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            got, expected, **ROW_PARALLEL_TOLERANCE, msg=lambda m, at=at: f"{at}: {m}"
+        )
 
 
 def check_load(directory: str, rank: int, world: int, where: str, w8a8=False, **distributed):
@@ -145,8 +153,9 @@ def check_load(directory: str, rank: int, world: int, where: str, w8a8=False, **
         # it to the summation order): 47 dB measured.
         assert qshard.sqnr_db(expected, logits) > 40, where
     else:
-        torch.testing.assert_close(logits, expected, **ROW_PARALLEL_TOLERANCE,
-                                   msg=lambda m: f"{where}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            logits, expected, **ROW_PARALLEL_TOLERANCE, msg=lambda m: f"{where}: {m}"
+        )
 
 
 def check_refusals(rank: int, world: int, directories: dict[str, str]) -> None:
@@ -172,8 +181,9 @@ def check_refusals(rank: int, world: int, directories: dict[str, str]) -> None:
 
     config = QShardConfig(config=INT4)
     with pytest.raises(QShardError, match="quantizing while loading a sharded model"):
-        load("float", quantization_config=config,
-             distributed_config=DistributedConfig(tp_size=world))  # fmt: skip
+        load(
+            "float", quantization_config=config, distributed_config=DistributedConfig(tp_size=world)
+        )
     torch.distributed.barrier()
 
 
@@ -186,8 +196,15 @@ def _world2_worker(rank, world, mesh, directories):
     # module "moe_tp_experts"; and its expert parallelism ("grouped_gemm": whole experts).
     check_load(directories["moe"], rank, world, "moe", tp_size=world)
     for implementation in ("all_reduce", "all_to_all"):
-        check_load(directories["moe"], rank, world, "moe", tp_size=world, ep_size=world,
-                   ep_implementation=implementation)  # fmt: skip
+        check_load(
+            directories["moe"],
+            rank,
+            world,
+            "moe",
+            tp_size=world,
+            ep_size=world,
+            ep_implementation=implementation,
+        )
 
     # The issue's own call: tp_plan="auto" (world size from the environment, as torchrun sets
     # it), and the forward with gradients enabled (transformers' autograd hooks).
@@ -200,8 +217,9 @@ def _world2_worker(rank, world, mesh, directories):
     ids = token_ids()
     torch.testing.assert_close(model(ids).logits, reference(ids).logits, **ROW_PARALLEL_TOLERANCE)
     # dtype=: every part stands for bfloat16, its codes unchanged.
-    model = AutoModelForCausalLM.from_pretrained(directories["fp8"], tp_plan="auto",
-                                                 dtype=torch.bfloat16)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        directories["fp8"], tp_plan="auto", dtype=torch.bfloat16
+    )
     reference = AutoModelForCausalLM.from_pretrained(directories["fp8"], dtype=torch.bfloat16)
     assert check_shards(model, reference, rank, world, "dtype=torch.bfloat16") == 14
     assert model.model.layers[0].mlp.down_proj.weight.to_local().dtype == torch.bfloat16
@@ -224,8 +242,15 @@ def _world4_worker(rank, world, mesh, directories):
     for name, config in LAYOUTS[world].items():
         w8a8 = not getattr(config, "weight_only", True)
         check_load(directories[name], rank, world, name, w8a8, tp_size=world)
-    check_load(directories["moe"], rank, world, "moe", tp_size=world, ep_size=world,
-               ep_implementation="all_to_all")  # fmt: skip
+    check_load(
+        directories["moe"],
+        rank,
+        world,
+        "moe",
+        tp_size=world,
+        ep_size=world,
+        ep_implementation="all_to_all",
+    )
     # transformers' tensor parallelism of these experts cuts each one's 32 intermediate
     # columns at 8: no int4 group is that small.
     from transformers import AutoModelForCausalLM
@@ -266,8 +291,10 @@ def _qwen3_moe():
 def test_from_pretrained_with_transformers_tp_plan(tmp_path, world):
     """transformers' tp_plan / ep_plan on a qshard checkpoint: each rank holds its part of every
     quantized weight in qshard's layout, and the model computes as one process does."""
-    directories = {name: _save(_llama(DENSE), config, tmp_path / name)
-                   for name, config in LAYOUTS[world].items()}  # fmt: skip
+    directories = {
+        name: _save(_llama(DENSE), config, tmp_path / name)
+        for name, config in LAYOUTS[world].items()
+    }
     directories["moe"] = _save(_qwen3_moe(), INT4, tmp_path / "moe")
     if world == 2:
         directories["misaligned"] = _save(_llama(MISALIGNED), INT4, tmp_path / "misaligned")

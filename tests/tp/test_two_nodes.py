@@ -19,11 +19,20 @@ def _free_port() -> int:
 
 def _agent(node: int, port: int, env) -> subprocess.Popen:
     """One node's torchrun agent: 2 ranks, a static rendezvous at 127.0.0.1:port."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-               f"--node-rank={node}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-               f"--master-port={port}", PROGRAM]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        f"--node-rank={node}",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        PROGRAM,
+    ]
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
 def test_expert_parallel_across_two_nodes_and_tensor_parallel_within():

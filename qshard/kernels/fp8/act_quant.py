@@ -78,9 +78,18 @@ def quantize_rows(x, UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, EXACT_DIV: t
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm,
-    GROUP: tl.constexpr, UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_qm,
+    GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
@@ -100,9 +109,19 @@ def act_quant_launch(x: torch.Tensor, group: int, ue8m0: bool):
         block_m = 16 if m >= 16 else 1 << (m - 1).bit_length()
         grid = (triton.cdiv(m, block_m), triton.cdiv(k, group))
         _act_quant_kernel[grid](
-            x, q, scales, m, k, x.stride(0), q.stride(0),
-            GROUP=group, UE8M0=ue8m0, EXACT_CAST=INTERPRETED, BLOCK_M=block_m, num_warps=4,
-        )  # fmt: skip
+            x,
+            q,
+            scales,
+            m,
+            k,
+            x.stride(0),
+            q.stride(0),
+            GROUP=group,
+            UE8M0=ue8m0,
+            EXACT_CAST=INTERPRETED,
+            BLOCK_M=block_m,
+            num_warps=4,
+        )
     return q, scales
 
 

@@ -19,15 +19,21 @@ __all__ = ["CUBLAS_M_MULTIPLE", "launch", "problem"]
 CUBLAS_M_MULTIPLE = 16
 
 
-def problem(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int,
-            group: int) -> str | None:  # fmt: skip
+def problem(
+    x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int, group: int
+) -> str | None:
     """Why cuBLAS cannot run this matmul (its build, the GPU, the block layout), or None."""
     n, k = qdata.shape
     return cublas_unavailable_reason(x.device, n, k, block_n, block_k, group)
 
 
-def launch(x2d: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-           bias: torch.Tensor | None, ue8m0: bool) -> torch.Tensor:  # fmt: skip
+def launch(
+    x2d: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    ue8m0: bool,
+) -> torch.Tensor:
     """x [M, K] float -> x @ W.T + bias [M, N] in x's dtype."""
     m = x2d.shape[0]
     pad = -m % CUBLAS_M_MULTIPLE
@@ -35,8 +41,13 @@ def launch(x2d: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
         x2d = F.pad(x2d, (0, 0, 0, pad))
     q, x_scale = act_quant_launch(x2d, 128, ue8m0)
     out = F.scaled_mm(
-        q, qdata.t(), x_scale.t(), F.ScalingType.BlockWise1x128,
-        scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x2d.dtype,
-    )  # fmt: skip
+        q,
+        qdata.t(),
+        x_scale.t(),
+        F.ScalingType.BlockWise1x128,
+        scale.t(),
+        F.ScalingType.BlockWise128x128,
+        output_dtype=x2d.dtype,
+    )
     out = out[:m]
     return out + bias.to(out.dtype) if bias is not None else out  # (a float32 bias stays bf16)

@@ -20,20 +20,37 @@ from .act_quant import INTERPRETED, act_quant_launch
 __all__ = ["config", "launch", "problem"]
 
 
-def problem(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int,
-            group: int) -> str | None:  # fmt: skip
+def problem(
+    x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int, group: int
+) -> str | None:
     """None: the GEMM runs every block and group size."""
     return None
 
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_am, stride_wn, stride_wsn, stride_om,
-    W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    a_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    W_BLOCK_N: tl.constexpr,
+    W_BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     # Grouped tile order: GROUP_M row tiles share each weight tile while it is in L2.
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -79,8 +96,9 @@ def config(m: int, n: int, k: int) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
 
 
-def launch(x, qdata, scale, bias, out, block_n: int, block_k: int, group: int, ue8m0: bool,
-           config: dict) -> torch.Tensor:  # fmt: skip
+def launch(
+    x, qdata, scale, bias, out, block_n: int, block_k: int, group: int, ue8m0: bool, config: dict
+) -> torch.Tensor:
     """out [M, N] = x @ W.T + bias: the act-quant kernel, then the tiles of `config`."""
     m, k = x.shape
     n = qdata.shape[0]
@@ -90,9 +108,24 @@ def launch(x, qdata, scale, bias, out, block_n: int, block_k: int, group: int, u
     a, a_scale = act_quant_launch(x, group, ue8m0)
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     _gemm_kernel[grid](
-        a, a_scale, qdata, scale, bias if bias is not None else out, out,
-        m, n, k, a.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
-        W_BLOCK_N=block_n, W_BLOCK_K=block_k, GROUP=group, HAS_BIAS=bias is not None,
-        EVEN_K=k % group == 0, **config,
-    )  # fmt: skip
+        a,
+        a_scale,
+        qdata,
+        scale,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        qdata.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        W_BLOCK_N=block_n,
+        W_BLOCK_K=block_k,
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % group == 0,
+        **config,
+    )
     return out

@@ -24,20 +24,37 @@ from .act_quant import INTERPRETED, quantize_rows
 __all__ = ["config", "launch", "problem"]
 
 
-def problem(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int,
-            group: int) -> str | None:  # fmt: skip
+def problem(
+    x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int, group: int
+) -> str | None:
     """None: the GEMV runs every block and group size."""
     return None
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_xm, stride_wn, stride_wsn, stride_om,
-    W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    W_BLOCK_N: tl.constexpr,
+    W_BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr,
+):
     """out[m, n-band] for one token m: quantize x[m] per group in registers, stream the band's
     weights GROUPS_PER_STEP groups at a time, reduce each group's products in fp32."""
     pid = tl.program_id(0)
@@ -67,8 +84,9 @@ def _gemv_kernel(
         partial = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS_PER_STEP, GROUP)), axis=2)
         w_scale = tl.load(
             w_scale_ptrs + (k0 + offs_g * GROUP)[None, :] // W_BLOCK_K,
-            mask=n_ok[:, None] & g_ok[None, :], other=0.0,
-        )  # fmt: skip
+            mask=n_ok[:, None] & g_ok[None, :],
+            other=0.0,
+        )
         acc += tl.sum(partial * (x_scale[None, :] * w_scale), axis=1)
         x_ptrs += STEP
         w_ptrs += STEP
@@ -80,12 +98,12 @@ def _gemv_kernel(
 def config(m: int, n: int, k: int, group: int) -> dict:
     """A narrow band of weight rows per program (many programs), 1024 K per step: the best of
     the H200 sweeps (8 rows x 8 groups of 128: 69-74 us for the Llama layer at M = 1)."""
-    return {"BLOCK_N": 8, "GROUPS_PER_STEP": max(1, 1024 // group), "num_warps": 4,
-            "num_stages": 3}  # fmt: skip
+    return {"BLOCK_N": 8, "GROUPS_PER_STEP": max(1, 1024 // group), "num_warps": 4, "num_stages": 3}
 
 
-def launch(x, qdata, scale, bias, out, block_n: int, block_k: int, group: int, ue8m0: bool,
-           config: dict) -> torch.Tensor:  # fmt: skip
+def launch(
+    x, qdata, scale, bias, out, block_n: int, block_k: int, group: int, ue8m0: bool, config: dict
+) -> torch.Tensor:
     """out [M, N] = x @ W.T + bias, one program per token and band of BLOCK_N rows."""
     m, k = x.shape
     n = qdata.shape[0]
@@ -95,9 +113,25 @@ def launch(x, qdata, scale, bias, out, block_n: int, block_k: int, group: int, u
     step = group * config["GROUPS_PER_STEP"]
     grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
     _gemv_kernel[grid](
-        x, qdata, scale, bias if bias is not None else out, out,
-        m, n, k, x.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
-        W_BLOCK_N=block_n, W_BLOCK_K=block_k, GROUP=group, HAS_BIAS=bias is not None,
-        UE8M0=ue8m0, EXACT_CAST=INTERPRETED, EVEN_K=k % step == 0, **config,
-    )  # fmt: skip
+        x,
+        qdata,
+        scale,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        qdata.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        W_BLOCK_N=block_n,
+        W_BLOCK_K=block_k,
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        UE8M0=ue8m0,
+        EXACT_CAST=INTERPRETED,
+        EVEN_K=k % step == 0,
+        **config,
+    )
     return out

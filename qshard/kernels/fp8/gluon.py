@@ -63,16 +63,19 @@ __all__ = ["GLUON_MAX_M", "config", "launch", "problem"]
 GLUON_MIN_M, GLUON_MAX_M = 1, 128
 
 
-def problem(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int,
-            group: int) -> str | None:  # fmt: skip
+def problem(
+    x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int, group: int
+) -> str | None:
     """Why the Gluon kernel cannot run this matmul, or None if it can."""
     if gluon_unavailable() is not None:
         return gluon_unavailable()
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
         return "the Gluon FP8 kernel is built and measured for Hopper (sm_90) only"
     if (block_n, block_k, group) != (TILE_ROWS, CHUNK, CHUNK):
-        return (f"it takes 128x128 weight blocks and 1x128 activation groups, not "
-                f"{block_n}x{block_k} blocks with 1x{group} groups")  # fmt: skip
+        return (
+            f"it takes 128x128 weight blocks and 1x128 activation groups, not "
+            f"{block_n}x{block_k} blocks with 1x{group} groups"
+        )
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"it multiplies bf16, fp16 or fp32 activations, not {x.dtype}"
     m = x.shape[0]
@@ -80,8 +83,10 @@ def problem(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int,
         return f"it runs {GLUON_MIN_M}..{GLUON_MAX_M} tokens, not {m}"
     k = qdata.shape[1]
     if k % 16 or qdata.data_ptr() % 16:
-        return (f"TMA reads rows of 16-byte multiples from a 16-byte aligned weight: K % 16 == 0"
-                f" (K = {k}), base address % 16 == 0 ({qdata.data_ptr() % 16})")  # fmt: skip
+        return (
+            f"TMA reads rows of 16-byte multiples from a 16-byte aligned weight: K % 16 == 0"
+            f" (K = {k}), base address % 16 == 0 ({qdata.data_ptr() % 16})"
+        )
     return None
 
 
@@ -128,9 +133,14 @@ def split_for(tiles: int, groups: int, programs: int, block_t: int) -> int:
     return best
 
 
-def launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-           bias: torch.Tensor | None, ue8m0: bool, config: dict | None = None,
-           ) -> torch.Tensor:  # fmt: skip
+def launch(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    ue8m0: bool,
+    config: dict | None = None,
+) -> torch.Tensor:
     """x [M, K] float -> x @ W.T + bias [M, N] in x's dtype (`problem` is None); qdata
     [N, K] e4m3 and scale [N/128, K/128] contiguous."""
     m, k = x.shape
@@ -141,8 +151,10 @@ def launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     config = dict(config or _config(m, n, k, x.device))
     block_t, stages, per_sm = config["BLOCK_T"], config["STAGES"], config["PER_SM"]
     if block_t < m or block_t not in (16, 32, 64, 128) or stages < 2 or per_sm < 1:
-        raise ValueError(f"Gluon FP8 config {config} for {m} tokens: BLOCK_T must be 16, 32, "
-                         f"64 or 128 and >= the tokens, STAGES >= 2, PER_SM >= 1")  # fmt: skip
+        raise ValueError(
+            f"Gluon FP8 config {config} for {m} tokens: BLOCK_T must be 16, 32, "
+            f"64 or 128 and >= the tokens, STAGES >= 2, PER_SM >= 1"
+        )
     groups = triton.cdiv(k, CHUNK)
     per_split = triton.cdiv(groups, min(config["SPLITS"], groups))
     splits = triton.cdiv(groups, per_split)  # no split without a group
@@ -155,11 +167,27 @@ def launch(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     partials, arrived = half_tile_workspace(splits, tiles, block_t, out)
     grid = min(tiles * splits, per_sm * sm_count(x.device.index or 0))
     _fp8_kernel[(grid,)](
-        w_desc, x_desc, scale, x_scale, bias if bias is not None else out, out, partials,
-        arrived, m, n, tiles, groups, per_split, splits, scale.stride(0),
-        BLOCK_T=block_t, STAGES=stages, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+        w_desc,
+        x_desc,
+        scale,
+        x_scale,
+        bias if bias is not None else out,
+        out,
+        partials,
+        arrived,
+        m,
+        n,
+        tiles,
+        groups,
+        per_split,
+        splits,
+        scale.stride(0),
+        BLOCK_T=block_t,
+        STAGES=stages,
+        HAS_BIAS=bias is not None,
+        SPLIT=splits > 1,
         num_warps=4,
-    )  # fmt: skip
+    )
     return out
 
 
@@ -178,10 +206,25 @@ if GLUON_IMPORT_ERROR is None:
         return tile, item // tiles, g0, gl.minimum(g0 + per_split, groups)
 
     @gluon.jit
-    def _producer(w_desc, x_desc, ws_ptr, xs_ptr, w_ring, x_ring, xs_ring, ws_ring, ready,
-                  empty, M,
-                  tiles, groups, per_split, splits, stride_wsn,
-                  STAGES: gl.constexpr):  # fmt: skip
+    def _producer(
+        w_desc,
+        x_desc,
+        ws_ptr,
+        xs_ptr,
+        w_ring,
+        x_ring,
+        xs_ring,
+        ws_ring,
+        ready,
+        empty,
+        M,
+        tiles,
+        groups,
+        per_split,
+        splits,
+        stride_wsn,
+        STAGES: gl.constexpr,
+    ):
         """One warp: for each chunk of this program's items, wait for its slot to be free
         (both warpgroups released it), then fill it: the group's scales by cp.async (x_scale
         of each token, and w_scale[tile, group] repeated beside them), the tile's two 64-row
@@ -214,10 +257,29 @@ if GLUON_IMPORT_ERROR is None:
                 chunk += 1
 
     @gluon.jit
-    def _consumer(w_ring, x_ring, xs_ring, ws_ring, ready, empty, bias_ptr, out_ptr, part_ptr,
-                  cnt_ptr, M, N, tiles, groups, per_split, splits, half, BLOCK_T: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  SPLIT: gl.constexpr):  # fmt: skip
+    def _consumer(
+        w_ring,
+        x_ring,
+        xs_ring,
+        ws_ring,
+        ready,
+        empty,
+        bias_ptr,
+        out_ptr,
+        part_ptr,
+        cnt_ptr,
+        M,
+        N,
+        tiles,
+        groups,
+        per_split,
+        splits,
+        half,
+        BLOCK_T: gl.constexpr,
+        STAGES: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        SPLIT: gl.constexpr,
+    ):
         """One warpgroup, rows [64 half, 64 half + 64) of each tile: per chunk, the fp8 wgmma
         of its weight half and x's group into a fresh accumulator, the group's scales read
         from the slot, the slot released, and the sums promoted into the tile with
@@ -226,7 +288,8 @@ if GLUON_IMPORT_ERROR is None:
         down at 16 tokens, H100; docs/kernels/fp8_blockwise.md, "Gluon kernel: 2-64 tokens on
         Hopper".)"""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 32])
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 32]
+        )
         PER_TOKEN: gl.constexpr = gl.SliceLayout(0, MMA)
         toks = gl.arange(0, BLOCK_T, layout=PER_TOKEN)
         zero = gl.zeros([_HALF_ROWS, BLOCK_T], gl.float32, MMA)
@@ -237,32 +300,68 @@ if GLUON_IMPORT_ERROR is None:
             for _g in range(g0, g1):
                 slot = chunk % STAGES
                 mbarrier.wait(ready.index(slot), (chunk // STAGES) & 1)
-                part = warpgroup_mma(w_ring.index(2 * slot + half),
-                                     x_ring.index(slot).permute((1, 0)), zero,
-                                     use_acc=False, is_async=True)  # fmt: skip
+                part = warpgroup_mma(
+                    w_ring.index(2 * slot + half),
+                    x_ring.index(slot).permute((1, 0)),
+                    zero,
+                    use_acc=False,
+                    is_async=True,
+                )
                 # the reference's order: x_scale * w_scale, then the sums times it
-                scale = (xs_ring.index(slot).slice(0, BLOCK_T).load(PER_TOKEN)
-                         * ws_ring.index(slot).slice(0, BLOCK_T).load(PER_TOKEN))
+                scale = xs_ring.index(slot).slice(0, BLOCK_T).load(PER_TOKEN) * ws_ring.index(
+                    slot
+                ).slice(0, BLOCK_T).load(PER_TOKEN)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 mbarrier.arrive(empty.index(slot), count=1)
                 acc += part * scale[None, :]
                 chunk += 1
-            finish_half(acc, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, split, splits, half,
-                         tiles, M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
-
+            finish_half(
+                acc,
+                bias_ptr,
+                out_ptr,
+                part_ptr,
+                cnt_ptr,
+                tile,
+                split,
+                splits,
+                half,
+                tiles,
+                M,
+                N,
+                toks,
+                HAS_BIAS,
+                SPLIT,
+            )
 
     @gluon.jit
-    def _fp8_kernel(w_desc, x_desc, ws_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-                    M, N, tiles, groups, per_split, splits, stride_wsn,
-                    BLOCK_T: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    SPLIT: gl.constexpr):  # fmt: skip
+    def _fp8_kernel(
+        w_desc,
+        x_desc,
+        ws_ptr,
+        xs_ptr,
+        bias_ptr,
+        out_ptr,
+        part_ptr,
+        cnt_ptr,
+        M,
+        N,
+        tiles,
+        groups,
+        per_split,
+        splits,
+        stride_wsn,
+        BLOCK_T: gl.constexpr,
+        STAGES: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        SPLIT: gl.constexpr,
+    ):
         """The ring (STAGES slots of two 64-row weight halves and x's group) and its barriers,
         then three partitions: the two consumer warpgroups (the default one and a worker) and
         the producer warp."""
-        w_ring = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, _HALF_ROWS, _CHUNK],
-                                           w_desc.layout)  # fmt: skip
-        x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_T, _CHUNK],
-                                           x_desc.layout)  # fmt: skip
+        w_ring = gl.allocate_shared_memory(
+            gl.float8e4nv, [2 * STAGES, _HALF_ROWS, _CHUNK], w_desc.layout
+        )
+        x_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_T, _CHUNK], x_desc.layout)
         # per slot: x_scale of each token, and w_scale repeated as many times (`_producer`);
         # at least 32 wide, the producer warp's lanes
         SCALE_RING: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -278,16 +377,81 @@ if GLUON_IMPORT_ERROR is None:
         fence_async_shared()
         gl.warp_specialize(
             [
-                (_consumer, (w_ring, x_ring, xs_ring, ws_ring, ready, empty, bias_ptr, out_ptr,
-                             part_ptr, cnt_ptr, M, N, tiles, groups, per_split, splits, 0, BLOCK_T,
-                             STAGES, HAS_BIAS, SPLIT)),
-                (_consumer, (w_ring, x_ring, xs_ring, ws_ring, ready, empty, bias_ptr, out_ptr,
-                             part_ptr, cnt_ptr, M, N, tiles, groups, per_split, splits, 1, BLOCK_T,
-                             STAGES, HAS_BIAS, SPLIT)),
-                (_producer, (w_desc, x_desc, ws_ptr, xs_ptr, w_ring, x_ring, xs_ring, ws_ring,
-                             ready, empty, M, tiles, groups, per_split, splits, stride_wsn,
-                             STAGES)),
+                (
+                    _consumer,
+                    (
+                        w_ring,
+                        x_ring,
+                        xs_ring,
+                        ws_ring,
+                        ready,
+                        empty,
+                        bias_ptr,
+                        out_ptr,
+                        part_ptr,
+                        cnt_ptr,
+                        M,
+                        N,
+                        tiles,
+                        groups,
+                        per_split,
+                        splits,
+                        0,
+                        BLOCK_T,
+                        STAGES,
+                        HAS_BIAS,
+                        SPLIT,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        w_ring,
+                        x_ring,
+                        xs_ring,
+                        ws_ring,
+                        ready,
+                        empty,
+                        bias_ptr,
+                        out_ptr,
+                        part_ptr,
+                        cnt_ptr,
+                        M,
+                        N,
+                        tiles,
+                        groups,
+                        per_split,
+                        splits,
+                        1,
+                        BLOCK_T,
+                        STAGES,
+                        HAS_BIAS,
+                        SPLIT,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        w_desc,
+                        x_desc,
+                        ws_ptr,
+                        xs_ptr,
+                        w_ring,
+                        x_ring,
+                        xs_ring,
+                        ws_ring,
+                        ready,
+                        empty,
+                        M,
+                        tiles,
+                        groups,
+                        per_split,
+                        splits,
+                        stride_wsn,
+                        STAGES,
+                    ),
+                ),
             ],
             [4, 1],
             [232, 40],
-        )  # fmt: skip
+        )

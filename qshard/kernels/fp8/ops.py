@@ -15,9 +15,16 @@ __all__ = ["fp8_blockwise_linear", "triton_linear_launch"]
 
 
 def triton_linear_launch(
-    x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-    block_n: int, block_k: int, group: int, ue8m0: bool, config: dict | None = None,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    group: int,
+    ue8m0: bool,
+    config: dict | None = None,
+) -> torch.Tensor:
     """x [M, K] float -> x @ W.T + bias [M, N] in x's dtype by a Triton kernel: the one
     `select.choose` picks for backend "triton", or the one `config` names."""
     m, k = x.shape
@@ -28,15 +35,23 @@ def triton_linear_launch(
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else out.zero_())
     choice = choose(x, qdata, block_n, block_k, group, "triton", config)
-    return STRATEGIES[choice.kernel].launch(x, qdata, scale, bias, out, block_n, block_k, group,
-                                            ue8m0, choice.config)  # fmt: skip
+    return STRATEGIES[choice.kernel].launch(
+        x, qdata, scale, bias, out, block_n, block_k, group, ue8m0, choice.config
+    )
 
 
 @torch.library.custom_op("qshard::fp8_blockwise_linear", mutates_args=())
 def fp8_blockwise_linear(
-    x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-    block_n: int, block_k: int, group: int, ue8m0: bool, backend: str,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    group: int,
+    ue8m0: bool,
+    backend: str,
+) -> torch.Tensor:
     """y = x @ W.T + bias for x [..., K] and the FP8 blockwise weight (qdata, scale)."""
     n, k = qdata.shape
     x2d = x.reshape(-1, k).contiguous()
@@ -49,8 +64,9 @@ def fp8_blockwise_linear(
     elif choice.kernel is Kernel.CUBLAS:
         out = cublas.launch(x2d, qdata, scale, bias, ue8m0)
     else:
-        out = triton_linear_launch(x2d, qdata, scale, bias, block_n, block_k, group, ue8m0,
-                                   choice.config)  # fmt: skip
+        out = triton_linear_launch(
+            x2d, qdata, scale, bias, block_n, block_k, group, ue8m0, choice.config
+        )
     return out.reshape(*x.shape[:-1], n)
 
 

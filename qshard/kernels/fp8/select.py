@@ -21,8 +21,17 @@ import torch
 
 from . import cublas, gemm, gemv, gluon, small_m
 
-__all__ = ["GLUON_CHOICE_M", "RULES", "SMALL_M_MAX", "Choice", "Kernel", "choose",
-           "kernel_config", "kernel_named_by", "triton_kernel_for"]  # fmt: skip
+__all__ = [
+    "GLUON_CHOICE_M",
+    "RULES",
+    "SMALL_M_MAX",
+    "Choice",
+    "Kernel",
+    "choose",
+    "kernel_config",
+    "kernel_named_by",
+    "triton_kernel_for",
+]
 
 
 class Kernel(str, enum.Enum):
@@ -64,19 +73,38 @@ class Choice:
 
 
 RULES = (
-    Rule(Kernel.GLUON, lambda m: GLUON_CHOICE_M[0] <= m <= GLUON_CHOICE_M[1],
-         "2..64 tokens: beat the Triton kernels and cuBLAS (H100; docs/kernels/fp8_blockwise.md,"
-         " \"Gluon kernel\")"),
-    Rule(Kernel.CUBLAS, lambda m: m > SMALL_M_MAX, "above 64 tokens: cuBLAS beat the Triton "
-         "GEMM from 128 to 4096 tokens (H200; bench/README.md)"),
-    Rule(Kernel.GEMV, lambda m: m <= GEMV_MAX_M, "one token: the GEMV streams the weights at "
-         "HBM speed, the activation row quantized in registers"),
-    Rule(Kernel.SMALL_M, lambda m: m <= SMALL_M_MAX, "up to 64 tokens: split K fills the GPU "
-         "(H200 sweep, docs/kernels/fp8_blockwise.md)"),
+    Rule(
+        Kernel.GLUON,
+        lambda m: GLUON_CHOICE_M[0] <= m <= GLUON_CHOICE_M[1],
+        "2..64 tokens: beat the Triton kernels and cuBLAS (H100; docs/kernels/fp8_blockwise.md,"
+        ' "Gluon kernel")',
+    ),
+    Rule(
+        Kernel.CUBLAS,
+        lambda m: m > SMALL_M_MAX,
+        "above 64 tokens: cuBLAS beat the Triton "
+        "GEMM from 128 to 4096 tokens (H200; bench/README.md)",
+    ),
+    Rule(
+        Kernel.GEMV,
+        lambda m: m <= GEMV_MAX_M,
+        "one token: the GEMV streams the weights at "
+        "HBM speed, the activation row quantized in registers",
+    ),
+    Rule(
+        Kernel.SMALL_M,
+        lambda m: m <= SMALL_M_MAX,
+        "up to 64 tokens: split K fills the GPU (H200 sweep, docs/kernels/fp8_blockwise.md)",
+    ),
     Rule(Kernel.GEMM, lambda m: True, "above 64 tokens where cuBLAS cannot take the layout"),
-)  # fmt: skip
-STRATEGIES = {Kernel.GLUON: gluon, Kernel.CUBLAS: cublas, Kernel.GEMV: gemv,
-              Kernel.SMALL_M: small_m, Kernel.GEMM: gemm}  # fmt: skip
+)
+STRATEGIES = {
+    Kernel.GLUON: gluon,
+    Kernel.CUBLAS: cublas,
+    Kernel.GEMV: gemv,
+    Kernel.SMALL_M: small_m,
+    Kernel.GEMM: gemm,
+}
 
 
 def triton_kernel_for(m: int) -> Kernel:
@@ -98,16 +126,29 @@ def kernel_config(kernel: Kernel, x: torch.Tensor, n: int, group: int) -> dict |
 
 def kernel_named_by(config: dict) -> Kernel:
     """The kernel a config is for, by its keys."""
-    for key, kernel in (("GROUPS_PER_STEP", Kernel.GEMV), ("SPLIT_K", Kernel.SMALL_M),
-                        ("GROUP_M", Kernel.GEMM), ("BLOCK_T", Kernel.GLUON)):  # fmt: skip
+    for key, kernel in (
+        ("GROUPS_PER_STEP", Kernel.GEMV),
+        ("SPLIT_K", Kernel.SMALL_M),
+        ("GROUP_M", Kernel.GEMM),
+        ("BLOCK_T", Kernel.GLUON),
+    ):
         if key in config:
             return kernel
-    raise ValueError(f"FP8 config {config}: name a kernel by its keys (GROUPS_PER_STEP: the "
-                     f"GEMV, SPLIT_K: small-M, GROUP_M: the GEMM, BLOCK_T: Gluon)")  # fmt: skip
+    raise ValueError(
+        f"FP8 config {config}: name a kernel by its keys (GROUPS_PER_STEP: the "
+        f"GEMV, SPLIT_K: small-M, GROUP_M: the GEMM, BLOCK_T: Gluon)"
+    )
 
 
-def choose(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int, group: int,
-           backend: str = "auto", config: dict | None = None) -> Choice:  # fmt: skip
+def choose(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    group: int,
+    backend: str = "auto",
+    config: dict | None = None,
+) -> Choice:
     """The kernel and config for x [M, K] @ W.T (W [N, K] e4m3 in block_n x block_k blocks,
     activation groups of `group`): `config`'s kernel where given; cuBLAS for backend "cublas";
     else the first rule that applies, that the backend allows ("auto": all, "triton": the
@@ -122,6 +163,7 @@ def choose(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int, gro
         if not rule.applies(x.shape[0]):
             continue
         if STRATEGIES[rule.kernel].problem(x, qdata, block_n, block_k, group) is None:
-            return Choice(rule.kernel, kernel_config(rule.kernel, x, qdata.shape[0], group),
-                          rule.measured)  # fmt: skip
+            return Choice(
+                rule.kernel, kernel_config(rule.kernel, x, qdata.shape[0], group), rule.measured
+            )
     raise AssertionError("the last rule (the Triton GEMM) always applies")

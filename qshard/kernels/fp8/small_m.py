@@ -24,8 +24,9 @@ __all__ = ["SMALL_M_TABLE", "config", "launch", "problem"]
 MIN_GROUPS_PER_SPLIT = 4
 
 
-def problem(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int,
-            group: int) -> str | None:  # fmt: skip
+def problem(
+    x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int, group: int
+) -> str | None:
     """None: the small-M kernel runs every block and group size and any token count (its
     tile grows to 64 tokens; more take several tiles)."""
     return None
@@ -33,12 +34,34 @@ def problem(x: torch.Tensor, qdata: torch.Tensor, block_n: int, block_k: int,
 
 @triton.jit
 def _small_m_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partials_ptr, arrived_ptr,
-    M, N, K, groups_per_split, stride_xm, stride_wn, stride_wsn, stride_om,
-    W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, PREQUANT: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    partials_ptr,
+    arrived_ptr,
+    M,
+    N,
+    K,
+    groups_per_split,
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    W_BLOCK_N: tl.constexpr,
+    W_BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREQUANT: tl.constexpr,
+):
     """Small M, "swap AB": the weight rows are the MMA's M side (64+ rows fill a wgmma) and the
     few tokens its N side, out.T[n-tile, m-tile] = W[n-tile] @ xq.T. The activation tile is
     quantized in registers per group (fused: no act-quant kernel, no scales round trip), or with
@@ -73,8 +96,22 @@ def _small_m_kernel(
         acc += partial * (w_scale[:, None] * x_scale[None, :])
         x_ptrs += GROUP
         w_ptrs += GROUP
-    finish_tile(acc, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok, M, N,
-                stride_om, HAS_BIAS, SPLIT)  # fmt: skip
+    finish_tile(
+        acc,
+        partials_ptr,
+        arrived_ptr,
+        bias_ptr,
+        out_ptr,
+        offs_n,
+        offs_m,
+        n_ok,
+        m_ok,
+        M,
+        N,
+        stride_om,
+        HAS_BIAS,
+        SPLIT,
+    )
 
 
 # The small-M kernel's tiles by M (H200 sweep, docs/kernels/fp8_blockwise.md): (largest M,
@@ -88,10 +125,18 @@ SMALL_M_TABLE = (
 
 
 def config(
-    m: int, n: int, k: int, group: int, device: torch.device, block_n: int | None = None,
-    waves: float = 2, num_stages: int = 4, num_warps: int = 4, prequant: bool = False,
+    m: int,
+    n: int,
+    k: int,
+    group: int,
+    device: torch.device,
+    block_n: int | None = None,
+    waves: float = 2,
+    num_stages: int = 4,
+    num_warps: int = 4,
+    prequant: bool = False,
     max_block_m: int = 64,
-) -> dict:  # fmt: skip
+) -> dict:
     """Tiles of `block_n` weight rows x the tokens (16..max_block_m), and the K groups split so
     that about `waves` programs per SM run, each streaming >= MIN_GROUPS_PER_SPLIT groups.
     Without `block_n`, the tuned row of SMALL_M_TABLE for M."""
@@ -101,12 +146,19 @@ def config(
     block_m = min(max_block_m, max(16, triton.next_power_of_2(m)))
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = split_count(tiles, triton.cdiv(k, group), MIN_GROUPS_PER_SPLIT, waves, device)
-    return {"BLOCK_N": block_n, "BLOCK_M": block_m, "SPLIT_K": split, "PREQUANT": prequant,
-            "num_warps": num_warps, "num_stages": num_stages}  # fmt: skip
+    return {
+        "BLOCK_N": block_n,
+        "BLOCK_M": block_m,
+        "SPLIT_K": split,
+        "PREQUANT": prequant,
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+    }
 
 
-def launch(x, qdata, scale, bias, out, block_n: int, block_k: int, group: int, ue8m0: bool,
-           config: dict) -> torch.Tensor:  # fmt: skip
+def launch(
+    x, qdata, scale, bias, out, block_n: int, block_k: int, group: int, ue8m0: bool, config: dict
+) -> torch.Tensor:
     """out [M, N] = x @ W.T + bias with `config` (`config()`'s keys)."""
     m, k = x.shape
     n = qdata.shape[0]
@@ -123,9 +175,30 @@ def launch(x, qdata, scale, bias, out, block_n: int, block_k: int, group: int, u
     tiles = grid[0] * grid[2]
     partials, arrived = workspace(m, n, split, tiles, x.device) if split > 1 else (out, out)
     _small_m_kernel[grid](
-        x, x_scale, qdata, scale, bias if bias is not None else out, out, partials, arrived,
-        m, n, k, groups_per_split, x.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
-        W_BLOCK_N=block_n, W_BLOCK_K=block_k, GROUP=group, HAS_BIAS=bias is not None,
-        UE8M0=ue8m0, EXACT_CAST=INTERPRETED, EVEN_K=k % group == 0, SPLIT=split > 1, **config,
-    )  # fmt: skip
+        x,
+        x_scale,
+        qdata,
+        scale,
+        bias if bias is not None else out,
+        out,
+        partials,
+        arrived,
+        m,
+        n,
+        k,
+        groups_per_split,
+        x.stride(0),
+        qdata.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        W_BLOCK_N=block_n,
+        W_BLOCK_K=block_k,
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        UE8M0=ue8m0,
+        EXACT_CAST=INTERPRETED,
+        EVEN_K=k % group == 0,
+        SPLIT=split > 1,
+        **config,
+    )
     return out

@@ -30,8 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "bias_args", "expert_block", "grid", "store_tile", "token_block",
-           "zero_tail"]  # fmt: skip
+__all__ = [
+    "INTERPRETED",
+    "bias_args",
+    "expert_block",
+    "grid",
+    "store_tile",
+    "token_block",
+    "zero_tail",
+]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -70,8 +77,19 @@ def zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N: tl.constexpr, BLOCK_M:
 
 
 @triton.jit
-def store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, n_ok, m_ok, stride_be, stride_om,
-                HAS_BIAS: tl.constexpr):  # fmt: skip
+def store_tile(
+    acc,
+    bias_ptr,
+    out_ptr,
+    e,
+    offs_n,
+    offs_m,
+    n_ok,
+    m_ok,
+    stride_be,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+):
     """out[token rows, n-tile] = acc.T (+ expert e's bias) in out's dtype."""
     if HAS_BIAS:
         bias = tl.load(bias_ptr + e * stride_be + offs_n, mask=n_ok, other=0.0)

@@ -23,12 +23,36 @@ def problem(x: torch.Tensor, qdata: torch.Tensor) -> str | None:
 
 @triton.jit
 def _fp8_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, offs_ptr,
-    E, T, N, K, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
-    W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    UE8M0: tl.constexpr, EXACT_CAST: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    PREQUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    offs_ptr,
+    E,
+    T,
+    N,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_be,
+    stride_om,
+    W_BLOCK_N: tl.constexpr,
+    W_BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PREQUANT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
     """out.T[n-tile, token block] = W[e][n-tile] @ xq[block].T, group by group."""
     e, first, end, live = expert_block(offs_ptr, E, T, tl.program_id(1), BLOCK_M, E_POW2)
     if live:
@@ -59,8 +83,9 @@ def _fp8_kernel(
             acc += tl.dot(w, tl.trans(xq)) * (w_scale[:, None] * x_scale[None, :])
             x_ptrs += GROUP
             w_ptrs += GROUP
-        store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, n_ok, m_ok, stride_be, stride_om,
-                    HAS_BIAS)  # fmt: skip
+        store_tile(
+            acc, bias_ptr, out_ptr, e, offs_n, offs_m, n_ok, m_ok, stride_be, stride_om, HAS_BIAS
+        )
     else:
         zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M)
 
@@ -72,8 +97,13 @@ def config(block_m: int) -> dict:
     weight rows x 16 tokens for decode, 128 x 64 for prefill (546 us at 4096 tokens, vs 696
     for 128 x 128 with 8 warps)."""
     if block_m <= 32:
-        return {"BLOCK_N": 64, "BLOCK_M": block_m, "PREQUANT": True, "num_warps": 4,
-                "num_stages": 3}  # fmt: skip
+        return {
+            "BLOCK_N": 64,
+            "BLOCK_M": block_m,
+            "PREQUANT": True,
+            "num_warps": 4,
+            "num_stages": 3,
+        }
     return {"BLOCK_N": 128, "BLOCK_M": 64, "PREQUANT": True, "num_warps": 4, "num_stages": 4}
 
 
@@ -81,10 +111,17 @@ _config = config  # (`launch`'s parameter of that name hides the function)
 
 
 def launch(
-    x: torch.Tensor, offs: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-    bias: torch.Tensor | None, block_n: int, block_k: int, group: int, ue8m0: bool,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    group: int,
+    ue8m0: bool,
     config: dict | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """x [T, K] sorted by expert, offs int32 [E], FP8 blockwise experts (qdata [E, N, K], scale
     [E, ceil(N/bn), ceil(K/bk)]), bias [E, N] or None -> [T, N] in x's dtype."""
     tokens, k = x.shape
@@ -102,11 +139,32 @@ def launch(
     bias_arg, stride_be = bias_args(bias, out)
     tile_grid = grid(n, tokens, experts, config["BLOCK_N"], config["BLOCK_M"])
     _fp8_kernel[tile_grid](
-        x, x_scale, qdata, scale, bias_arg, out, offs,
-        experts, tokens, n, k, x.stride(0), qdata.stride(0), qdata.stride(1), scale.stride(0),
-        scale.stride(1), stride_be, out.stride(0),
-        W_BLOCK_N=block_n, W_BLOCK_K=block_k, GROUP=group, UE8M0=ue8m0, EXACT_CAST=INTERPRETED,
-        HAS_BIAS=bias is not None, EVEN_K=k % group == 0,
-        E_POW2=triton.next_power_of_2(experts), **config,
-    )  # fmt: skip
+        x,
+        x_scale,
+        qdata,
+        scale,
+        bias_arg,
+        out,
+        offs,
+        experts,
+        tokens,
+        n,
+        k,
+        x.stride(0),
+        qdata.stride(0),
+        qdata.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        stride_be,
+        out.stride(0),
+        W_BLOCK_N=block_n,
+        W_BLOCK_K=block_k,
+        GROUP=group,
+        UE8M0=ue8m0,
+        EXACT_CAST=INTERPRETED,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % group == 0,
+        E_POW2=triton.next_power_of_2(experts),
+        **config,
+    )
     return out

@@ -10,15 +10,26 @@ from ..w4a16.format import Format
 from . import fp8, w4a16_gemv, w4a16_tiles
 from .select import Kernel, choose_fp8, choose_w4a16
 
-__all__ = ["fp8_blockwise_grouped_linear", "fp8_grouped_launch", "w4a16_grouped_launch",
-           "w4a16_grouped_linear"]  # fmt: skip
+__all__ = [
+    "fp8_blockwise_grouped_linear",
+    "fp8_grouped_launch",
+    "w4a16_grouped_launch",
+    "w4a16_grouped_linear",
+]
 
 
 def fp8_grouped_launch(
-    x: torch.Tensor, offs: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-    bias: torch.Tensor | None, block_n: int, block_k: int, group: int, ue8m0: bool,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    group: int,
+    ue8m0: bool,
     config: dict | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """x [T, K] sorted by expert, offs int32 [E], FP8 blockwise experts (qdata [E, N, K], scale
     [E, ceil(N/bn), ceil(K/bk)]), bias [E, N] or None -> [T, N] in x's dtype."""
     choice = choose_fp8(x.shape[0], qdata.shape[0], config)
@@ -26,10 +37,18 @@ def fp8_grouped_launch(
 
 
 def w4a16_grouped_launch(
-    fmt: Format, x: torch.Tensor, offs: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-    zero: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, group: int,
-    k: int, config: dict | None = None,
-) -> torch.Tensor:  # fmt: skip
+    fmt: Format,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: int,
+    k: int,
+    config: dict | None = None,
+) -> torch.Tensor:
     """x [T, k] sorted by expert, offs int32 [E], 4-bit experts (qdata [E, N, ceil(k/2)], scale
     and zero [E, N, groups], global_scale [E, 1, 1]: each read only by the formats that have
     it), bias [E, N] or None -> [T, N] in x's dtype, by the kernel `select.choose_w4a16` picks
@@ -42,8 +61,9 @@ def w4a16_grouped_launch(
     choice = choose_w4a16(int(fmt), tokens, experts, k, config)
     launch = w4a16_gemv.launch if choice.kernel is Kernel.W4A16_GEMV else w4a16_tiles.launch
     bias = bias.to(x.dtype) if bias is not None else None
-    return launch(int(fmt), x, offs, qdata, scale, zero, global_scale, bias, out, group, k,
-                  choice.config)  # fmt: skip
+    return launch(
+        int(fmt), x, offs, qdata, scale, zero, global_scale, bias, out, group, k, choice.config
+    )
 
 
 # ---- torch.library ops -------------------------------------------------------------------------
@@ -55,9 +75,16 @@ def _contiguous(*tensors):
 
 @torch.library.custom_op("qshard::fp8_blockwise_grouped_linear", mutates_args=())
 def fp8_blockwise_grouped_linear(
-    x: torch.Tensor, offs: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-    bias: torch.Tensor | None, block_n: int, block_k: int, group: int, ue8m0: bool,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    group: int,
+    ue8m0: bool,
+) -> torch.Tensor:
     """The grouped FP8 blockwise W8A8 matmul (module docstring)."""
     x, offs, qdata, scale, bias = _contiguous(x, offs, qdata, scale, bias)
     return fp8_grouped_launch(x, offs, qdata, scale, bias, block_n, block_k, group, ue8m0)
@@ -70,10 +97,17 @@ def _(x, offs, qdata, scale, bias, block_n, block_k, group, ue8m0):
 
 @torch.library.custom_op("qshard::w4a16_grouped_linear", mutates_args=())
 def w4a16_grouped_linear(
-    x: torch.Tensor, offs: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-    zero: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None, fmt: str,
-    group: int, k: int,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    fmt: str,
+    group: int,
+    k: int,
+) -> torch.Tensor:
     """The grouped 4-bit weight-only matmul (module docstring); fmt a `Format` name
     ("int4_asym", "int4_sym", "int4_fzero", "mxfp4", "nvfp4"); an empty `zero` or
     `global_scale` where the format has none."""
@@ -81,8 +115,9 @@ def w4a16_grouped_linear(
         x, offs, qdata, scale, zero, global_scale, bias
     )
     global_scale = global_scale if global_scale.numel() else qdata
-    return w4a16_grouped_launch(Format[fmt.upper()], x, offs, qdata, scale, zero, global_scale,
-                                bias, group, k)  # fmt: skip
+    return w4a16_grouped_launch(
+        Format[fmt.upper()], x, offs, qdata, scale, zero, global_scale, bias, group, k
+    )
 
 
 @w4a16_grouped_linear.register_fake

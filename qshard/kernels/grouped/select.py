@@ -39,8 +39,7 @@ class Choice:
         return f"{self.kernel.value} {self.config} ({self.reason})"
 
 
-def choose_w4a16(fmt: int, tokens: int, experts: int, k: int,
-                 config: dict | None = None) -> Choice:  # fmt: skip
+def choose_w4a16(fmt: int, tokens: int, experts: int, k: int, config: dict | None = None) -> Choice:
     """The 4-bit kernel for `tokens` routed rows over `experts` (module docstring); `config`
     where given (its "KERNEL" key "gemv" names the GEMV)."""
     if config is not None:
@@ -49,13 +48,19 @@ def choose_w4a16(fmt: int, tokens: int, experts: int, k: int,
     if tokens <= GEMV_MAX_ROWS_PER_EXPERT * experts and w4a16_gemv.problem(fmt, k) is None:
         reason = f"decode: at most {GEMV_MAX_ROWS_PER_EXPERT} routed row per expert"
         return Choice(Kernel.W4A16_GEMV, w4a16_gemv.config(k), reason)
-    return Choice(Kernel.W4A16_TILES, w4a16_tiles.config(tokens, experts),
-                  "more routed rows per expert than the GEMV's rule")  # fmt: skip
+    return Choice(
+        Kernel.W4A16_TILES,
+        w4a16_tiles.config(tokens, experts),
+        "more routed rows per expert than the GEMV's rule",
+    )
 
 
 def choose_fp8(tokens: int, experts: int, config: dict | None = None) -> Choice:
     """The FP8 kernel's config (one kernel; its tile by the token block)."""
     if config is not None:
         return Choice(Kernel.FP8_TILES, config, "given")
-    return Choice(Kernel.FP8_TILES, fp8.config(token_block(tokens, experts)),
-                  "the token block's tile (H100 sweep, docs/kernels/grouped.md)")  # fmt: skip
+    return Choice(
+        Kernel.FP8_TILES,
+        fp8.config(token_block(tokens, experts)),
+        "the token block's tile (H100 sweep, docs/kernels/grouped.md)",
+    )

@@ -35,8 +35,12 @@ def config(k: int) -> dict:
     step): the best of the H100 sweeps on the Qwen3-30B-A3B and gpt-oss-120b experts
     (docs/kernels/grouped.md, "Why these configs (H100 sweeps)")."""
     wide = (k // 8) % 64 == 0
-    return {"KERNEL": "gemv", "BLOCK_N": 16, "BLOCK_W": 64 if wide else 32,
-            "num_warps": 2 if wide else 1}  # fmt: skip
+    return {
+        "KERNEL": "gemv",
+        "BLOCK_N": 16,
+        "BLOCK_W": 64 if wide else 32,
+        "num_warps": 2 if wide else 1,
+    }
 
 
 @triton.jit
@@ -48,9 +52,24 @@ def _load_x(ptrs, ok, MASK_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_words_step(acc, group_acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w0, KW, NG,
-                     stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr,
-                     BLOCK_W: tl.constexpr, MASK_K: tl.constexpr):  # fmt: skip
+def _gemv_words_step(
+    acc,
+    group_acc,
+    words,
+    x_ptr,
+    s_ptr,
+    z_ptr,
+    offs_n,
+    n_ok,
+    w0,
+    KW,
+    NG,
+    stride_sn,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    MASK_K: tl.constexpr,
+):
     """The 2-D word GEMV's step (`w4a16/gemv_words.py's `_gemv_words_kernel``) at word w0, `words`
     [BLOCK_N, BLOCK_W] already loaded: nibble plane j of every word decoded in place times the
     activations x[8w + j]; int4 adds each group's scaled terms to acc [BLOCK_N], e2m1 its group
@@ -64,8 +83,9 @@ def _gemv_words_step(acc, group_acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w
     x_ok = word < KW
     group = (w0 + tl.arange(0, G) * WG) // (GROUP // 8)
     g_ok = n_ok[:, None] & (group < NG)[None, :] if MASK_K else n_ok[:, None]
-    scale, zero = group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :], g_ok,
-                               FORMAT)  # fmt: skip
+    scale, zero = group_scale(
+        s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :], g_ok, FORMAT
+    )
     partial = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
     if FORMAT >= FMT_MXFP4:
         for j in tl.static_range(4):
@@ -89,12 +109,32 @@ def _gemv_words_step(acc, group_acc, words, x_ptr, s_ptr, z_ptr, offs_n, n_ok, w
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, offs_ptr,
-    E, N, KW, stride_xm, stride_qe, stride_qw, stride_se, stride_sn, stride_ze,
-    stride_be, stride_om,
-    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, E_POW2: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    g_ptr,
+    bias_ptr,
+    out_ptr,
+    offs_ptr,
+    E,
+    N,
+    KW,
+    stride_xm,
+    stride_qe,
+    stride_qw,
+    stride_se,
+    stride_sn,
+    stride_ze,
+    stride_be,
+    stride_om,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
     """Decode (a few rows per expert): out[row, n-band] for one routed row, the 2-D word GEMV
     (CUDA-core FMAs on the codes as 32-bit words; K a multiple of 8, q_ptr an int32 view) on
     the row's expert: the number of experts whose rows end at or before it (one load of offs,
@@ -126,16 +166,46 @@ def _gemv_kernel(
         for w0 in range(0, full, BLOCK_W):  # the codes loaded a step ahead (not a dot's loads)
             next_ok = offs_n < N * (w0 + BLOCK_W < full)  # (no rows past the last step)
             next_words = tl.load(q_ptrs + w0 + BLOCK_W, mask=next_ok[:, None], other=0)
-            acc, group_acc = _gemv_words_step(acc, group_acc, words, x_ptr, s_ptr, z_ptr,
-                                              offs_n, n_ok, w0, KW, NG, stride_sn, FORMAT,
-                                              GROUP, BLOCK_W, False)  # fmt: skip
+            acc, group_acc = _gemv_words_step(
+                acc,
+                group_acc,
+                words,
+                x_ptr,
+                s_ptr,
+                z_ptr,
+                offs_n,
+                n_ok,
+                w0,
+                KW,
+                NG,
+                stride_sn,
+                FORMAT,
+                GROUP,
+                BLOCK_W,
+                False,
+            )
             words = next_words
         if full < KW:
             k_ok = (full + word < KW)[None, :]
             words = tl.load(q_ptrs + full, mask=n_ok[:, None] & k_ok, other=0)
-            acc, group_acc = _gemv_words_step(acc, group_acc, words, x_ptr, s_ptr, z_ptr,
-                                              offs_n, n_ok, full, KW, NG, stride_sn, FORMAT,
-                                              GROUP, BLOCK_W, True)  # fmt: skip
+            acc, group_acc = _gemv_words_step(
+                acc,
+                group_acc,
+                words,
+                x_ptr,
+                s_ptr,
+                z_ptr,
+                offs_n,
+                n_ok,
+                full,
+                KW,
+                NG,
+                stride_sn,
+                FORMAT,
+                GROUP,
+                BLOCK_W,
+                True,
+            )
         if FORMAT >= FMT_MXFP4:  # the decoded e2m1 values are value * 2**-14
             acc = tl.sum(group_acc, axis=1) * (load_global_scale(g_ptr + e, FORMAT) * 16384.0)
         if HAS_BIAS:
@@ -145,8 +215,9 @@ def _gemv_kernel(
         tl.store(out_ptrs, tl.zeros((BLOCK_N,), out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def launch(fmt: int, x, offs, qdata, scale, zero, global_scale, bias, out, group: int, k: int,
-           config: dict) -> torch.Tensor:  # fmt: skip
+def launch(
+    fmt: int, x, offs, qdata, scale, zero, global_scale, bias, out, group: int, k: int, config: dict
+) -> torch.Tensor:
     """out [T, N] for x [T, k] sorted by expert, one program per routed row and weight band."""
     assert problem(fmt, k) is None, problem(fmt, k)
     tokens = x.shape[0]
@@ -156,10 +227,29 @@ def launch(fmt: int, x, offs, qdata, scale, zero, global_scale, bias, out, group
     bias_arg, stride_be = (bias, bias.stride(0)) if bias is not None else (out, 0)
     words = qdata.view(torch.int32)  # 8 codes per word, element 8w + j at bits 4j
     _gemv_kernel[(tokens, triton.cdiv(n, config["BLOCK_N"]))](
-        x, words, scale_arg(scale), zero_arg, global_scale, bias_arg, out, offs,
-        experts, n, words.shape[2], x.stride(0), words.stride(0), words.stride(1),
-        scale.stride(0), scale.stride(1), stride_ze, stride_be, out.stride(0),
-        FORMAT=int(fmt), GROUP=group, HAS_BIAS=bias is not None,
-        E_POW2=triton.next_power_of_2(experts), **config,
-    )  # fmt: skip
+        x,
+        words,
+        scale_arg(scale),
+        zero_arg,
+        global_scale,
+        bias_arg,
+        out,
+        offs,
+        experts,
+        n,
+        words.shape[2],
+        x.stride(0),
+        words.stride(0),
+        words.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        stride_ze,
+        stride_be,
+        out.stride(0),
+        FORMAT=int(fmt),
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        E_POW2=triton.next_power_of_2(experts),
+        **config,
+    )
     return out

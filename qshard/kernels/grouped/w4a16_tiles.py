@@ -25,19 +25,48 @@ def problem(fmt: int, k: int) -> str | None:
 
 def config(tokens: int, experts: int) -> dict:
     """64 weight rows x `token_block` tokens x 128 K per step."""
-    return {"BLOCK_N": 64, "BLOCK_M": token_block(tokens, experts), "BLOCK_K": 128,
-            "num_warps": 4, "num_stages": 3}  # fmt: skip
+    return {
+        "BLOCK_N": 64,
+        "BLOCK_M": token_block(tokens, experts),
+        "BLOCK_K": 128,
+        "num_warps": 4,
+        "num_stages": 3,
+    }
 
 
 @triton.jit
 def _tiles_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, offs_ptr,
-    E, T, N, K, KH, stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_ze,
-    stride_be, stride_om,
-    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    X_FP32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    g_ptr,
+    bias_ptr,
+    out_ptr,
+    offs_ptr,
+    E,
+    T,
+    N,
+    K,
+    KH,
+    stride_xm,
+    stride_qe,
+    stride_qn,
+    stride_se,
+    stride_sn,
+    stride_ze,
+    stride_be,
+    stride_om,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    X_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     E_POW2: tl.constexpr,
-):  # fmt: skip
+):
     """out.T[n-tile, token block] = W[e][n-tile] @ x[block].T, BLOCK_K of K per step."""
     e, first, end, live = expert_block(offs_ptr, E, T, tl.program_id(1), BLOCK_M, E_POW2)
     if live:
@@ -54,20 +83,46 @@ def _tiles_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for step in range(0, tl.cdiv(K, BLOCK_K)):
             k0 = step * BLOCK_K
-            codes, scale, zero = small_m_step(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH,
-                                               stride_qn, stride_sn, FORMAT, GROUP, BLOCK_K,
-                                               EVEN_K)  # fmt: skip
+            codes, scale, zero = small_m_step(
+                q_ptr,
+                s_ptr,
+                z_ptr,
+                offs_n,
+                k0,
+                N,
+                K,
+                KH,
+                stride_qn,
+                stride_sn,
+                FORMAT,
+                GROUP,
+                BLOCK_K,
+                EVEN_K,
+            )
             x = tl.load(x_ptrs + k0, mask=m_ok[None, :] & (k0 + offs_k < K)[:, None], other=0.0)
-            acc = small_m_mma(acc, codes, scale, zero, x, global_scale, FORMAT, GROUP, BLOCK_K,
-                               EVEN_K, X_FP32)  # fmt: skip
-        store_tile(acc, bias_ptr, out_ptr, e, offs_n, offs_m, offs_n < N, m_ok, stride_be,
-                    stride_om, HAS_BIAS)  # fmt: skip
+            acc = small_m_mma(
+                acc, codes, scale, zero, x, global_scale, FORMAT, GROUP, BLOCK_K, EVEN_K, X_FP32
+            )
+        store_tile(
+            acc,
+            bias_ptr,
+            out_ptr,
+            e,
+            offs_n,
+            offs_m,
+            offs_n < N,
+            m_ok,
+            stride_be,
+            stride_om,
+            HAS_BIAS,
+        )
     else:
         zero_tail(out_ptr, first, end, N, stride_om, BLOCK_N, BLOCK_M)
 
 
-def launch(fmt: int, x, offs, qdata, scale, zero, global_scale, bias, out, group: int, k: int,
-           config: dict) -> torch.Tensor:  # fmt: skip
+def launch(
+    fmt: int, x, offs, qdata, scale, zero, global_scale, bias, out, group: int, k: int, config: dict
+) -> torch.Tensor:
     """out [T, N] for x [T, k] sorted by expert (arguments as `ops.w4a16_grouped_launch`
     passes them: `zero` any tensor where the format has none, `bias` in x's dtype)."""
     tokens = x.shape[0]
@@ -79,11 +134,33 @@ def launch(fmt: int, x, offs, qdata, scale, zero, global_scale, bias, out, group
     if INTERPRETED:
         config.update(num_stages=1)
     _tiles_kernel[tile_grid](
-        x, qdata, scale_arg(scale), zero_arg, global_scale, bias_arg, out, offs,
-        experts, tokens, n, k, kh, x.stride(0), qdata.stride(0), qdata.stride(1),
-        scale.stride(0), scale.stride(1), stride_ze, stride_be, out.stride(0),
-        FORMAT=int(fmt), GROUP=group, HAS_BIAS=bias is not None,
-        E_POW2=triton.next_power_of_2(experts), EVEN_K=k % config["BLOCK_K"] == 0,
-        X_FP32=x.dtype == torch.float32, **config,
-    )  # fmt: skip
+        x,
+        qdata,
+        scale_arg(scale),
+        zero_arg,
+        global_scale,
+        bias_arg,
+        out,
+        offs,
+        experts,
+        tokens,
+        n,
+        k,
+        kh,
+        x.stride(0),
+        qdata.stride(0),
+        qdata.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        stride_ze,
+        stride_be,
+        out.stride(0),
+        FORMAT=int(fmt),
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        E_POW2=triton.next_power_of_2(experts),
+        EVEN_K=k % config["BLOCK_K"] == 0,
+        X_FP32=x.dtype == torch.float32,
+        **config,
+    )
     return out

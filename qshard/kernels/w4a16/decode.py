@@ -29,13 +29,31 @@ import triton.language as tl
 from .format import Format
 
 __all__ = [
-    "FMT_INT4_ASYM", "FMT_INT4_FZERO", "FMT_INT4_SYM", "FMT_MXFP4", "FMT_NVFP4", "INTERPRETED",
-    "decode_bytes", "dequantize_values", "fp16_bits_to_fp32", "group_scale", "group_terms",
-    "group_to_words", "halves_to_fp32", "int4_exact", "int4_nibble", "launch_args",
+    "FMT_INT4_ASYM",
+    "FMT_INT4_FZERO",
+    "FMT_INT4_SYM",
+    "FMT_MXFP4",
+    "FMT_NVFP4",
+    "INTERPRETED",
+    "decode_bytes",
+    "dequantize_values",
+    "fp16_bits_to_fp32",
+    "group_scale",
+    "group_terms",
+    "group_to_words",
+    "halves_to_fp32",
+    "int4_exact",
+    "int4_nibble",
+    "launch_args",
     "load_global_scale",
-    "scale_arg", "step_codes", "step_weights", "step_words", "word_pair", "word_pair_weights",
+    "scale_arg",
+    "step_codes",
+    "step_weights",
+    "step_words",
+    "word_pair",
+    "word_pair_weights",
     "word_weights",
-]  # fmt: skip
+]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETED: tl.constexpr = tl.constexpr(INTERPRETED)
@@ -89,8 +107,12 @@ def halves_to_fp32(pair):
     else:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
-            "=r,=r,r", [pair], dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
-        )  # fmt: skip
+            "=r,=r,r",
+            [pair],
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
 
 
 @triton.jit
@@ -112,8 +134,14 @@ def int4_exact(words, J: tl.constexpr):
     if _INTERPRETED:
         bits = (src & MASK) | MAGIC
     else:
-        bits = tl.inline_asm_elementwise(f"lop3.b32 $0, $1, {MASK}, {MAGIC}, 0xEA;", "=r,r",
-                                         [src], dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+        bits = tl.inline_asm_elementwise(
+            f"lop3.b32 $0, $1, {MASK}, {MAGIC}, 0xEA;",
+            "=r,r",
+            [src],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
     magic = tl.full((), MAGIC, tl.int32).to(tl.float32, bitcast=True)
     return bits.to(tl.float32, bitcast=True) - (magic + 8.0)
 
@@ -187,9 +215,22 @@ def group_terms(vx_sum, x_sum, scale, zero, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_sn,
-                FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr):  # fmt: skip
+def step_codes(
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    offs_n,
+    k0,
+    N,
+    K,
+    KH,
+    stride_qn,
+    stride_sn,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     """The loads of the K step at k0: code bytes [rows, BLOCK_K / 2] (KH per row) and each
     group's (scale, zero) [rows, G]. Issued one or two steps ahead of their use (Triton
     pipelines only loads that feed a dot, and these feed the decoding); a step at k0 >= K loads
@@ -205,14 +246,22 @@ def step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn, stride_sn,
         packed = tl.load(q_ptrs, mask=n_ok[:, None] & (byte < KH)[None, :], other=0)
     group = (k0 + tl.arange(0, BLOCK_K // GK) * GK) // GROUP
     g_ok = n_ok[:, None] & (group < tl.cdiv(K, GROUP))[None, :]
-    scale, zero = group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
-                               g_ok, FORMAT)  # fmt: skip
+    scale, zero = group_scale(
+        s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :], g_ok, FORMAT
+    )
     return packed, scale, zero
 
 
 @triton.jit
-def step_weights(packed, scale, zero, global_scale, FORMAT: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_K: tl.constexpr):  # fmt: skip
+def step_weights(
+    packed,
+    scale,
+    zero,
+    global_scale,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """One step's weights [rows, BLOCK_K] in fp32, each exactly the reference's fp32 value."""
     GK: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
     ROWS: tl.constexpr = packed.shape[0]
@@ -222,25 +271,46 @@ def step_weights(packed, scale, zero, global_scale, FORMAT: tl.constexpr, GROUP:
 
 
 @triton.jit
-def step_words(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, stride_qw, stride_sn,
-                FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def step_words(
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    offs_n,
+    k0,
+    N,
+    K,
+    stride_qw,
+    stride_sn,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """`step_codes` with K a multiple of the step: the codes as 32-bit words [rows, BLOCK_K / 8]
     (q_ptr an int32 view; code 8w + j in bits 4j..4j+3 of word w) and each group's (scale,
     zero) [rows, G]."""
     GK: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
     n_ok = offs_n < N * (k0 < K)  # (no rows at all past K)
     word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(q_ptr + offs_n[:, None] * stride_qw + word[None, :], mask=n_ok[:, None],
-                    other=0)  # fmt: skip
+    words = tl.load(
+        q_ptr + offs_n[:, None] * stride_qw + word[None, :], mask=n_ok[:, None], other=0
+    )
     group = (k0 + tl.arange(0, BLOCK_K // GK) * GK) // GROUP
-    scale, zero = group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
-                               n_ok[:, None], FORMAT)  # fmt: skip
+    scale, zero = group_scale(
+        s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :], n_ok[:, None], FORMAT
+    )
     return words, scale, zero
 
 
 @triton.jit
-def word_pair_weights(words, j: tl.constexpr, per_word, zero_word, global_scale,
-                       FORMAT: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+def word_pair_weights(
+    words,
+    j: tl.constexpr,
+    per_word,
+    zero_word,
+    global_scale,
+    FORMAT: tl.constexpr,
+    dtype: tl.constexpr,
+):
     """Nibbles j and j + 4 of every word as weights [rows, words, 2] in `dtype`, each the
     reference's fp32 value rounded once. int4: `dequantize_values` of `int4_nibble`. e2m1: both
     nibbles decoded at once (`word_pair`), then two exact products and one rounded: MXFP4
@@ -265,13 +335,23 @@ def word_pair_weights(words, j: tl.constexpr, per_word, zero_word, global_scale,
 def group_to_words(group_values, BLOCK_K: tl.constexpr, GK: tl.constexpr):
     """[rows, G] per group -> [rows, BLOCK_K / 8] per word (GK values of a group in a step)."""
     ROWS: tl.constexpr = group_values.shape[0]
-    return tl.reshape(tl.broadcast_to(group_values[:, :, None], (ROWS, BLOCK_K // GK, GK // 8)),
-                      (ROWS, BLOCK_K // 8))  # fmt: skip
+    return tl.reshape(
+        tl.broadcast_to(group_values[:, :, None], (ROWS, BLOCK_K // GK, GK // 8)),
+        (ROWS, BLOCK_K // 8),
+    )
 
 
 @triton.jit
-def word_weights(words, scale, zero, global_scale, FORMAT: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_K: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+def word_weights(
+    words,
+    scale,
+    zero,
+    global_scale,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    dtype: tl.constexpr,
+):
     """One step's weights [rows, BLOCK_K] in `dtype`, in K order, from its words
     (`step_words`): each word's nibbles decoded in place (`word_pair_weights`), scaled in fp32
     (exactly the reference's fp32 value, as `step_weights`) and rounded once; the eight
@@ -286,11 +366,15 @@ def word_weights(words, scale, zero, global_scale, FORMAT: tl.constexpr, GROUP: 
     # tl.join adds a minor dimension, so the joins' leaves go in bit-reversed order of the
     # position in the word: the pair (j, j + 4) is one innermost join.
     w = tl.join(
-        tl.join(word_pair_weights(words, 0, per_word, zero_word, global_scale, FORMAT, dtype),
-                word_pair_weights(words, 2, per_word, zero_word, global_scale, FORMAT, dtype)),
-        tl.join(word_pair_weights(words, 1, per_word, zero_word, global_scale, FORMAT, dtype),
-                word_pair_weights(words, 3, per_word, zero_word, global_scale, FORMAT, dtype)),
-    )  # fmt: skip
+        tl.join(
+            word_pair_weights(words, 0, per_word, zero_word, global_scale, FORMAT, dtype),
+            word_pair_weights(words, 2, per_word, zero_word, global_scale, FORMAT, dtype),
+        ),
+        tl.join(
+            word_pair_weights(words, 1, per_word, zero_word, global_scale, FORMAT, dtype),
+            word_pair_weights(words, 3, per_word, zero_word, global_scale, FORMAT, dtype),
+        ),
+    )
     return tl.reshape(w, (ROWS, BLOCK_K))
 
 

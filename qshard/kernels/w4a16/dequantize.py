@@ -48,28 +48,63 @@ def _native_bytes(q_ptr, offs_n, k0, n_ok, stride_qn):
 
 @triton.jit
 def _dequantize_kernel(
-    q_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, KH, stride_qn, stride_sn, stride_wn,
-    FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    g_ptr,
+    w_ptr,
+    N,
+    K,
+    KH,
+    stride_qn,
+    stride_sn,
+    stride_wn,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     NATIVE: tl.constexpr = False,
-):  # fmt: skip
+):
     """W [N, K] in w's dtype, each value rounded once from fp32 (bit-exact vs the reference).
     NATIVE: the codes in `packing.native_codes`' order (BLOCK_K is its 128-column chunk)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
-    packed, scale, zero = step_codes(q_ptr, s_ptr, z_ptr, offs_n, k0, N, K, KH, stride_qn,
-                                      stride_sn, FORMAT, GROUP, BLOCK_K, False)  # fmt: skip
+    packed, scale, zero = step_codes(
+        q_ptr,
+        s_ptr,
+        z_ptr,
+        offs_n,
+        k0,
+        N,
+        K,
+        KH,
+        stride_qn,
+        stride_sn,
+        FORMAT,
+        GROUP,
+        BLOCK_K,
+        False,
+    )
     if NATIVE:
         packed = _native_bytes(q_ptr, offs_n, k0, offs_n < N, stride_qn)
     w = step_weights(packed, scale, zero, load_global_scale(g_ptr, FORMAT), FORMAT, GROUP, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
     rows = offs_n.to(tl.int64)[:, None] * stride_wn  # N * K may pass 2**31 (a large lm_head)
-    tl.store(w_ptr + rows + offs_k[None, :],
-             w.to(w_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(w_ptr + rows + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
-def dequantize_weight(fmt: Format, qdata, scale, zero, global_scale, group: int, k: int,
-                      dtype: torch.dtype, native: bool = False) -> torch.Tensor:  # fmt: skip
+def dequantize_weight(
+    fmt: Format,
+    qdata,
+    scale,
+    zero,
+    global_scale,
+    group: int,
+    k: int,
+    dtype: torch.dtype,
+    native: bool = False,
+) -> torch.Tensor:
     """W [N, K] in `dtype`; `native`: the codes in `packing.native_codes`' order."""
     fmt = Format(fmt)
     if native:
@@ -81,17 +116,40 @@ def dequantize_weight(fmt: Format, qdata, scale, zero, global_scale, group: int,
     block_n, block_k = 32, 128
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     _dequantize_kernel[grid](
-        qdata, scale_arg(scale), zero if zero.numel() else qdata, global_scale, w, n, k,
-        qdata.shape[1], qdata.stride(0), scale.stride(0), w.stride(0),
-        FORMAT=int(fmt), GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, NATIVE=native,
+        qdata,
+        scale_arg(scale),
+        zero if zero.numel() else qdata,
+        global_scale,
+        w,
+        n,
+        k,
+        qdata.shape[1],
+        qdata.stride(0),
+        scale.stride(0),
+        w.stride(0),
+        FORMAT=int(fmt),
+        GROUP=group,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        NATIVE=native,
         num_warps=4,
-    )  # fmt: skip
+    )
     return w
 
 
-def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict,
-           global_scale) -> torch.Tensor:  # fmt: skip
+def launch(
+    fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict, global_scale
+) -> torch.Tensor:
     """x @ W.T + bias by cuBLAS on the dequantized weight (`out` is not used)."""
-    weight = dequantize_weight(fmt, qdata, scale, zero, global_scale, group, x.shape[1], x.dtype,
-                               bool(config.get("NATIVE")))  # fmt: skip
+    weight = dequantize_weight(
+        fmt,
+        qdata,
+        scale,
+        zero,
+        global_scale,
+        group,
+        x.shape[1],
+        x.dtype,
+        bool(config.get("NATIVE")),
+    )
     return F.linear(x, weight, bias)

@@ -35,11 +35,28 @@ def problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str |
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr,
-    M, N, K, KH, stride_xm, stride_qn, stride_sn, stride_om,
-    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    g_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    KH,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """out[m, n-band] for one token m, streaming the band's codes BLOCK_K values at a time.
 
     Each group's scale is applied to the group's sum, not to each weight (as the FP8 GEMV
@@ -54,14 +71,40 @@ def _gemv_kernel(
     x_ptr += m * stride_xm
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    packed, scale, zero = step_codes(q_ptr, s_ptr, z_ptr, offs_n, 0, N, K, KH, stride_qn,
-                                      stride_sn, FORMAT, GROUP, BLOCK_K, EVEN_K)  # fmt: skip
+    packed, scale, zero = step_codes(
+        q_ptr,
+        s_ptr,
+        z_ptr,
+        offs_n,
+        0,
+        N,
+        K,
+        KH,
+        stride_qn,
+        stride_sn,
+        FORMAT,
+        GROUP,
+        BLOCK_K,
+        EVEN_K,
+    )
     x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
     for k0 in range(0, K, BLOCK_K):
         next_packed, next_scale, next_zero = step_codes(
-            q_ptr, s_ptr, z_ptr, offs_n, k0 + BLOCK_K, N, K, KH, stride_qn, stride_sn,
-            FORMAT, GROUP, BLOCK_K, EVEN_K,
-        )  # fmt: skip
+            q_ptr,
+            s_ptr,
+            z_ptr,
+            offs_n,
+            k0 + BLOCK_K,
+            N,
+            K,
+            KH,
+            stride_qn,
+            stride_sn,
+            FORMAT,
+            GROUP,
+            BLOCK_K,
+            EVEN_K,
+        )
         next_x = tl.load(x_ptr + k0 + BLOCK_K + offs_k, mask=k0 + BLOCK_K + offs_k < K, other=0.0)
         xf = x.to(tl.float32)
         products = decode_bytes(packed, FORMAT) * xf[None, :]
@@ -89,15 +132,27 @@ def config(fmt: Format) -> dict:
     return {"BLOCK_N": rows, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1}
 
 
-def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict,
-           global_scale) -> torch.Tensor:  # fmt: skip
+def launch(
+    fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict, global_scale
+) -> torch.Tensor:
     """out [M, N] = x [M, K] @ W.T + bias, one program per token and band of BLOCK_N rows."""
     m, k = x.shape
     n = qdata.shape[0]
     config = {key: v for key, v in config.items() if key != "KERNEL"}
     args, common = launch_args(fmt, x, qdata, scale, zero, global_scale, bias, out, group)
     grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
-    _gemv_kernel[grid](*args, m, n, k, qdata.shape[1], x.stride(0), qdata.stride(0),
-                       scale.stride(0), out.stride(0), EVEN_K=k % config["BLOCK_K"] == 0,
-                       **common, **config)  # fmt: skip
+    _gemv_kernel[grid](
+        *args,
+        m,
+        n,
+        k,
+        qdata.shape[1],
+        x.stride(0),
+        qdata.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        EVEN_K=k % config["BLOCK_K"] == 0,
+        **common,
+        **config,
+    )
     return out

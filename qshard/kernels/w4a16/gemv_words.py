@@ -126,8 +126,9 @@ def _word_products(words, xs, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _group_share(acc, products, x, scale, zero, FORMAT: tl.constexpr, G: tl.constexpr,
-                 WG: tl.constexpr):  # fmt: skip
+def _group_share(
+    acc, products, x, scale, zero, FORMAT: tl.constexpr, G: tl.constexpr, WG: tl.constexpr
+):
     """One token's acc [rows, G] + the step's share of each (row, group), from its products
     (`_word_products`) and its planes x. int4: s * (sum (u - 8) x - (z - 8) sum x) (a float
     zero point: s * sum (u - 8) x + zero * sum x; symmetric: no sum x); e2m1: s * sum v x, v
@@ -144,9 +145,24 @@ def _group_share(acc, products, x, scale, zero, FORMAT: tl.constexpr, G: tl.cons
 
 
 @triton.jit
-def _gemv_words_step(accs, words, x_ptr, m0, M, stride_xm, s_ptr, z_ptr, offs_n, n_ok, w0,
-                     stride_sn, FORMAT: tl.constexpr, GROUP: tl.constexpr,
-                     BLOCK_W: tl.constexpr, NATIVE: tl.constexpr):  # fmt: skip
+def _gemv_words_step(
+    accs,
+    words,
+    x_ptr,
+    m0,
+    M,
+    stride_xm,
+    s_ptr,
+    z_ptr,
+    offs_n,
+    n_ok,
+    w0,
+    stride_sn,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
     """accs (per token of the program: [rows, G]) + this step's share of each (row, group):
     the step's words [rows, BLOCK_W] from word w0, decoded once for all the tokens, their
     activations and their groups' scales."""
@@ -156,8 +172,9 @@ def _gemv_words_step(accs, words, x_ptr, m0, M, stride_xm, s_ptr, z_ptr, offs_n,
     for t in tl.static_range(len(accs)):
         xs = xs + (_x_planes(_x_token(x_ptr, m0, t, M, stride_xm), w0, BLOCK_W, NATIVE),)
     group = (w0 + tl.arange(0, G) * WG) // (GROUP // 8)
-    scale, zero = group_scale(s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :],
-                               n_ok[:, None], FORMAT)  # fmt: skip
+    scale, zero = group_scale(
+        s_ptr, z_ptr, offs_n[:, None] * stride_sn + group[None, :], n_ok[:, None], FORMAT
+    )
     products = _word_products(words, xs, FORMAT)
     new = ()
     for t in tl.static_range(len(accs)):
@@ -167,12 +184,34 @@ def _gemv_words_step(accs, words, x_ptr, m0, M, stride_xm, s_ptr, z_ptr, offs_n,
 
 @triton.jit
 def _gemv_words_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, bias_ptr, out_ptr, partials_ptr, arrived_ptr,
-    M, N, KW, steps_per_split, stride_xm, stride_qw, stride_sn, stride_om,
-    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr, EVICT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    NATIVE: tl.constexpr = False, BLOCK_M: tl.constexpr = 1,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    g_ptr,
+    bias_ptr,
+    out_ptr,
+    partials_ptr,
+    arrived_ptr,
+    M,
+    N,
+    KW,
+    steps_per_split,
+    stride_xm,
+    stride_qw,
+    stride_sn,
+    stride_om,
+    FORMAT: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    EVICT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    NATIVE: tl.constexpr = False,
+    BLOCK_M: tl.constexpr = 1,
+):
     """The GEMV on 32-bit words (8 codes each; K a multiple of 8 * BLOCK_W): the codes are
     never split into bytes or put back in K order. Nibble j of every word in the tile is decoded
     in place and multiplies the activations x[8w + j] (`_x_planes`, shared by the tile's rows)
@@ -202,23 +241,49 @@ def _gemv_words_kernel(
         accs = accs + (tl.zeros((BLOCK_N, G), dtype=tl.float32),)
     w0 = first_step * BLOCK_W
     # (`N * (w < w_end)` rows: nothing is loaded past this program's last step)
-    words = tl.load(q_ptrs + w0, mask=(offs_n < N * (w0 < w_end))[:, None], other=0,
-                    eviction_policy=POLICY)  # fmt: skip
+    words = tl.load(
+        q_ptrs + w0, mask=(offs_n < N * (w0 < w_end))[:, None], other=0, eviction_policy=POLICY
+    )
     if PREFETCH == 2:
         w1 = w0 + BLOCK_W
-        words1 = tl.load(q_ptrs + w1, mask=(offs_n < N * (w1 < w_end))[:, None], other=0,
-                         eviction_policy=POLICY)  # fmt: skip
+        words1 = tl.load(
+            q_ptrs + w1, mask=(offs_n < N * (w1 < w_end))[:, None], other=0, eviction_policy=POLICY
+        )
     for w0 in range(first_step * BLOCK_W, w_end, BLOCK_W):
         if PREFETCH == 2:
             w2 = w0 + 2 * BLOCK_W
-            words2 = tl.load(q_ptrs + w2, mask=(offs_n < N * (w2 < w_end))[:, None], other=0,
-                             eviction_policy=POLICY)  # fmt: skip
+            words2 = tl.load(
+                q_ptrs + w2,
+                mask=(offs_n < N * (w2 < w_end))[:, None],
+                other=0,
+                eviction_policy=POLICY,
+            )
         else:
             w1 = w0 + BLOCK_W
-            words1 = tl.load(q_ptrs + w1, mask=(offs_n < N * (w1 < w_end))[:, None], other=0,
-                             eviction_policy=POLICY)  # fmt: skip
-        accs = _gemv_words_step(accs, words, x_ptr, m0, M, stride_xm, s_ptr, z_ptr, offs_n,
-                                n_ok, w0, stride_sn, FORMAT, GROUP, BLOCK_W, NATIVE)  # fmt: skip
+            words1 = tl.load(
+                q_ptrs + w1,
+                mask=(offs_n < N * (w1 < w_end))[:, None],
+                other=0,
+                eviction_policy=POLICY,
+            )
+        accs = _gemv_words_step(
+            accs,
+            words,
+            x_ptr,
+            m0,
+            M,
+            stride_xm,
+            s_ptr,
+            z_ptr,
+            offs_n,
+            n_ok,
+            w0,
+            stride_sn,
+            FORMAT,
+            GROUP,
+            BLOCK_W,
+            NATIVE,
+        )
         words = words1
         if PREFETCH == 2:
             words1 = words2
@@ -229,9 +294,22 @@ def _gemv_words_kernel(
     if FORMAT >= FMT_MXFP4:  # the decoded e2m1 values are value * 2**-14
         tile = tile * (load_global_scale(g_ptr, FORMAT) * 16384.0)
     offs_m = m0 + token
-    finish_tile(tile, partials_ptr, arrived_ptr, bias_ptr, out_ptr, offs_n, offs_m, n_ok,
-                offs_m < M, M, N, stride_om, HAS_BIAS, SPLIT)  # fmt: skip
-
+    finish_tile(
+        tile,
+        partials_ptr,
+        arrived_ptr,
+        bias_ptr,
+        out_ptr,
+        offs_n,
+        offs_m,
+        n_ok,
+        offs_m < M,
+        M,
+        N,
+        stride_om,
+        HAS_BIAS,
+        SPLIT,
+    )
 
 
 def config(fmt: Format, n: int, k: int, sms: int) -> dict:
@@ -244,15 +322,27 @@ def config(fmt: Format, n: int, k: int, sms: int) -> dict:
     one-token word GEMV")."""
     rows = 16 if fmt != Format.NVFP4 and triton.cdiv(n, 16) >= 2.5 * sms else 8
     long_k = fmt < Format.MXFP4 and rows == 8 and k >= 8192 and k % 2048 == 0
-    return {"KERNEL": "gemv_words", "BLOCK_N": rows, "BLOCK_W": 256 if long_k else 128,
-            "num_warps": 4, "EVICT": 1}  # fmt: skip
+    return {
+        "KERNEL": "gemv_words",
+        "BLOCK_N": rows,
+        "BLOCK_W": 256 if long_k else 128,
+        "num_warps": 4,
+        "EVICT": 1,
+    }
 
 
 def pair_config(native: bool) -> dict:
     """Two tokens per program (the codes decoded once for both): 16 rows, 128 words per step
     (K a multiple of 1024)."""
-    return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": 128, "BLOCK_M": 2,
-            "num_warps": 4, "EVICT": 1, "NATIVE": int(native)}  # fmt: skip
+    return {
+        "KERNEL": "gemv_words",
+        "BLOCK_N": 16,
+        "BLOCK_W": 128,
+        "BLOCK_M": 2,
+        "num_warps": 4,
+        "EVICT": 1,
+        "NATIVE": int(native),
+    }
 
 
 def native_step(k: int) -> int:
@@ -269,23 +359,38 @@ def native_config(k: int) -> dict:
     """One token on native codes: 16 rows on every Llama-3.1-8B linear (o and down too, where
     the canonical codes take 8), the fastest of the H100 sweep of the native read (bench/README.md,
     "int4 on an H100, with tinygemm, gemlite and Marlin"), `native_step` words per step."""
-    return {"KERNEL": "gemv_words", "BLOCK_N": 16, "BLOCK_W": native_step(k),
-            "num_warps": 4, "EVICT": 1, "NATIVE": 1}  # fmt: skip
+    return {
+        "KERNEL": "gemv_words",
+        "BLOCK_N": 16,
+        "BLOCK_W": native_step(k),
+        "num_warps": 4,
+        "EVICT": 1,
+        "NATIVE": 1,
+    }
 
 
-def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict,
-           global_scale) -> torch.Tensor:  # fmt: skip
+def launch(
+    fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict, global_scale
+) -> torch.Tensor:
     """out [M, N] = x [M, K] @ W.T + bias by the word GEMV with `config` (BLOCK_N, BLOCK_W,
     num_warps and optionally SPLIT_K, PREFETCH, EVICT, NATIVE, BLOCK_M)."""
     m, k = x.shape
     n = qdata.shape[0]
-    config = {"SPLIT_K": 1, "PREFETCH": 1, "EVICT": 0, "NATIVE": 0, "BLOCK_M": 1,
-              **{key: v for key, v in config.items() if key != "KERNEL"}}  # fmt: skip
+    config = {
+        "SPLIT_K": 1,
+        "PREFETCH": 1,
+        "EVICT": 0,
+        "NATIVE": 0,
+        "BLOCK_M": 1,
+        **{key: v for key, v in config.items() if key != "KERNEL"},
+    }
     if config["NATIVE"]:
         check_native_order(Format(fmt).is_int4, group, Format(fmt).name)
         if config["BLOCK_W"] % MIN_STEP_WORDS:
-            raise ValueError(f"word GEMV config BLOCK_W={config['BLOCK_W']} on native codes: "
-                             f"a step holds whole 128-column chunks (16 words)")  # fmt: skip
+            raise ValueError(
+                f"word GEMV config BLOCK_W={config['BLOCK_W']} on native codes: "
+                f"a step holds whole 128-column chunks (16 words)"
+            )
     assert k % (8 * config["BLOCK_W"]) == 0, "the word GEMV needs K a multiple of its step"
     if config["PREFETCH"] not in (1, 2):
         raise ValueError(
@@ -293,8 +398,10 @@ def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict,
             "loaded 1 or 2 steps ahead; give 1 or 2 (or leave it out for 1)"
         )
     if config["BLOCK_M"] not in (1, 2, 4, 8):
-        raise ValueError(f"word GEMV config BLOCK_M={config['BLOCK_M']!r}: the tokens per "
-                         "program are 1, 2, 4 or 8 (or leave it out for 1)")  # fmt: skip
+        raise ValueError(
+            f"word GEMV config BLOCK_M={config['BLOCK_M']!r}: the tokens per "
+            "program are 1, 2, 4 or 8 (or leave it out for 1)"
+        )
     if x.dtype != torch.float32 and x.data_ptr() % 4:
         x = x.clone()  # 16-bit activations are read as 32-bit pairs (`_x_planes`)
     args, common = launch_args(fmt, x, qdata, scale, zero, global_scale, bias, out, group)
@@ -305,8 +412,21 @@ def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict,
     grid = (triton.cdiv(n, config["BLOCK_N"]) * triton.cdiv(m, config["BLOCK_M"]), split)
     partials, arrived = workspace(m, n, split, grid[0], x.device) if split > 1 else (out, out)
     _gemv_words_kernel[grid](
-        x, words, *args[2:], partials, arrived, m, n, words.shape[1], steps_per_split,
-        x.stride(0), words.stride(0), args[2].stride(0), out.stride(0), SPLIT=split > 1,
-        **common, **config,
-    )  # fmt: skip
+        x,
+        words,
+        *args[2:],
+        partials,
+        arrived,
+        m,
+        n,
+        words.shape[1],
+        steps_per_split,
+        x.stride(0),
+        words.stride(0),
+        args[2].stride(0),
+        out.stride(0),
+        SPLIT=split > 1,
+        **common,
+        **config,
+    )
     return out

@@ -19,8 +19,18 @@ from .select import STRATEGIES, Kernel, choose
 __all__ = ["int4_linear", "linear_launch", "mxfp4_linear", "nvfp4_linear"]
 
 
-def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group: int,
-                  config: dict | None = None, native: bool = False) -> torch.Tensor:  # fmt: skip
+def linear_launch(
+    fmt: Format,
+    x,
+    qdata,
+    scale,
+    zero,
+    global_scale,
+    bias,
+    group: int,
+    config: dict | None = None,
+    native: bool = False,
+) -> torch.Tensor:
     """x [M, K] -> x @ W.T + bias [M, N] in x's dtype, by the kernel `select.choose` picks (or
     `config`'s). `zero` and `global_scale` are read only by the formats that have them (pass
     any tensor). x, qdata, scale, zero and bias must be contiguous (the ops make them so).
@@ -32,8 +42,9 @@ def linear_launch(fmt: Format, x, qdata, scale, zero, global_scale, bias, group:
     bias = bias.to(x.dtype) if bias is not None else None
     launch = STRATEGIES[choice.kernel].launch
     if choice.kernel is Kernel.DEQUANTIZE:  # cuBLAS writes its own output
-        return launch(int(fmt), x, qdata, scale, zero, bias, None, group, choice.config,
-                      global_scale)  # fmt: skip
+        return launch(
+            int(fmt), x, qdata, scale, zero, bias, None, group, choice.config, global_scale
+        )
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -48,16 +59,31 @@ def _run(fmt: Format, x, qdata, scale, zero, global_scale, bias, group, native=F
     k, n = x.shape[-1], qdata.shape[0]
     x2d = x.reshape(-1, k).contiguous()
     bias = bias.contiguous() if bias is not None else None  # the kernels read it with stride 1
-    out = linear_launch(fmt, x2d, qdata.contiguous(), scale.contiguous(), zero.contiguous(),
-                        global_scale, bias, group, native=native)  # fmt: skip
+    out = linear_launch(
+        fmt,
+        x2d,
+        qdata.contiguous(),
+        scale.contiguous(),
+        zero.contiguous(),
+        global_scale,
+        bias,
+        group,
+        native=native,
+    )
     return out.reshape(*x.shape[:-1], n)
 
 
 @torch.library.custom_op("qshard::int4_linear", mutates_args=())
 def int4_linear(
-    x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-    bias: torch.Tensor | None, group: int, float_zero: bool = False, native: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: int,
+    float_zero: bool = False,
+    native: bool = False,
+) -> torch.Tensor:
     """y = x @ W.T + bias for the int4 weight (qdata, scale, zero; an empty zero: symmetric;
     `float_zero`: zero is a value, W = (u - 8) * scale + zero; `native`: qdata in
     `packing.native_codes`' order, groups of 128 or a multiple)."""
@@ -68,18 +94,25 @@ def int4_linear(
 
 @torch.library.custom_op("qshard::mxfp4_linear", mutates_args=())
 def mxfp4_linear(
-    x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
     group: int,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """y = x @ W.T + bias for the MXFP4 weight (qdata, e8m0 scale)."""
     return _run(Format.MXFP4, x, qdata, scale, qdata, qdata, bias, group)
 
 
 @torch.library.custom_op("qshard::nvfp4_linear", mutates_args=())
 def nvfp4_linear(
-    x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-    bias: torch.Tensor | None, group: int,
-) -> torch.Tensor:  # fmt: skip
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: int,
+) -> torch.Tensor:
     """y = x @ W.T + bias for the NVFP4 weight (qdata, e4m3 scale, fp32 global scale)."""
     return _run(Format.NVFP4, x, qdata, scale, qdata, global_scale, bias, group)
 

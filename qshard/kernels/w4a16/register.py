@@ -126,19 +126,40 @@ def config(m: int, n: int, k: int, device: torch.device) -> dict:
     kernel is faster there)."""
     block_m = 8 if m <= 8 else max(16, triton.next_power_of_2(m))
     steps, stages, per_sm, warps, maxnreg = _CONFIGS[block_m]
-    return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": stages, "PER_SM": per_sm,
-            "WARPS": warps, "MAXNREG": maxnreg}  # fmt: skip
+    return {
+        "BLOCK_M": block_m,
+        "STEPS": steps,
+        "STAGES": stages,
+        "PER_SM": per_sm,
+        "WARPS": warps,
+        "MAXNREG": maxnreg,
+    }
 
 
 _config = config  # (`launch`'s parameter of that name hides the function)
 
 # BLOCK_M -> (STEPS, STAGES, PER_SM, WARPS, MAXNREG); see `config`
-_CONFIGS = {8: (8, 4, 2, 8, 128), 16: (8, 4, 2, 8, 128), 32: (16, 4, 1, 8, 0),
-            64: (16, 4, 1, 8, 0), 128: (8, 2, 1, 4, 0)}  # fmt: skip
+_CONFIGS = {
+    8: (8, 4, 2, 8, 128),
+    16: (8, 4, 2, 8, 128),
+    32: (16, 4, 1, 8, 0),
+    64: (16, 4, 1, 8, 0),
+    128: (8, 2, 1, 4, 0),
+}
 
 
-def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
-           config: dict | None = None, global_scale=None) -> torch.Tensor:  # fmt: skip
+def launch(
+    fmt: int,
+    x,
+    qdata,
+    scale,
+    zero,
+    bias,
+    out,
+    group: int,
+    config: dict | None = None,
+    global_scale=None,
+) -> torch.Tensor:
     """out [M, N] = x [M, K] @ W.T + bias by the register kernel (`problem` is None);
     x, qdata, scale, zero, bias contiguous; `zero` any tensor for the symmetric and FP4
     formats; `global_scale` NVFP4's fp32 scalar (read in the zero's place)."""
@@ -147,12 +168,20 @@ def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
     config = dict(config or _config(m, n, k, x.device))
     block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
     warps, stages = config.get("WARPS", 4), config["STAGES"]
-    if (steps % stages or stages < 2 or block_m not in _CONFIGS or block_m < m or per_sm < 1
-            or warps not in (4, 8)):  # fmt: skip
-        raise ValueError(f"register kernel config {config} for {m} tokens: STEPS must be a "
-                         f"multiple of STAGES >= 2 (each chunk's ring slot is fixed at compile "
-                         f"time), BLOCK_M one of {sorted(_CONFIGS)} and >= the tokens, PER_SM "
-                         f">= 1, WARPS 4 or 8")  # fmt: skip
+    if (
+        steps % stages
+        or stages < 2
+        or block_m not in _CONFIGS
+        or block_m < m
+        or per_sm < 1
+        or warps not in (4, 8)
+    ):
+        raise ValueError(
+            f"register kernel config {config} for {m} tokens: STEPS must be a "
+            f"multiple of STAGES >= 2 (each chunk's ring slot is fixed at compile "
+            f"time), BLOCK_M one of {sorted(_CONFIGS)} and >= the tokens, PER_SM "
+            f">= 1, WARPS 4 or 8"
+        )
     tiles = triton.cdiv(n, ROWS_PER_WARP * warps)
     splits = triton.cdiv(triton.cdiv(k, CHUNK), steps)
     items = tiles * splits
@@ -165,12 +194,30 @@ def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
             raise ValueError("NVFP4 needs its fp32 global scale: pass global_scale")
         zero = global_scale
     _register_kernel[(grid,)](
-        x, qdata.view(torch.int32), scale, zero, bias if bias is not None else out, out,
-        partials, arrived, m, n, k, k // 32, scale.stride(0), splits,
-        FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STEPS=steps,
-        STAGES=stages, BLOCK_M=block_m, num_warps=warps,
+        x,
+        qdata.view(torch.int32),
+        scale,
+        zero,
+        bias if bias is not None else out,
+        out,
+        partials,
+        arrived,
+        m,
+        n,
+        k,
+        k // 32,
+        scale.stride(0),
+        splits,
+        FORMAT=fmt,
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        SPLIT=splits > 1,
+        STEPS=steps,
+        STAGES=stages,
+        BLOCK_M=block_m,
+        num_warps=warps,
         **({"maxnreg": config["MAXNREG"]} if config.get("MAXNREG") else {}),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -181,8 +228,9 @@ if GLUON_IMPORT_ERROR is None:
     _ROWS_PER_WARP = gl.constexpr(ROWS_PER_WARP)
 
     @gluon.jit
-    def _issue_chunk(q_ptr, x_ptr, codes, x_slot, at, step: gl.constexpr, K, KW4,
-                     BLOCK_M: gl.constexpr):  # fmt: skip
+    def _issue_chunk(
+        q_ptr, x_ptr, codes, x_slot, at, step: gl.constexpr, K, KW4, BLOCK_M: gl.constexpr
+    ):
         """cp.async of chunk `step` of the item at `at` (`item_at`) into one ring slot
         (`codes` [rows, 4, 4], `x_slot` [4 BLOCK_M, 32]): the tile's code words (each thread
         copies the 16 bytes it will decode) and x's chunk; one commit group."""
@@ -202,10 +250,18 @@ if GLUON_IMPORT_ERROR is None:
         _copy_x(x_ptr, x_slot, chunk, m_live, K, BLOCK_M)
         async_copy.commit_group()
 
-
     @gluon.jit
-    def _item_scales(s_ptr, z_ptr, at, K, stride_sn, FORMAT: gl.constexpr,
-                     GROUP: gl.constexpr, STEPS: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+    def _item_scales(
+        s_ptr,
+        z_ptr,
+        at,
+        K,
+        stride_sn,
+        FORMAT: gl.constexpr,
+        GROUP: gl.constexpr,
+        STEPS: gl.constexpr,
+        dtype: gl.constexpr,
+    ):
         """The scales and zeros of the item at `at` (`item_at`), a tuple of STEPS
         `chunk_scales` (loaded an item ahead)."""
         out = ()
@@ -213,7 +269,6 @@ if GLUON_IMPORT_ERROR is None:
             scales = chunk_scales(s_ptr, z_ptr, at, st, K, stride_sn, FORMAT, GROUP, dtype)
             out = out + (scales,)  # noqa: RUF005 (Triton builds tuples so)
         return out
-
 
     @gluon.jit
     def _copy_x(x_ptr, x_slot, chunk, M, K, BLOCK_M: gl.constexpr):
@@ -231,32 +286,57 @@ if GLUON_IMPORT_ERROR is None:
         src = x_ptr + (n * K + col)[:, :, None] + e
         cp_async(x_slot.reshape([4 * BLOCK_M, 4, 8]), src, mask=ok[:, :, None])
 
-
     @gluon.jit
-    def _chunk_mma(acc, codes, x_slot, scale, zero, FORMAT: gl.constexpr,
-                   BLOCK_M: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+    def _chunk_mma(
+        acc,
+        codes,
+        x_slot,
+        scale,
+        zero,
+        FORMAT: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        dtype: gl.constexpr,
+    ):
         """acc + one chunk of the weight (decoded from its ring slot) @ x's chunk."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8])
+            version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8]
+        )
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         words = codes.load(codes_layout(gl.num_warps()))  # the 16 bytes this thread copied
         for j in gl.static_range(4):
-            a = gl.convert_layout(chunk_weights(words, scale, zero, j, FORMAT, dtype), A,
-                                  assert_trivial=True)  # fmt: skip
+            a = gl.convert_layout(
+                chunk_weights(words, scale, zero, j, FORMAT, dtype), A, assert_trivial=True
+            )
             x = x_slot.slice(j * BLOCK_M, BLOCK_M).load(x_layout(BLOCK_M, gl.num_warps()))
             b = gl.convert_layout(b_operand(x, BLOCK_M), B, assert_trivial=True)
             acc = mma_v2(a, b, acc)
         return acc
 
-
     @gluon.jit
     def _register_kernel(
-        x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-        M, N, K, KW4, stride_sn, splits,
-        FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
-        SPLIT: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        z_ptr,
+        bias_ptr,
+        out_ptr,
+        part_ptr,
+        cnt_ptr,
+        M,
+        N,
+        K,
+        KW4,
+        stride_sn,
+        splits,
+        FORMAT: gl.constexpr,
+        GROUP: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        SPLIT: gl.constexpr,
+        STEPS: gl.constexpr,
+        STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+    ):
         """A persistent loop over this program's work items, their chunks streamed through a
         ring of STAGES shared-memory slots by cp.async, STAGES - 1 chunks in flight (module
         docstring). STEPS is a multiple of STAGES, so every chunk's slot is known at compile
@@ -265,7 +345,8 @@ if GLUON_IMPORT_ERROR is None:
         of another (the one explicit barrier per chunk orders them)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8])
+            version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8]
+        )
         # x: [j] x [BLOCK_M, 32]: 64-byte rows, so lanes 0-7 of a B read (tokens g and g + 1,
         # 16 bytes at 8t) cover 128 bytes: no bank conflict, no swizzle needed; the codes:
         # each thread reads back the 16-byte runs it copied (512 contiguous per warp)
@@ -295,23 +376,44 @@ if GLUON_IMPORT_ERROR is None:
         for it in range(my_items):
             item = pid + it * programs
             after = item_at(item + programs, items, tiles, N, M, STEPS)
-            next_scales = _item_scales(s_ptr, z_ptr, after, K, stride_sn, FORMAT, GROUP, STEPS,
-                                       dtype)  # fmt: skip
+            next_scales = _item_scales(
+                s_ptr, z_ptr, after, K, stride_sn, FORMAT, GROUP, STEPS, dtype
+            )
             acc = gl.zeros([TILE_ROWS, BLOCK_M], gl.float32, MMA)
             for st in gl.static_range(STEPS):
                 async_copy.wait_group(STAGES - 2)  # chunk st's copies have landed (this thread's)
                 barrier()  # everyone's have; and everyone is done with the slot refilled next
                 # the chunk to issue: st + STAGES - 1 of this item, or of the next one
-                _issue_chunk(q_ptr, x_ptr, codes[(st + STAGES - 1) % STAGES],
-                             xs[(st + STAGES - 1) % STAGES],
-                             here if st + STAGES - 1 < STEPS else after,
-                             (st + STAGES - 1) % STEPS, K, KW4, BLOCK_M)  # fmt: skip
+                _issue_chunk(
+                    q_ptr,
+                    x_ptr,
+                    codes[(st + STAGES - 1) % STAGES],
+                    xs[(st + STAGES - 1) % STAGES],
+                    here if st + STAGES - 1 < STEPS else after,
+                    (st + STAGES - 1) % STEPS,
+                    K,
+                    KW4,
+                    BLOCK_M,
+                )
                 scale, zero = scales[st]
-                acc = _chunk_mma(acc, codes[st % STAGES], xs[st % STAGES], scale, zero, FORMAT,
-                                 BLOCK_M, dtype)  # fmt: skip
-            finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, item % tiles,
-                         item // tiles, splits, M, N, times, HAS_BIAS, SPLIT,
-                         BLOCK_M)  # fmt: skip
+                acc = _chunk_mma(
+                    acc, codes[st % STAGES], xs[st % STAGES], scale, zero, FORMAT, BLOCK_M, dtype
+                )
+            finish_tile(
+                acc,
+                part_ptr,
+                cnt_ptr,
+                bias_ptr,
+                out_ptr,
+                item % tiles,
+                item // tiles,
+                splits,
+                M,
+                N,
+                times,
+                HAS_BIAS,
+                SPLIT,
+                BLOCK_M,
+            )
             scales = next_scales
             here = after
-

@@ -9,9 +9,16 @@ from __future__ import annotations
 from ..gluon_api import CHUNK, GLUON_IMPORT_ERROR, barrier, gl, gluon, store_transposed
 
 __all__ = [
-    "ROWS_PER_WARP", "b_operand", "chunk_scales", "chunk_weights", "codes_2d", "codes_layout",
-    "finish_tile", "item_at", "x_layout",
-]  # fmt: skip
+    "ROWS_PER_WARP",
+    "b_operand",
+    "chunk_scales",
+    "chunk_weights",
+    "codes_2d",
+    "codes_layout",
+    "finish_tile",
+    "item_at",
+    "x_layout",
+]
 
 ROWS_PER_WARP = 16  # mma.sync's M: a program's tile is 16 x WARPS weight rows
 
@@ -55,9 +62,7 @@ if GLUON_IMPORT_ERROR is None:
     _DECODE_BF16_UNSCALED = gl.constexpr(
         "{\n.reg .b32 r, v0, v1, v2, v3, mask, bias, one, nz;\n"
         "mov.b32 mask, 0x000f000f; mov.b32 bias, 0x43004300; mov.b32 one, 0x3f803f80;\n"
-        "mov.b32 nz, {$9, $9};\n"
-        + _DECODE_PAIRS
-        + "mov.b32 {$0, $1}, v0; mov.b32 {$2, $3}, v1;\n"
+        "mov.b32 nz, {$9, $9};\n" + _DECODE_PAIRS + "mov.b32 {$0, $1}, v0; mov.b32 {$2, $3}, v1;\n"
         "mov.b32 {$4, $5}, v2; mov.b32 {$6, $7}, v3;\n}"
     )
     # The same pairs (u - z) exact, then in fp32: (u - z) * scale + zero ($9 scale, $11 zero,
@@ -77,6 +82,7 @@ if GLUON_IMPORT_ERROR is None:
     )
     _DECODE_FP32_BF16 = gl.constexpr(_DECODE_FP32.replace("$CVT", "bf16x2"))
     _DECODE_FP32_F16 = gl.constexpr(_DECODE_FP32.replace("$CVT", "f16x2"))
+
     def _with_native_pairs(decode: gl.constexpr) -> gl.constexpr:
         """`decode`'s PTX with the native order's pairs (the rest of it is the same)."""
         assert _DECODE_PAIRS in decode.value  # a changed template must not pass unchanged
@@ -101,8 +107,10 @@ if GLUON_IMPORT_ERROR is None:
         "mov.b32 s, {$9, $9}; mov.b32 big, 0x7E807E80; mov.b32 neg0, 0x80008000;\n"
         "shr.u32 r, $8, 4;\n"
         + _E2M1_PAIRS
-        + "".join(f"fma.rn.bf16x2 v{b}, v{b}, big, neg0; fma.rn.bf16x2 v{b}, v{b}, s, neg0;\n"
-                  for b in range(4))
+        + "".join(
+            f"fma.rn.bf16x2 v{b}, v{b}, big, neg0; fma.rn.bf16x2 v{b}, v{b}, s, neg0;\n"
+            for b in range(4)
+        )
         + "mov.b32 {$0, $1}, v0; mov.b32 {$2, $3}, v1;\n"
         "mov.b32 {$4, $5}, v2; mov.b32 {$6, $7}, v3;\n}"
     )
@@ -130,9 +138,9 @@ if GLUON_IMPORT_ERROR is None:
             reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
             lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             warp_bases=[[16 << i, 0, 0] for i in range(warps.bit_length() - 1)],
-            block_bases=[], shape=[16 * warps, 4, 4],
-        )  # fmt: skip
-
+            block_bases=[],
+            shape=[16 * warps, 4, 4],
+        )
 
     @gluon.constexpr_function
     def x_layout(block_m, warps):
@@ -142,9 +150,10 @@ if GLUON_IMPORT_ERROR is None:
         return gl.DistributedLinearLayout(
             reg_bases=[[0, 1], [0, 2], [0, 4], *tiles],
             lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[0, 0]] * (warps.bit_length() - 1), block_bases=[], shape=[block_m, 32],
-        )  # fmt: skip
-
+            warp_bases=[[0, 0]] * (warps.bit_length() - 1),
+            block_bases=[],
+            shape=[block_m, 32],
+        )
 
     @gluon.jit
     def item_at(item, items, tiles, N, M, STEPS: gl.constexpr):
@@ -154,10 +163,18 @@ if GLUON_IMPORT_ERROR is None:
         live = item < items
         return (item % tiles) * TILE_ROWS, (item // tiles) * STEPS, N * live, M * live
 
-
     @gluon.jit
-    def chunk_scales(s_ptr, z_ptr, at, step, K, stride_sn, FORMAT: gl.constexpr,
-                      GROUP: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+    def chunk_scales(
+        s_ptr,
+        z_ptr,
+        at,
+        step,
+        K,
+        stride_sn,
+        FORMAT: gl.constexpr,
+        GROUP: gl.constexpr,
+        dtype: gl.constexpr,
+    ):
         """The scales and zeros ([rows, 4], [rows, 4]: per row and 32-column run) of chunk
         `step` of the item at `at` (`item_at`): int4's scale and zero; MXFP4's power of two
         (twice); NVFP4's two 16-column scales. Zeros past the rows and K."""
@@ -187,7 +204,6 @@ if GLUON_IMPORT_ERROR is None:
             zero = gl.load(z_ptr + at, mask=ok, other=0)
         return scale, zero
 
-
     @gluon.jit
     def _e8m0_power(e, dtype: gl.constexpr):
         """The e8m0 exponent byte e (int32) as 2**(e - 127) in bf16, or in fp32 for fp16
@@ -200,11 +216,17 @@ if GLUON_IMPORT_ERROR is None:
             power = bits.to(gl.float32, bitcast=True)
         return power
 
-
     @gluon.jit
-    def chunk_weights(words, scale, zero, j: gl.constexpr, FORMAT: gl.constexpr,
-                       dtype: gl.constexpr, NATIVE: gl.constexpr = False,
-                       UNSCALED: gl.constexpr = False):  # fmt: skip
+    def chunk_weights(
+        words,
+        scale,
+        zero,
+        j: gl.constexpr,
+        FORMAT: gl.constexpr,
+        dtype: gl.constexpr,
+        NATIVE: gl.constexpr = False,
+        UNSCALED: gl.constexpr = False,
+    ):
         """Word j of each thread's runs decoded: the A operand [rows, 32] (logical columns
         32j + 8b + 2t + h of the chunk, see the module docstring), in `dtype`. NATIVE: the
         int4 codes in the native order (`_DECODE_PAIRS_NATIVE`). UNSCALED (int4 / symmetric
@@ -219,20 +241,36 @@ if GLUON_IMPORT_ERROR is None:
                 scale = zero
             if dtype == gl.bfloat16:
                 p = gl.inline_asm_elementwise(
-                    _DECODE_E2M1_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, scale],
-                    dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)  # fmt: skip
+                    _DECODE_E2M1_BF16,
+                    "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+                    [w, scale],
+                    dtype=(gl.bfloat16,) * 8,
+                    is_pure=True,
+                    pack=1,
+                )
             else:
                 p = gl.inline_asm_elementwise(
-                    _DECODE_E2M1_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, scale],
-                    dtype=(gl.float16,) * 8, is_pure=True, pack=1)  # fmt: skip
+                    _DECODE_E2M1_F16,
+                    "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+                    [w, scale],
+                    dtype=(gl.float16,) * 8,
+                    is_pure=True,
+                    pack=1,
+                )
         else:
             p = _int4_planes(w, scale, zero, FORMAT, dtype, NATIVE, UNSCALED)
         return _fragments(p)
 
-
     @gluon.jit
-    def _int4_planes(w, scale, zero, FORMAT: gl.constexpr, dtype: gl.constexpr,
-                     NATIVE: gl.constexpr, UNSCALED: gl.constexpr = False):  # fmt: skip
+    def _int4_planes(
+        w,
+        scale,
+        zero,
+        FORMAT: gl.constexpr,
+        dtype: gl.constexpr,
+        NATIVE: gl.constexpr,
+        UNSCALED: gl.constexpr = False,
+    ):
         """The int4 formats' 8 planes of word w (`_DECODE_BF16`, `_DECODE_FP32`; UNSCALED:
         `_DECODE_BF16_UNSCALED`)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
@@ -241,19 +279,27 @@ if GLUON_IMPORT_ERROR is None:
         else:
             neg_c = (-(zero.to(gl.float32) + 128.0)).to(gl.bfloat16)  # exact: 8-bit integers
         if UNSCALED:
-            gl.static_assert(dtype == gl.bfloat16 and FORMAT != 2,
-                             "unscaled planes: the integer int4 formats, bf16")
+            gl.static_assert(
+                dtype == gl.bfloat16 and FORMAT != 2,
+                "unscaled planes: the integer int4 formats, bf16",
+            )
             p = gl.inline_asm_elementwise(
                 _DECODE_BF16_UNSCALED_NATIVE if NATIVE else _DECODE_BF16_UNSCALED,
-                "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, neg_c],
-                dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
-            )  # fmt: skip
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+                [w, neg_c],
+                dtype=(gl.bfloat16,) * 8,
+                is_pure=True,
+                pack=1,
+            )
         elif dtype == gl.bfloat16 and FORMAT != 2:
             p = gl.inline_asm_elementwise(
                 _DECODE_BF16_NATIVE if NATIVE else _DECODE_BF16,
-                "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [w, scale, neg_c],
-                dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
-            )  # fmt: skip
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+                [w, scale, neg_c],
+                dtype=(gl.bfloat16,) * 8,
+                is_pure=True,
+                pack=1,
+            )
         else:
             if FORMAT == 2:
                 add = zero.to(gl.float32)
@@ -263,25 +309,33 @@ if GLUON_IMPORT_ERROR is None:
             if dtype == gl.bfloat16:
                 p = gl.inline_asm_elementwise(
                     _DECODE_FP32_BF16_NATIVE if NATIVE else _DECODE_FP32_BF16,
-                    "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r", args,
-                    dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)  # fmt: skip
+                    "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r",
+                    args,
+                    dtype=(gl.bfloat16,) * 8,
+                    is_pure=True,
+                    pack=1,
+                )
             else:
                 p = gl.inline_asm_elementwise(
                     _DECODE_FP32_F16_NATIVE if NATIVE else _DECODE_FP32_F16,
-                    "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r", args,
-                    dtype=(gl.float16,) * 8, is_pure=True, pack=1)  # fmt: skip
+                    "=h,=h,=h,=h,=h,=h,=h,=h,r,r,h,r",
+                    args,
+                    dtype=(gl.float16,) * 8,
+                    is_pure=True,
+                    pack=1,
+                )
         return p
-
 
     @gluon.jit
     def _fragments(p):
         """The 8 decoded planes p[2b + h] ([rows, 4 t] each) as the A operand [rows, 32]: a
         relabelling, [m, 4 t, 2 h, 2 b0, 2 b1] -> [m, b1, b0, t, h] (no data moves)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
-        a = gl.join(gl.join(gl.join(p[0], p[1]), gl.join(p[2], p[3])),
-                    gl.join(gl.join(p[4], p[5]), gl.join(p[6], p[7])))  # fmt: skip
+        a = gl.join(
+            gl.join(gl.join(p[0], p[1]), gl.join(p[2], p[3])),
+            gl.join(gl.join(p[4], p[5]), gl.join(p[6], p[7])),
+        )
         return gl.reshape(gl.permute(a, [0, 4, 3, 1, 2]), [TILE_ROWS, 32])
-
 
     @gluon.jit
     def b_operand(x, BLOCK_M: gl.constexpr):
@@ -290,10 +344,10 @@ if GLUON_IMPORT_ERROR is None:
         x = gl.reshape(x, [BLOCK_M, 4, 2, 2, 2])  # n, t, s0, c8, h
         return gl.reshape(gl.permute(x, [2, 3, 1, 4, 0]), [32, BLOCK_M])
 
-
     @gluon.jit
-    def _store_tile(acc, bias_ptr, out_ptr, tile, M, N, times, HAS_BIAS: gl.constexpr,
-                    BLOCK_M: gl.constexpr):  # fmt: skip
+    def _store_tile(
+        acc, bias_ptr, out_ptr, tile, M, N, times, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr
+    ):
         """out[n, rows] = acc^T * times + bias (fp32), cast to out's dtype (`times`: NVFP4's
         global scale, which its decoded weights leave out, as the Triton kernels do; else 1)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
@@ -304,11 +358,23 @@ if GLUON_IMPORT_ERROR is None:
         toks = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OUT))
         store_transposed(acc, bias_ptr, out_ptr, rows, toks, M, N, HAS_BIAS)
 
-
     @gluon.jit
-    def finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, tile, split, splits, M, N,
-                     times, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
-                     BLOCK_M: gl.constexpr):  # fmt: skip
+    def finish_tile(
+        acc,
+        part_ptr,
+        cnt_ptr,
+        bias_ptr,
+        out_ptr,
+        tile,
+        split,
+        splits,
+        M,
+        N,
+        times,
+        HAS_BIAS: gl.constexpr,
+        SPLIT: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+    ):
         """Write the tile, or store this split's partial sums and, if this program is the
         tile's last to arrive, write their sum in split order (split_k.py's scheme)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
@@ -324,12 +390,12 @@ if GLUON_IMPORT_ERROR is None:
             if arrived == splits - 1:
                 total = gl.zeros([TILE_ROWS, BLOCK_M], gl.float32, MMA)
                 for sp in range(splits):
-                    total += gl.load(part_ptr + sp * M * N + at, mask=mask, other=0.0,
-                                     cache_modifier=".cg")  # fmt: skip
+                    total += gl.load(
+                        part_ptr + sp * M * N + at, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
                 _store_tile(total, bias_ptr, out_ptr, tile, M, N, times, HAS_BIAS, BLOCK_M)
         else:
             _store_tile(acc, bias_ptr, out_ptr, tile, M, N, times, HAS_BIAS, BLOCK_M)
-
 
     @gluon.constexpr_function
     def codes_2d(warps):
@@ -339,6 +405,6 @@ if GLUON_IMPORT_ERROR is None:
             reg_bases=[[0, 1], [0, 2], [8, 0]],
             lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
             warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)],
-            block_bases=[], shape=[16 * warps, 16],
-        )  # fmt: skip
-
+            block_bases=[],
+            shape=[16 * warps, 16],
+        )

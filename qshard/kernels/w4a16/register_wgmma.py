@@ -143,8 +143,12 @@ def promote_config(fmt: int, x: torch.Tensor, group: int, block_t: int) -> dict:
 def _promotes(fmt: int, group: int, dtype: torch.dtype) -> bool:
     """Whether a row's scale is one number per chunk and u - z is exact in x's dtype: int4
     (asymmetric, symmetric), whole groups of 128, bf16."""
-    return fmt in PROMOTE_FORMATS and group >= CHUNK and group % CHUNK == 0 and (
-        dtype == torch.bfloat16)  # fmt: skip
+    return (
+        fmt in PROMOTE_FORMATS
+        and group >= CHUNK
+        and group % CHUNK == 0
+        and (dtype == torch.bfloat16)
+    )
 
 
 def tma_ready(x: torch.Tensor) -> torch.Tensor:
@@ -175,9 +179,13 @@ def config(m: int, n: int, k: int, device: torch.device, sms: int | None = None)
     tiles = triton.cdiv(n, TILE_ROWS)
     chunks = triton.cdiv(k, CHUNK)
     splits = split_for(tiles, chunks, sms or sm_count(device.index or 0), block_t)
-    return {"BLOCK_T": block_t, "STEPS": triton.cdiv(chunks, splits),
-            "STAGES": _stages(block_t), "GROUP_CHUNKS": GROUP_CHUNKS,
-            "X_BY_TMA": int(block_t >= X_BY_TMA_MIN_T)}  # fmt: skip
+    return {
+        "BLOCK_T": block_t,
+        "STEPS": triton.cdiv(chunks, splits),
+        "STAGES": _stages(block_t),
+        "GROUP_CHUNKS": GROUP_CHUNKS,
+        "X_BY_TMA": int(block_t >= X_BY_TMA_MIN_T),
+    }
 
 
 _config = config  # (`launch`'s parameter of that name hides the function)
@@ -205,8 +213,18 @@ def _stages(block_t: int) -> int:
     return max(2, min(8, SMEM_BUDGET // slot))
 
 
-def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
-           config: dict | None = None, global_scale=None) -> torch.Tensor:  # fmt: skip
+def launch(
+    fmt: int,
+    x,
+    qdata,
+    scale,
+    zero,
+    bias,
+    out,
+    group: int,
+    config: dict | None = None,
+    global_scale=None,
+) -> torch.Tensor:
     """out [M, N] = x [M, K] @ W.T + bias by the wgmma kernel (`problem` is None);
     arguments as `register.launch`; `config` as `config()` gives it."""
     m, k = x.shape
@@ -224,17 +242,26 @@ def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
         raise ValueError(
             f"wgmma W4A16 config {config} (format {fmt}, group {group}, {x.dtype}): PROMOTE "
             f"scales each chunk's sums by one scale per row, so it needs int4 (asymmetric or "
-            f"symmetric) with groups of a multiple of 128 and bf16 x; drop PROMOTE")
+            f"symmetric) with groups of a multiple of 128 and bf16 x; drop PROMOTE"
+        )
     if promote and (block_t > PROMOTE_MAX_T or group_chunks > PROMOTE_MAX_GROUP_CHUNKS):
         raise ValueError(
             f"wgmma W4A16 config {config}: with PROMOTE the consumers spill past BLOCK_T "
             f"{PROMOTE_MAX_T} or GROUP_CHUNKS {PROMOTE_MAX_GROUP_CHUNKS}; use those or fewer, "
-            f"or drop PROMOTE")
-    if (block_t not in WGMMA_BLOCK_T or block_t < m or not 2 <= stages <= _stages(block_t)
-            or steps < 1 or group_chunks < 1):  # fmt: skip
-        raise ValueError(f"wgmma W4A16 config {config} for {m} tokens: BLOCK_T must be one of "
-                         f"{list(WGMMA_BLOCK_T)} and >= the tokens, STAGES 2..{_stages(block_t)} "
-                         f"(the ring fills the shared memory), STEPS and GROUP_CHUNKS >= 1")
+            f"or drop PROMOTE"
+        )
+    if (
+        block_t not in WGMMA_BLOCK_T
+        or block_t < m
+        or not 2 <= stages <= _stages(block_t)
+        or steps < 1
+        or group_chunks < 1
+    ):
+        raise ValueError(
+            f"wgmma W4A16 config {config} for {m} tokens: BLOCK_T must be one of "
+            f"{list(WGMMA_BLOCK_T)} and >= the tokens, STAGES 2..{_stages(block_t)} "
+            f"(the ring fills the shared memory), STEPS and GROUP_CHUNKS >= 1"
+        )
     tiles = triton.cdiv(n, TILE_ROWS)
     splits = triton.cdiv(k // CHUNK, steps)
     grid = min(tiles * splits, sm_count(x.device.index or 0))
@@ -247,22 +274,45 @@ def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int,
         scale = scale.view(torch.uint8)
     codes = qdata.view(torch.int32)  # [N, K / 8]
     q_desc = TensorDescriptor.from_tensor(
-        codes, [TILE_ROWS, WORDS], gl.NVMMASharedLayout(0, 32, rank=2))
+        codes, [TILE_ROWS, WORDS], gl.NVMMASharedLayout(0, 32, rank=2)
+    )
     if x_by_tma:
         x_layout = gl.NVMMASharedLayout(128, 16, rank=2)  # 64 columns: one 128-byte swizzle row
-        x_src = TensorDescriptor.from_tensor(tma_ready(x) if native else permute_x(x),
-                                             [block_t, CHUNK // 2], x_layout)  # fmt: skip
+        x_src = TensorDescriptor.from_tensor(
+            tma_ready(x) if native else permute_x(x), [block_t, CHUNK // 2], x_layout
+        )
     elif not x.is_contiguous() or x.data_ptr() % 16:  # the producer's 4-byte copies of rows
         x_src = x.clone(memory_format=torch.contiguous_format)
     else:
         x_src = x
     _wgmma_kernel[(grid,)](
-        q_desc, x_src, scale, zero, bias if bias is not None else out, out, partials, arrived,
-        m, n, k, scale.stride(0), splits, steps,
-        FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STAGES=stages,
-        GROUP_CHUNKS=group_chunks, BLOCK_T=block_t, X_BY_TMA=x_by_tma,
-        PRODUCER_WARPS=1 if x_by_tma else 4, NATIVE=native, PROMOTE=promote, num_warps=4,
-    )  # fmt: skip
+        q_desc,
+        x_src,
+        scale,
+        zero,
+        bias if bias is not None else out,
+        out,
+        partials,
+        arrived,
+        m,
+        n,
+        k,
+        scale.stride(0),
+        splits,
+        steps,
+        FORMAT=fmt,
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        SPLIT=splits > 1,
+        STAGES=stages,
+        GROUP_CHUNKS=group_chunks,
+        BLOCK_T=block_t,
+        X_BY_TMA=x_by_tma,
+        PRODUCER_WARPS=1 if x_by_tma else 4,
+        NATIVE=native,
+        PROMOTE=promote,
+        num_warps=4,
+    )
     return out
 
 
@@ -275,9 +325,17 @@ if GLUON_IMPORT_ERROR is None:
     _HALF_ROWS = gl.constexpr(HALF_ROWS)
 
     @gluon.jit
-    def _a_operand(words, scale, zero, first: gl.constexpr, A: gl.constexpr,
-                   FORMAT: gl.constexpr, dtype: gl.constexpr, NATIVE: gl.constexpr,
-                   UNSCALED: gl.constexpr = False):  # fmt: skip
+    def _a_operand(
+        words,
+        scale,
+        zero,
+        first: gl.constexpr,
+        A: gl.constexpr,
+        FORMAT: gl.constexpr,
+        dtype: gl.constexpr,
+        NATIVE: gl.constexpr,
+        UNSCALED: gl.constexpr = False,
+    ):
         """Words `first` and `first + 1` of each thread's runs decoded: the A operand [64 rows,
         64 MMA columns 32 jj + c] (c as `chunk_weights` orders a word's 32)."""
         lo = chunk_weights(words, scale, zero, first, FORMAT, dtype, NATIVE, UNSCALED)
@@ -286,9 +344,19 @@ if GLUON_IMPORT_ERROR is None:
         return gl.convert_layout(a, A, assert_trivial=True)
 
     @gluon.jit
-    def _scales_of(s_ptr, z_ptr, at, step, K, stride_sn, FORMAT: gl.constexpr,
-                   GROUP: gl.constexpr, dtype: gl.constexpr, MMA: gl.constexpr,
-                   PROMOTE: gl.constexpr):  # fmt: skip
+    def _scales_of(
+        s_ptr,
+        z_ptr,
+        at,
+        step,
+        K,
+        stride_sn,
+        FORMAT: gl.constexpr,
+        GROUP: gl.constexpr,
+        dtype: gl.constexpr,
+        MMA: gl.constexpr,
+        PROMOTE: gl.constexpr,
+    ):
         """Chunk `step`'s scales and zeros in the decode's layout (`chunk_scales`); PROMOTE:
         also the scale of each of the half's 64 rows in the accumulator's layout (fp32), by
         which the chunk's sums are multiplied (one group a chunk: GROUP % 128 == 0)."""
@@ -309,11 +377,31 @@ if GLUON_IMPORT_ERROR is None:
         return first, gl.minimum(steps, chunks - first)
 
     @gluon.jit
-    def _chunk_group(acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st0, chunk, ahead,
-                     later, K, stride_sn, half: gl.constexpr, FORMAT: gl.constexpr,
-                     GROUP: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
-                     BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr, NATIVE: gl.constexpr,
-                     PROMOTE: gl.constexpr):  # fmt: skip
+    def _chunk_group(
+        acc,
+        codes_ring,
+        x_ring,
+        ready,
+        empty,
+        s_ptr,
+        z_ptr,
+        at,
+        st0,
+        chunk,
+        ahead,
+        later,
+        K,
+        stride_sn,
+        half: gl.constexpr,
+        FORMAT: gl.constexpr,
+        GROUP: gl.constexpr,
+        STAGES: gl.constexpr,
+        GROUP_CHUNKS: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        X_BY_TMA: gl.constexpr,
+        NATIVE: gl.constexpr,
+        PROMOTE: gl.constexpr,
+    ):
         """GROUP_CHUNKS chunks of the item at `at` from its chunk st0 (`chunk`: this consumer's
         running count, which names the ring slot and its phase): per chunk the scales two
         ahead, the wait for its slot, the decode, two asynchronous wgmmas, then the wait for
@@ -331,37 +419,48 @@ if GLUON_IMPORT_ERROR is None:
             scales = ahead
             ahead = later
             # (chunks past the item: loaded, not used; past K: masked)
-            later = _scales_of(s_ptr, z_ptr, at, st0 + j + 2, K, stride_sn, FORMAT, GROUP, dtype,
-                               MMA, PROMOTE)  # fmt: skip
+            later = _scales_of(
+                s_ptr, z_ptr, at, st0 + j + 2, K, stride_sn, FORMAT, GROUP, dtype, MMA, PROMOTE
+            )
             slot = chunk % STAGES
             mbarrier.wait(ready.index(slot), (chunk // STAGES) & 1)
             if not X_BY_TMA:  # x came by cp.async (the generic proxy); wgmma reads it async
                 fence_async_shared()
             words = codes_ring.index(slot).slice(half * _HALF_ROWS, _HALF_ROWS)
-            words = gl.convert_layout(gl.reshape(words.load(codes_2d(4)), [_HALF_ROWS, 4, 4]),
-                                      codes_layout(4), assert_trivial=True)  # fmt: skip
+            words = gl.convert_layout(
+                gl.reshape(words.load(codes_2d(4)), [_HALF_ROWS, 4, 4]),
+                codes_layout(4),
+                assert_trivial=True,
+            )
             a0 = _a_operand(words, scales[0], scales[1], 0, A, FORMAT, dtype, NATIVE, PROMOTE)
             if PROMOTE:
-                part = warpgroup_mma(a0, x_ring.index(2 * slot).permute((1, 0)),
-                                     gl.zeros_like(acc), use_acc=False, is_async=True)
+                part = warpgroup_mma(
+                    a0,
+                    x_ring.index(2 * slot).permute((1, 0)),
+                    gl.zeros_like(acc),
+                    use_acc=False,
+                    is_async=True,
+                )
             else:
-                acc = warpgroup_mma(a0, x_ring.index(2 * slot).permute((1, 0)), acc,
-                                    is_async=True)  # fmt: skip
+                acc = warpgroup_mma(a0, x_ring.index(2 * slot).permute((1, 0)), acc, is_async=True)
             a1 = _a_operand(words, scales[0], scales[1], 2, A, FORMAT, dtype, NATIVE, PROMOTE)
             if PROMOTE:
-                part = warpgroup_mma(a1, x_ring.index(2 * slot + 1).permute((1, 0)), part,
-                                     is_async=True)  # fmt: skip
+                part = warpgroup_mma(
+                    a1, x_ring.index(2 * slot + 1).permute((1, 0)), part, is_async=True
+                )
             else:
-                acc = warpgroup_mma(a1, x_ring.index(2 * slot + 1).permute((1, 0)), acc,
-                                    is_async=True)  # fmt: skip
+                acc = warpgroup_mma(
+                    a1, x_ring.index(2 * slot + 1).permute((1, 0)), acc, is_async=True
+                )
             if j > 0:  # the previous chunk's MMAs done: its A registers and its slot are free
                 if PROMOTE:
                     done, _, _ = warpgroup_mma_wait(
-                        num_outstanding=2, deps=(last_part, last0, last1))  # noqa: F821
+                        num_outstanding=2,
+                        deps=(last_part, last0, last1),  # noqa: F821
+                    )
                     acc += done * last_scales[2][:, None]  # noqa: F821
                 else:
-                    acc, _, _ = warpgroup_mma_wait(
-                        num_outstanding=2, deps=(acc, last0, last1))  # noqa: F821 (j - 1)
+                    acc, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=(acc, last0, last1))  # noqa: F821 (j - 1)
                 fence_async_shared()  # its codes were read by LDS; TMA refills the slot
                 mbarrier.arrive(empty.index(last_slot), count=1)  # noqa: F821
             if PROMOTE:
@@ -378,19 +477,43 @@ if GLUON_IMPORT_ERROR is None:
         return acc, chunk, ahead, later
 
     @gluon.jit
-    def _consume(codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
-                 cnt_ptr, M, N, K, stride_sn, splits, steps, half: gl.constexpr,
-                 FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
-                 BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr, NATIVE: gl.constexpr,
-                 PROMOTE: gl.constexpr):  # fmt: skip
+    def _consume(
+        codes_ring,
+        x_ring,
+        ready,
+        empty,
+        s_ptr,
+        z_ptr,
+        bias_ptr,
+        out_ptr,
+        part_ptr,
+        cnt_ptr,
+        M,
+        N,
+        K,
+        stride_sn,
+        splits,
+        steps,
+        half: gl.constexpr,
+        FORMAT: gl.constexpr,
+        GROUP: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        SPLIT: gl.constexpr,
+        STAGES: gl.constexpr,
+        GROUP_CHUNKS: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        X_BY_TMA: gl.constexpr,
+        NATIVE: gl.constexpr,
+        PROMOTE: gl.constexpr,
+    ):
         """One consumer warpgroup, rows [64 half, 64 half + 64) of each tile (module
         docstring): each item's chunks in groups of GROUP_CHUNKS (`_chunk_group`), then one at
         a time; then the tile. (Unrolled over all of an item's 16-32 chunks instead, the two
         consumers' code missed the instruction cache: 28 % of the stall samples on qkv at 128
         tokens, and gate_up at 16 tokens took twice as long as in items of 8 chunks.)"""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16])
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16]
+        )
         dtype: gl.constexpr = x_ring.dtype
         tiles = gl.cdiv(N, _TILE_ROWS)
         chunks = K // 128
@@ -404,28 +527,88 @@ if GLUON_IMPORT_ERROR is None:
             tile = item % tiles
             first, count = _item_chunks(item, tiles, chunks, steps)
             at = (tile * _TILE_ROWS + half * _HALF_ROWS, first, N, M)
-            ahead = _scales_of(s_ptr, z_ptr, at, 0, K, stride_sn, FORMAT, GROUP, dtype, MMA,
-                               PROMOTE)  # fmt: skip
-            later = _scales_of(s_ptr, z_ptr, at, 1, K, stride_sn, FORMAT, GROUP, dtype, MMA,
-                               PROMOTE)  # fmt: skip
+            ahead = _scales_of(
+                s_ptr, z_ptr, at, 0, K, stride_sn, FORMAT, GROUP, dtype, MMA, PROMOTE
+            )
+            later = _scales_of(
+                s_ptr, z_ptr, at, 1, K, stride_sn, FORMAT, GROUP, dtype, MMA, PROMOTE
+            )
             acc = gl.zeros([_HALF_ROWS, BLOCK_T], gl.float32, MMA)
             whole = count // GROUP_CHUNKS * GROUP_CHUNKS
             for st in range(0, whole, GROUP_CHUNKS):
                 acc, chunk, ahead, later = _chunk_group(
-                    acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st, chunk, ahead,
-                    later, K, stride_sn, half, FORMAT, GROUP, STAGES, GROUP_CHUNKS, BLOCK_T,
-                    X_BY_TMA, NATIVE, PROMOTE)
+                    acc,
+                    codes_ring,
+                    x_ring,
+                    ready,
+                    empty,
+                    s_ptr,
+                    z_ptr,
+                    at,
+                    st,
+                    chunk,
+                    ahead,
+                    later,
+                    K,
+                    stride_sn,
+                    half,
+                    FORMAT,
+                    GROUP,
+                    STAGES,
+                    GROUP_CHUNKS,
+                    BLOCK_T,
+                    X_BY_TMA,
+                    NATIVE,
+                    PROMOTE,
+                )
             for st in range(whole, count):
                 acc, chunk, ahead, later = _chunk_group(
-                    acc, codes_ring, x_ring, ready, empty, s_ptr, z_ptr, at, st, chunk, ahead,
-                    later, K, stride_sn, half, FORMAT, GROUP, STAGES, 1, BLOCK_T, X_BY_TMA,
-                    NATIVE, PROMOTE)
-            finish_half(acc * times, bias_ptr, out_ptr, part_ptr, cnt_ptr, tile, item // tiles,
-                         splits, half, tiles, M, N, toks, HAS_BIAS, SPLIT)  # fmt: skip
+                    acc,
+                    codes_ring,
+                    x_ring,
+                    ready,
+                    empty,
+                    s_ptr,
+                    z_ptr,
+                    at,
+                    st,
+                    chunk,
+                    ahead,
+                    later,
+                    K,
+                    stride_sn,
+                    half,
+                    FORMAT,
+                    GROUP,
+                    STAGES,
+                    1,
+                    BLOCK_T,
+                    X_BY_TMA,
+                    NATIVE,
+                    PROMOTE,
+                )
+            finish_half(
+                acc * times,
+                bias_ptr,
+                out_ptr,
+                part_ptr,
+                cnt_ptr,
+                tile,
+                item // tiles,
+                splits,
+                half,
+                tiles,
+                M,
+                N,
+                toks,
+                HAS_BIAS,
+                SPLIT,
+            )
 
     @gluon.jit
-    def _copy_x(x_ptr, x_blocks, slot, col, M, K, BLOCK_T: gl.constexpr,
-                PRODUCER_WARPS: gl.constexpr):  # fmt: skip
+    def _copy_x(
+        x_ptr, x_blocks, slot, col, M, K, BLOCK_T: gl.constexpr, PRODUCER_WARPS: gl.constexpr
+    ):
         """x's chunk (columns col..col + 127, tokens < M) into the slot's two 64-column halves
         in wgmma's K order (module docstring): MMA column 32j + 8b + 2t + h of the chunk from
         x's column 32t + 8j + 2b + h, by 4-byte cp.async (a pair h is the largest unit the
@@ -444,9 +627,23 @@ if GLUON_IMPORT_ERROR is None:
                 cp_async(x_blocks.index((2 * slot + half) * BLOCKS + block), at + 16 * half)
 
     @gluon.jit
-    def _produce(q_desc, x_src, codes_ring, x_ring, ready, empty, M, N, K, splits, steps,
-                 STAGES: gl.constexpr, BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr,
-                 PRODUCER_WARPS: gl.constexpr):  # fmt: skip
+    def _produce(
+        q_desc,
+        x_src,
+        codes_ring,
+        x_ring,
+        ready,
+        empty,
+        M,
+        N,
+        K,
+        splits,
+        steps,
+        STAGES: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        X_BY_TMA: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr,
+    ):
         """The producer warps: for each chunk of this program's items, wait until both
         consumers released its slot, then copy x's chunk into it, either as two 64-column TMA
         boxes of the permuted x (X_BY_TMA) or permuting it (`_copy_x`; each lane's copies
@@ -482,23 +679,48 @@ if GLUON_IMPORT_ERROR is None:
                 chunk += 1
 
     @gluon.jit
-    def _wgmma_kernel(q_desc, x_src, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-                      M, N, K, stride_sn, splits, steps,
-                      FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_CHUNKS: gl.constexpr,
-                      BLOCK_T: gl.constexpr, X_BY_TMA: gl.constexpr,
-                      PRODUCER_WARPS: gl.constexpr, NATIVE: gl.constexpr = False,
-                      PROMOTE: gl.constexpr = False):  # fmt: skip
+    def _wgmma_kernel(
+        q_desc,
+        x_src,
+        s_ptr,
+        z_ptr,
+        bias_ptr,
+        out_ptr,
+        part_ptr,
+        cnt_ptr,
+        M,
+        N,
+        K,
+        stride_sn,
+        splits,
+        steps,
+        FORMAT: gl.constexpr,
+        GROUP: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        SPLIT: gl.constexpr,
+        STAGES: gl.constexpr,
+        GROUP_CHUNKS: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        X_BY_TMA: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr,
+        NATIVE: gl.constexpr = False,
+        PROMOTE: gl.constexpr = False,
+    ):
         """The ring (STAGES slots of the tile's codes and x's chunk as two 64-column halves)
         and its barriers, then the two consumer warpgroups and the producer's warps."""
-        codes_ring = gl.allocate_shared_memory(gl.int32, [STAGES, _TILE_ROWS, _WORDS],
-                                               q_desc.layout)  # fmt: skip
+        codes_ring = gl.allocate_shared_memory(
+            gl.int32, [STAGES, _TILE_ROWS, _WORDS], q_desc.layout
+        )
         if X_BY_TMA:  # x_src: the permuted x's descriptor
-            x_ring = gl.allocate_shared_memory(x_src.block_type.element_ty,
-                                               [2 * STAGES, BLOCK_T, 64], x_src.layout)
+            x_ring = gl.allocate_shared_memory(
+                x_src.block_type.element_ty, [2 * STAGES, BLOCK_T, 64], x_src.layout
+            )
         else:  # x_src: x; 64 columns of 16 bits, one 128-byte swizzle row
-            x_ring = gl.allocate_shared_memory(x_src.dtype.element_ty, [2 * STAGES, BLOCK_T, 64],
-                                               gl.NVMMASharedLayout(128, 16, rank=2))
+            x_ring = gl.allocate_shared_memory(
+                x_src.dtype.element_ty,
+                [2 * STAGES, BLOCK_T, 64],
+                gl.NVMMASharedLayout(128, 16, rank=2),
+            )
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
@@ -509,17 +731,91 @@ if GLUON_IMPORT_ERROR is None:
         fence_async_shared()
         gl.warp_specialize(
             [
-                (_consume, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
-                            part_ptr, cnt_ptr, M, N, K, stride_sn, splits, steps, 0, FORMAT,
-                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T, X_BY_TMA,
-                            NATIVE, PROMOTE)),
-                (_consume, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
-                            part_ptr, cnt_ptr, M, N, K, stride_sn, splits, steps, 1, FORMAT,
-                            GROUP, HAS_BIAS, SPLIT, STAGES, GROUP_CHUNKS, BLOCK_T, X_BY_TMA,
-                            NATIVE, PROMOTE)),
-                (_produce, (q_desc, x_src, codes_ring, x_ring, ready, empty, M, N, K, splits,
-                            steps, STAGES, BLOCK_T, X_BY_TMA, PRODUCER_WARPS)),
+                (
+                    _consume,
+                    (
+                        codes_ring,
+                        x_ring,
+                        ready,
+                        empty,
+                        s_ptr,
+                        z_ptr,
+                        bias_ptr,
+                        out_ptr,
+                        part_ptr,
+                        cnt_ptr,
+                        M,
+                        N,
+                        K,
+                        stride_sn,
+                        splits,
+                        steps,
+                        0,
+                        FORMAT,
+                        GROUP,
+                        HAS_BIAS,
+                        SPLIT,
+                        STAGES,
+                        GROUP_CHUNKS,
+                        BLOCK_T,
+                        X_BY_TMA,
+                        NATIVE,
+                        PROMOTE,
+                    ),
+                ),
+                (
+                    _consume,
+                    (
+                        codes_ring,
+                        x_ring,
+                        ready,
+                        empty,
+                        s_ptr,
+                        z_ptr,
+                        bias_ptr,
+                        out_ptr,
+                        part_ptr,
+                        cnt_ptr,
+                        M,
+                        N,
+                        K,
+                        stride_sn,
+                        splits,
+                        steps,
+                        1,
+                        FORMAT,
+                        GROUP,
+                        HAS_BIAS,
+                        SPLIT,
+                        STAGES,
+                        GROUP_CHUNKS,
+                        BLOCK_T,
+                        X_BY_TMA,
+                        NATIVE,
+                        PROMOTE,
+                    ),
+                ),
+                (
+                    _produce,
+                    (
+                        q_desc,
+                        x_src,
+                        codes_ring,
+                        x_ring,
+                        ready,
+                        empty,
+                        M,
+                        N,
+                        K,
+                        splits,
+                        steps,
+                        STAGES,
+                        BLOCK_T,
+                        X_BY_TMA,
+                        PRODUCER_WARPS,
+                    ),
+                ),
             ],
             [4, PRODUCER_WARPS],
             [232, 40],
-        )  # fmt: skip
+        )

@@ -88,13 +88,15 @@ def problem(fmt: int, x: torch.Tensor, qdata: torch.Tensor, group: int) -> str |
     """Why the warp-specialized kernel cannot run this matmul, or None if it can."""
     reason = register.problem(fmt, x, qdata, group)
     if reason is None and x.shape[1] % CHUNK:
-        reason = (f"its activation copy (a 5-D TMA view of x) needs K % 128 == 0, not "
-                  f"K = {x.shape[1]}")  # fmt: skip
+        reason = (
+            f"its activation copy (a 5-D TMA view of x) needs K % 128 == 0, not K = {x.shape[1]}"
+        )
     return reason
 
 
-def config(m: int, n: int, k: int, device: torch.device, fmt: int = 0,
-              sms: int | None = None) -> dict:  # fmt: skip
+def config(
+    m: int, n: int, k: int, device: torch.device, fmt: int = 0, sms: int | None = None
+) -> dict:
     """BLOCK_M tokens per tile; PER_SM programs per SM (`WS_PLANS`), each of 8 compute warps (a
     128-row tile) and the producer; a ring of STAGES slots filling the shared memory left; K
     split in as few parts as leave at least half as many work items (tiles x splits) as SMs,
@@ -114,8 +116,14 @@ def config(m: int, n: int, k: int, device: torch.device, fmt: int = 0,
     while steps > 1 and tiles * triton.cdiv(chunks, steps) < half:
         steps //= 2
     steps = triton.cdiv(chunks, triton.cdiv(chunks, steps))  # the splits balanced: none past K
-    return {"BLOCK_M": block_m, "STEPS": steps, "STAGES": _stages(block_m, warps, per_sm),
-            "PER_SM": per_sm, "WARPS": warps, "MAXNREG": maxnreg}  # fmt: skip
+    return {
+        "BLOCK_M": block_m,
+        "STEPS": steps,
+        "STAGES": _stages(block_m, warps, per_sm),
+        "PER_SM": per_sm,
+        "WARPS": warps,
+        "MAXNREG": maxnreg,
+    }
 
 
 _config = config  # (`launch`'s parameter of that name hides the function)
@@ -126,8 +134,18 @@ def _stages(block_m: int, warps: int, per_sm: int) -> int:
     return max(2, min(8, SMEM_BUDGET // per_sm // slot))
 
 
-def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict | None = None,
-           global_scale=None) -> torch.Tensor:  # fmt: skip
+def launch(
+    fmt: int,
+    x,
+    qdata,
+    scale,
+    zero,
+    bias,
+    out,
+    group: int,
+    config: dict | None = None,
+    global_scale=None,
+) -> torch.Tensor:
     """out [M, N] = x [M, K] @ W.T + bias by the warp-specialized kernel (`problem` is
     None); arguments as `register.launch`; `config` as `config()` gives it (STAGES
     0 or absent: as many as fit)."""
@@ -137,11 +155,19 @@ def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict 
     block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
     warps = config.get("WARPS", 8)
     stages = config.get("STAGES") or _stages(block_m, warps, per_sm)
-    if (block_m not in WS_BLOCK_M or block_m < m or stages < 2 or per_sm < 1 or steps < 1
-            or warps not in (4, 8, 16)):  # fmt: skip
-        raise ValueError(f"warp-specialized W4A16 config {config} for {m} tokens: BLOCK_M must "
-                         f"be one of {list(WS_BLOCK_M)} and >= the tokens, STAGES >= 2, "
-                         f"STEPS and PER_SM >= 1, WARPS 4, 8 or 16")  # fmt: skip
+    if (
+        block_m not in WS_BLOCK_M
+        or block_m < m
+        or stages < 2
+        or per_sm < 1
+        or steps < 1
+        or warps not in (4, 8, 16)
+    ):
+        raise ValueError(
+            f"warp-specialized W4A16 config {config} for {m} tokens: BLOCK_M must "
+            f"be one of {list(WS_BLOCK_M)} and >= the tokens, STAGES >= 2, "
+            f"STEPS and PER_SM >= 1, WARPS 4, 8 or 16"
+        )
     tile_rows = ROWS_PER_WARP * warps
     tiles = triton.cdiv(n, tile_rows)
     splits = triton.cdiv(k // CHUNK, steps)
@@ -155,17 +181,36 @@ def launch(fmt: int, x, qdata, scale, zero, bias, out, group: int, config: dict 
         scale = scale.view(torch.uint8)
     codes = qdata.view(torch.int32)  # [N, K / 8]
     q_desc = TensorDescriptor.from_tensor(
-        codes, [tile_rows, WORDS], gl.NVMMASharedLayout(0, 32, rank=2))
+        codes, [tile_rows, WORDS], gl.NVMMASharedLayout(0, 32, rank=2)
+    )
     x_view = x.as_strided((k // CHUNK, 4, m, 4, 8), (CHUNK, 8, k, 32, 1))
     x_desc = TensorDescriptor.from_tensor(
-        x_view, [1, 4, block_m, 4, 8], gl.NVMMASharedLayout(0, 16, rank=5))
+        x_view, [1, 4, block_m, 4, 8], gl.NVMMASharedLayout(0, 16, rank=5)
+    )
     _ws_kernel[(grid,)](
-        q_desc, x_desc, scale, zero, bias if bias is not None else out, out, partials, arrived,
-        m, n, k, scale.stride(0), splits,
-        FORMAT=fmt, GROUP=group, HAS_BIAS=bias is not None, SPLIT=splits > 1, STEPS=steps,
-        STAGES=stages, BLOCK_M=block_m, num_warps=warps,
+        q_desc,
+        x_desc,
+        scale,
+        zero,
+        bias if bias is not None else out,
+        out,
+        partials,
+        arrived,
+        m,
+        n,
+        k,
+        scale.stride(0),
+        splits,
+        FORMAT=fmt,
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        SPLIT=splits > 1,
+        STEPS=steps,
+        STAGES=stages,
+        BLOCK_M=block_m,
+        num_warps=warps,
         **({"maxnreg": config["MAXNREG"]} if config.get("MAXNREG") else {}),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -182,15 +227,29 @@ if GLUON_IMPORT_ERROR is None:
         tiles = [[0, 0, 8 << i, 0, 0] for i in range(block_m.bit_length() - 4)]
         return gl.DistributedLinearLayout(
             reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], *tiles],
-            lane_bases=[[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0],
-                        [0, 0, 4, 0, 0]],
-            warp_bases=[[0, 0, 0, 0, 0]] * (warps.bit_length() - 1), block_bases=[],
+            lane_bases=[
+                [0, 0, 0, 1, 0],
+                [0, 0, 0, 2, 0],
+                [0, 0, 1, 0, 0],
+                [0, 0, 2, 0, 0],
+                [0, 0, 4, 0, 0],
+            ],
+            warp_bases=[[0, 0, 0, 0, 0]] * (warps.bit_length() - 1),
+            block_bases=[],
             shape=[1, 1, block_m, 4, 8],
-        )  # fmt: skip
+        )
 
     @gluon.jit
-    def _slot_mma(acc, codes, x_slot, scale, zero, FORMAT: gl.constexpr,
-                  BLOCK_M: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+    def _slot_mma(
+        acc,
+        codes,
+        x_slot,
+        scale,
+        zero,
+        FORMAT: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        dtype: gl.constexpr,
+    ):
         """acc + one chunk: the slot's codes decoded in registers (the A operand) times x's
         chunk (the B operand, one word j of columns at a time), as `_chunk_mma`."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
@@ -198,24 +257,46 @@ if GLUON_IMPORT_ERROR is None:
         A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         words = codes.load(codes_2d(gl.num_warps()))
-        words = gl.convert_layout(gl.reshape(words, [TILE_ROWS, 4, 4]),
-                                  codes_layout(gl.num_warps()), assert_trivial=True)  # fmt: skip
+        words = gl.convert_layout(
+            gl.reshape(words, [TILE_ROWS, 4, 4]), codes_layout(gl.num_warps()), assert_trivial=True
+        )
         for j in gl.static_range(4):
-            a = gl.convert_layout(chunk_weights(words, scale, zero, j, FORMAT, dtype), A,
-                                  assert_trivial=True)  # fmt: skip
+            a = gl.convert_layout(
+                chunk_weights(words, scale, zero, j, FORMAT, dtype), A, assert_trivial=True
+            )
             x = x_slot.slice(j, 1, dim=1).load(_x_5d(BLOCK_M, gl.num_warps()))
-            x = gl.convert_layout(gl.reshape(x, [BLOCK_M, 32]),
-                                  x_layout(BLOCK_M, gl.num_warps()), assert_trivial=True)
+            x = gl.convert_layout(
+                gl.reshape(x, [BLOCK_M, 32]), x_layout(BLOCK_M, gl.num_warps()), assert_trivial=True
+            )
             b = gl.convert_layout(b_operand(x, BLOCK_M), B, assert_trivial=True)
             acc = mma_v2(a, b, acc)
         return acc
 
     @gluon.jit
-    def _compute(codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
-                 cnt_ptr, M, N, K, stride_sn, splits, FORMAT: gl.constexpr,
-                 GROUP: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
-                 STEPS: gl.constexpr, STAGES: gl.constexpr,
-                 BLOCK_M: gl.constexpr):  # fmt: skip
+    def _compute(
+        codes_ring,
+        x_ring,
+        ready,
+        empty,
+        s_ptr,
+        z_ptr,
+        bias_ptr,
+        out_ptr,
+        part_ptr,
+        cnt_ptr,
+        M,
+        N,
+        K,
+        stride_sn,
+        splits,
+        FORMAT: gl.constexpr,
+        GROUP: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        SPLIT: gl.constexpr,
+        STEPS: gl.constexpr,
+        STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+    ):
         """The compute warps (the default partition): per chunk, its scales loaded two chunks
         ahead, then: wait for the slot's bytes, decode and multiply, release the slot (a proxy
         fence, then the arrival, before which Triton puts a barrier of these warps: every
@@ -223,7 +304,8 @@ if GLUON_IMPORT_ERROR is None:
         partial sums counted (`finish_tile`)."""
         TILE_ROWS: gl.constexpr = _ROWS_PER_WARP * gl.num_warps()
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8])
+            version=[2, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, 8]
+        )
         dtype: gl.constexpr = x_ring.dtype
         tiles = gl.cdiv(N, TILE_ROWS)
         items = tiles * splits
@@ -238,8 +320,17 @@ if GLUON_IMPORT_ERROR is None:
         here = item_at(pid, items, tiles, N, M, STEPS)
         after = item_at(pid + programs, items, tiles, N, M, STEPS)
         ahead = chunk_scales(s_ptr, z_ptr, here, 0, K, stride_sn, FORMAT, GROUP, dtype)
-        later = chunk_scales(s_ptr, z_ptr, here if STEPS > 1 else after, 1 % STEPS, K,
-                              stride_sn, FORMAT, GROUP, dtype)  # fmt: skip
+        later = chunk_scales(
+            s_ptr,
+            z_ptr,
+            here if STEPS > 1 else after,
+            1 % STEPS,
+            K,
+            stride_sn,
+            FORMAT,
+            GROUP,
+            dtype,
+        )
         chunk = 0
         for item in range(pid, items, programs):
             after = item_at(item + programs, items, tiles, N, M, STEPS)
@@ -247,27 +338,66 @@ if GLUON_IMPORT_ERROR is None:
             for st in gl.static_range(STEPS):
                 scale, zero = ahead
                 ahead = later
-                later = chunk_scales(s_ptr, z_ptr, here if st + 2 < STEPS else after,
-                                      (st + 2) % STEPS, K, stride_sn, FORMAT, GROUP,
-                                      dtype)  # fmt: skip
+                later = chunk_scales(
+                    s_ptr,
+                    z_ptr,
+                    here if st + 2 < STEPS else after,
+                    (st + 2) % STEPS,
+                    K,
+                    stride_sn,
+                    FORMAT,
+                    GROUP,
+                    dtype,
+                )
                 slot = chunk % STAGES
                 mbarrier.wait(ready.index(slot), (chunk // STAGES) & 1)
-                acc = _slot_mma(acc, codes_ring.index(slot), x_ring.index(slot), scale, zero,
-                                FORMAT, BLOCK_M, dtype)  # fmt: skip
+                acc = _slot_mma(
+                    acc,
+                    codes_ring.index(slot),
+                    x_ring.index(slot),
+                    scale,
+                    zero,
+                    FORMAT,
+                    BLOCK_M,
+                    dtype,
+                )
                 # the slot's reads (generic proxy) ordered before the TMA (async proxy) that
                 # refills it: without this fence the refill overwrote slots still being read
                 # (30 of 30 launches differed with two programs per SM; measured on the H100)
                 fence_async_shared()
                 mbarrier.arrive(empty.index(slot), count=1)
                 chunk += 1
-            finish_tile(acc, part_ptr, cnt_ptr, bias_ptr, out_ptr, item % tiles,
-                         item // tiles, splits, M, N, times, HAS_BIAS, SPLIT,
-                         BLOCK_M)  # fmt: skip
+            finish_tile(
+                acc,
+                part_ptr,
+                cnt_ptr,
+                bias_ptr,
+                out_ptr,
+                item % tiles,
+                item // tiles,
+                splits,
+                M,
+                N,
+                times,
+                HAS_BIAS,
+                SPLIT,
+                BLOCK_M,
+            )
             here = after
 
     @gluon.jit
-    def _produce(q_desc, x_desc, codes_ring, x_ring, ready, empty, N, splits,
-                 STEPS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    def _produce(
+        q_desc,
+        x_desc,
+        codes_ring,
+        x_ring,
+        ready,
+        empty,
+        N,
+        splits,
+        STEPS: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
         """The producer warp: for each chunk of this program's items, wait for its slot to be
         released, then copy the tile's codes and x's chunk into it; `ready` completes when
         both have landed (TMA's byte count). Chunks past K are zeros (TMA's fill)."""
@@ -288,17 +418,36 @@ if GLUON_IMPORT_ERROR is None:
                 chunk += 1
 
     @gluon.jit
-    def _ws_kernel(q_desc, x_desc, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
-                   M, N, K, stride_sn, splits,
-                   FORMAT: gl.constexpr, GROUP: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   SPLIT: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr,
-                   BLOCK_M: gl.constexpr):  # fmt: skip
+    def _ws_kernel(
+        q_desc,
+        x_desc,
+        s_ptr,
+        z_ptr,
+        bias_ptr,
+        out_ptr,
+        part_ptr,
+        cnt_ptr,
+        M,
+        N,
+        K,
+        stride_sn,
+        splits,
+        FORMAT: gl.constexpr,
+        GROUP: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        SPLIT: gl.constexpr,
+        STEPS: gl.constexpr,
+        STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+    ):
         """The ring (STAGES slots of the tile's codes and x's chunk) and its barriers, then the
         compute warps (default partition) and the producer warp."""
         codes_ring = gl.allocate_shared_memory(
-            gl.int32, [STAGES, _ROWS_PER_WARP * gl.num_warps(), _WORDS], q_desc.layout)
+            gl.int32, [STAGES, _ROWS_PER_WARP * gl.num_warps(), _WORDS], q_desc.layout
+        )
         x_ring = gl.allocate_shared_memory(
-            x_desc.block_type.element_ty, [STAGES, 1, 4, BLOCK_M, 4, 8], x_desc.layout)
+            x_desc.block_type.element_ty, [STAGES, 1, 4, BLOCK_M, 4, 8], x_desc.layout
+        )
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
@@ -307,12 +456,38 @@ if GLUON_IMPORT_ERROR is None:
         fence_async_shared()
         gl.warp_specialize(
             [
-                (_compute, (codes_ring, x_ring, ready, empty, s_ptr, z_ptr, bias_ptr, out_ptr,
-                            part_ptr, cnt_ptr, M, N, K, stride_sn, splits, FORMAT, GROUP,
-                            HAS_BIAS, SPLIT, STEPS, STAGES, BLOCK_M)),
-                (_produce, (q_desc, x_desc, codes_ring, x_ring, ready, empty, N, splits, STEPS,
-                            STAGES)),
+                (
+                    _compute,
+                    (
+                        codes_ring,
+                        x_ring,
+                        ready,
+                        empty,
+                        s_ptr,
+                        z_ptr,
+                        bias_ptr,
+                        out_ptr,
+                        part_ptr,
+                        cnt_ptr,
+                        M,
+                        N,
+                        K,
+                        stride_sn,
+                        splits,
+                        FORMAT,
+                        GROUP,
+                        HAS_BIAS,
+                        SPLIT,
+                        STEPS,
+                        STAGES,
+                        BLOCK_M,
+                    ),
+                ),
+                (
+                    _produce,
+                    (q_desc, x_desc, codes_ring, x_ring, ready, empty, N, splits, STEPS, STAGES),
+                ),
             ],
             [4],
             [40],
-        )  # fmt: skip
+        )

@@ -46,7 +46,7 @@ __all__ = [
     "default_config",
     "kernel_for",
     "wgmma_chosen",
-]  # fmt: skip
+]
 
 
 class Kernel(str, enum.Enum):
@@ -62,10 +62,14 @@ class Kernel(str, enum.Enum):
 
 
 STRATEGIES = {
-    Kernel.GEMV: gemv, Kernel.GEMV_WORDS: gemv_words, Kernel.SMALL_M: small_m,
-    Kernel.REGISTER: register, Kernel.REGISTER_WS: register_ws,
-    Kernel.REGISTER_WGMMA: register_wgmma, Kernel.DEQUANTIZE: dequantize,
-}  # fmt: skip
+    Kernel.GEMV: gemv,
+    Kernel.GEMV_WORDS: gemv_words,
+    Kernel.SMALL_M: small_m,
+    Kernel.REGISTER: register,
+    Kernel.REGISTER_WS: register_ws,
+    Kernel.REGISTER_WGMMA: register_wgmma,
+    Kernel.DEQUANTIZE: dequantize,
+}
 # the kernels that read int4 codes in `packing.native_codes`' order (with NATIVE = 1)
 NATIVE_KERNELS = (Kernel.GEMV_WORDS, Kernel.REGISTER_WGMMA, Kernel.DEQUANTIZE)
 
@@ -195,46 +199,87 @@ def _always(p: Matmul) -> bool:
 
 
 RULES = (
-    Rule(Kernel.GEMV_WORDS, _pair, lambda p: gemv_words.pair_config(p.native),
-         "2 FP4 tokens on a weight of <= 30M: the pair GEMV beat the register kernels on qkv "
-         "and o (H100; docs/kernels/w4a16.md, \"Two tokens\")"),
-    Rule(Kernel.REGISTER_WGMMA, lambda p: wgmma_chosen(p.fmt, p.m, p.n, p.k), _wgmma,
-         "int4 from 9 tokens (from 2 on weights >= 40M), FP4 from 17 (9): faster than every "
-         "other kernel there (H100; w4a16_register.md, \"The wgmma kernel\")"),
-    Rule(Kernel.REGISTER_WS, lambda p: WS_CHOICE_MIN_M <= p.m <= WS_CHOICE_MAX_M, _ws,
-         "8..16 tokens: 1.87x / 1.62x of bf16 (int4) where the register kernel gives 1.76x / "
-         "1.44x (H100; w4a16_register.md, \"The warp-specialized kernel\")"),
-    Rule(Kernel.REGISTER, lambda p: p.m <= REGISTER_CHOICE_MAX_M, _register,
-         "2..12 tokens: int4 1.57-1.95x of bf16 where the small-M kernel gives 1.39x (H100; "
-         "w4a16_register.md, \"The mma.sync register kernel\")"),
-    Rule(None, _always, _tuned,
-         "a tuned config for this GPU, shape and token bucket (tuning.py)"),
-    Rule(Kernel.GEMV_WORDS, _one_token, _words,
-         "one token, K whole steps of words: 63-66 % of the copy bandwidth (H100; "
-         "docs/kernels/w4a16.md, \"The one-token word GEMV\")"),
-    Rule(Kernel.GEMV, _one_token, lambda p: gemv.config(p.fmt),
-         "one token on any other K"),
-    Rule(Kernel.SMALL_M, lambda p: p.m <= FUSED_MAX_M,
-         lambda p: small_m.config(p.m, p.n, p.k, p.x.device),
-         "up to 128 tokens where no register kernel runs (not on Hopper, fp32 activations, "
-         "K % 32 != 0)"),
-    Rule(Kernel.DEQUANTIZE, _always, lambda p: dequantize.config(),
-         "above 128 tokens: compute-bound, cuBLAS on the weight dequantized once"),
+    Rule(
+        Kernel.GEMV_WORDS,
+        _pair,
+        lambda p: gemv_words.pair_config(p.native),
+        "2 FP4 tokens on a weight of <= 30M: the pair GEMV beat the register kernels on qkv "
+        'and o (H100; docs/kernels/w4a16.md, "Two tokens")',
+    ),
+    Rule(
+        Kernel.REGISTER_WGMMA,
+        lambda p: wgmma_chosen(p.fmt, p.m, p.n, p.k),
+        _wgmma,
+        "int4 from 9 tokens (from 2 on weights >= 40M), FP4 from 17 (9): faster than every "
+        'other kernel there (H100; w4a16_register.md, "The wgmma kernel")',
+    ),
+    Rule(
+        Kernel.REGISTER_WS,
+        lambda p: WS_CHOICE_MIN_M <= p.m <= WS_CHOICE_MAX_M,
+        _ws,
+        "8..16 tokens: 1.87x / 1.62x of bf16 (int4) where the register kernel gives 1.76x / "
+        '1.44x (H100; w4a16_register.md, "The warp-specialized kernel")',
+    ),
+    Rule(
+        Kernel.REGISTER,
+        lambda p: p.m <= REGISTER_CHOICE_MAX_M,
+        _register,
+        "2..12 tokens: int4 1.57-1.95x of bf16 where the small-M kernel gives 1.39x (H100; "
+        'w4a16_register.md, "The mma.sync register kernel")',
+    ),
+    Rule(None, _always, _tuned, "a tuned config for this GPU, shape and token bucket (tuning.py)"),
+    Rule(
+        Kernel.GEMV_WORDS,
+        _one_token,
+        _words,
+        "one token, K whole steps of words: 63-66 % of the copy bandwidth (H100; "
+        'docs/kernels/w4a16.md, "The one-token word GEMV")',
+    ),
+    Rule(Kernel.GEMV, _one_token, lambda p: gemv.config(p.fmt), "one token on any other K"),
+    Rule(
+        Kernel.SMALL_M,
+        lambda p: p.m <= FUSED_MAX_M,
+        lambda p: small_m.config(p.m, p.n, p.k, p.x.device),
+        "up to 128 tokens where no register kernel runs (not on Hopper, fp32 activations, "
+        "K % 32 != 0)",
+    ),
+    Rule(
+        Kernel.DEQUANTIZE,
+        _always,
+        lambda p: dequantize.config(),
+        "above 128 tokens: compute-bound, cuBLAS on the weight dequantized once",
+    ),
 )
 
 NATIVE_RULES = (
-    Rule(Kernel.GEMV_WORDS, _one_token, lambda p: gemv_words.native_config(p.k),
-         "one token: the word GEMV reads the native order at the copy bandwidth's rate (H100; "
-         "bench/README.md, \"int4 on an H100\")"),
-    Rule(Kernel.GEMV_WORDS, _pair, lambda p: gemv_words.pair_config(native=True),
-         "2 tokens on a weight of <= 20M (o): the pair GEMV beat the wgmma kernel (H100; "
-         "docs/kernels/w4a16.md, \"Two tokens\")"),
-    Rule(Kernel.REGISTER_WGMMA, _always, _native_wgmma,
-         "2..128 tokens: the native order decodes into x's own columns (H100: 77.7 / 83.0 / "
-         "98.7 us at 16 / 32 / 64 tokens against 85.2 / 94.9 / 115.2 on canonical codes; sums "
-         "scaled per chunk up to 32 tokens)"),
-    Rule(Kernel.DEQUANTIZE, _always, lambda p: dequantize.config(native=True),
-         "elsewhere: dequantize un-permutes the codes, then cuBLAS"),
+    Rule(
+        Kernel.GEMV_WORDS,
+        _one_token,
+        lambda p: gemv_words.native_config(p.k),
+        "one token: the word GEMV reads the native order at the copy bandwidth's rate (H100; "
+        'bench/README.md, "int4 on an H100")',
+    ),
+    Rule(
+        Kernel.GEMV_WORDS,
+        _pair,
+        lambda p: gemv_words.pair_config(native=True),
+        "2 tokens on a weight of <= 20M (o): the pair GEMV beat the wgmma kernel (H100; "
+        'docs/kernels/w4a16.md, "Two tokens")',
+    ),
+    Rule(
+        Kernel.REGISTER_WGMMA,
+        _always,
+        _native_wgmma,
+        "2..128 tokens: the native order decodes into x's own columns (H100: 77.7 / 83.0 / "
+        "98.7 us at 16 / 32 / 64 tokens against 85.2 / 94.9 / 115.2 on canonical codes; sums "
+        "scaled per chunk up to 32 tokens)",
+    ),
+    Rule(
+        Kernel.DEQUANTIZE,
+        _always,
+        lambda p: dequantize.config(native=True),
+        "elsewhere: dequantize un-permutes the codes, then cuBLAS",
+    ),
 )
 
 
@@ -259,8 +304,14 @@ def default_config(fmt: Format, m: int, n: int, k: int, device: torch.device) ->
     return small_m.config(m, n, k, device) if m <= FUSED_MAX_M else dequantize.config()
 
 
-def choose(fmt: Format, x: torch.Tensor, qdata: torch.Tensor, group: int, native: bool = False,
-           config: dict | None = None) -> Choice:  # fmt: skip
+def choose(
+    fmt: Format,
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    group: int,
+    native: bool = False,
+    config: dict | None = None,
+) -> Choice:
     """The kernel and config for x [M, K] @ W.T (W's codes `qdata`, groups of `group`; `native`:
     int4 codes in the native order): `config` where given (tests, tuning sweeps), else the first
     rule of `RULES` (`NATIVE_RULES`) that applies and whose kernel can run the matmul."""
@@ -292,8 +343,10 @@ def _runs(kernel: Kernel, p: Matmul) -> bool:
 
 
 def _check_native(kernel: Kernel, config: dict) -> None:
-    if kernel not in NATIVE_KERNELS or (kernel is not Kernel.DEQUANTIZE
-                                        and not config.get("NATIVE")):  # fmt: skip
+    if kernel not in NATIVE_KERNELS or (
+        kernel is not Kernel.DEQUANTIZE and not config.get("NATIVE")
+    ):
         names = [k.value for k in NATIVE_KERNELS]
-        raise ValueError(f"config {config} for codes in the native order: only {names} read "
-                         f"it, with NATIVE = 1")  # fmt: skip
+        raise ValueError(
+            f"config {config} for codes in the native order: only {names} read it, with NATIVE = 1"
+        )
