@@ -39,7 +39,9 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-from qshard.kernels.w4a16.register_wgmma import X_BY_TMA_MIN_T, TensorDescriptor, _wgmma_kernel, gl
+from qshard.kernels.gluon_api import TensorDescriptor, gl
+from qshard.kernels.w4a16.register_wgmma import X_BY_TMA_MIN_T
+from qshard.kernels.w4a16.register_wgmma_kernel import wgmma_kernel as _wgmma_kernel
 names = list(_wgmma_kernel.arg_names)
 k = 1024
 for fmt, dtype, block_t, split, native, promote, group_chunks in (
