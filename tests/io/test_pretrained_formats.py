@@ -394,7 +394,7 @@ def test_export_then_load_is_bit_exact(tmp_path, fmt, config):
     mine, theirs = loaded[0].weight, model[0].weight
     if fmt == "compressed-tensors" and isinstance(mine, qshard.Nvfp4Tensor):
         # A divisor on disk: the global scale comes back exactly where an fp32 divisor can give
-        # it, else one ulp off (qshard/formats/compressed_tensors.py); codes and scales exact.
+        # it, else one ulp off (qshard/formats/compressed_tensors/); codes and scales exact.
         g, h = mine.global_scale, theirs.global_scale
         assert torch.equal(g, h) or torch.equal(g, torch.nextafter(h, g))
         # It keeps the divisor it was loaded from (global_divisor), which a re-export writes.
