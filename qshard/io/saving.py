@@ -13,6 +13,9 @@ A tensor-parallel model (DTensor parameters) saves as one full checkpoint: every
 `save`, sharded weights are gathered (quantized ones too, `qshard.tp.gather`), rank 0 writes,
 and every rank returns once the files exist (or raises rank 0's error). A model without DTensors
 is written by whichever process calls `save` (in a distributed job, usually rank 0 alone).
+
+Size: about 530 lines: the atomic-replace protocol (`_Writer`) and the state-dict checks it
+runs before writing, kept beside each other so the save's guarantees read in one file.
 """
 
 from __future__ import annotations

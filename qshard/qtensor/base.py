@@ -36,6 +36,10 @@ value such as NVFP4's global scale becomes one per expert), outer [E, N, K] or, 
 last two dims, so every shape op (slicing experts, N or K; `w[e]`, which is expert e's 2-D
 tensor as a view) goes through the same code. Logical dims index `logical_shape`: 0 = N, 1 = K
 for a weight, 0 = E, 1 = N, 2 = K for experts.
+
+Size: one class, about 880 lines as the formatter lays it out; it stays in one file because
+its methods are the one contract every layout implements (the hooks above, the shape-op
+helpers, the device form, the experts view), read together when a layout is written.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ through `return_and_correct_aliasing`, so `w.narrow(0, a, n).copy_(src)` writes 
 vLLM loading pattern) and torch.compile sees the aliasing. Copies (clone, to, cat, empty_like)
 get new storage. Matmuls route to the layout's `_linear`, for `F.linear(x, w)` and for the
 `x @ w.t()` that `linear` decomposes into under autograd and DTensor (`t` + `mm` / `addmm`).
+
+Size: about 560 lines, one handler table: every aten op a QTensor takes, each a few lines,
+sharing the slicing and aliasing helpers at the top.
 """
 
 from __future__ import annotations

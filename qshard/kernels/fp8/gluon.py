@@ -1,7 +1,7 @@
 """FP8 blockwise W8A8 matmul for Hopper at 2..128 tokens, in Gluon (`triton.experimental.gluon`):
 a warp-specialized, persistent kernel in which one warp streams the weight and activation tiles
 by TMA into a ring of shared-memory slots while two warpgroups multiply them with wgmma and
-promote each group's sums with its scales (issue 24, Deliver 4; notes and measurements:
+promote each group's sums with its scales (notes and measurements:
 docs/kernels/fp8_blockwise.md, "Gluon kernel: 2-64 tokens on Hopper").
 
 Why (H100, Nsight Compute; docs/kernels/fp8_blockwise.md, "Gluon kernel: 2-64 tokens on Hopper" and

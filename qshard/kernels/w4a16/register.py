@@ -1,6 +1,6 @@
 """Register-operand W4A16 kernel for Hopper, in Gluon (`triton.experimental.gluon`): the
 dequantized 4-bit weight (int4, MXFP4, NVFP4) feeds the tensor cores from registers (mma.sync's
-A operand), read straight from qshard's canonical packing, no device form (issue 24; notes and
+A operand), read straight from qshard's canonical packing, no device form (notes and
 measurements: docs/kernels/w4a16_register.md).
 
 out^T = W x^T with the weight rows on the MMA's M side ("swap AB", as Marlin): a program's tile

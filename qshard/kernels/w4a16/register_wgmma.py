@@ -1,4 +1,4 @@
-"""The register-operand W4A16 kernel on wgmma (issue 24; notes and measurements:
+"""The register-operand W4A16 kernel on wgmma (notes and measurements:
 docs/kernels/w4a16_register.md, "The wgmma kernel (`w4a16/register_wgmma.py`)"): the dequantized
 weight is wgmma's register A operand, x's chunk its shared-memory B operand, the MMAs
 asynchronous, so that a chunk's decode runs while the previous chunk's MMAs do. Read

@@ -1,4 +1,4 @@
-"""The register-operand W4A16 kernel, warp-specialized (issue 24; notes and measurements:
+"""The register-operand W4A16 kernel, warp-specialized (notes and measurements:
 docs/kernels/w4a16_register.md, "The warp-specialized kernel (`w4a16/register_ws.py`)"): a producer
 partition streams the codes and the activations by TMA into a ring of shared-memory slots while
 the compute warps decode and multiply, as `w4a16/register.py`'s kernel does (the same K
