@@ -10,6 +10,7 @@ from ..gluon_api import CHUNK, GLUON_IMPORT_ERROR, barrier, gl, gluon, store_tra
 
 __all__ = [
     "ROWS_PER_WARP",
+    "WORDS",
     "b_operand",
     "chunk_scales",
     "chunk_weights",
@@ -21,6 +22,7 @@ __all__ = [
 ]
 
 ROWS_PER_WARP = 16  # mma.sync's M: a program's tile is 16 x WARPS weight rows
+WORDS = CHUNK // 8  # int32 code words per row and chunk
 
 if GLUON_IMPORT_ERROR is None:
     _CHUNK = gl.constexpr(CHUNK)

@@ -84,7 +84,8 @@ from ..packing import check_native_order, native_codes
 from ..split_k import sm_count
 from . import register
 from .register import MXFP4, NVFP4
-from .register_wgmma_kernel import WORDS, wgmma_kernel
+from .register_parts import WORDS
+from .register_wgmma_kernel import wgmma_kernel
 
 __all__ = [
     "WGMMA_BLOCK_T",

@@ -21,11 +21,10 @@ from ..gluon_api import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .register_parts import chunk_scales, chunk_weights, codes_2d, codes_layout
+from .register_parts import WORDS, chunk_scales, chunk_weights, codes_2d, codes_layout
 
 __all__ = ["WORDS", "wgmma_kernel"]
 
-WORDS = CHUNK // 8  # int32 code words per row and chunk
 wgmma_kernel = None  # the program, where Gluon imports (below)
 
 if GLUON_IMPORT_ERROR is None:

@@ -61,6 +61,7 @@ from . import register
 from .register import MXFP4, NVFP4
 from .register_parts import (
     ROWS_PER_WARP,
+    WORDS,
     b_operand,
     chunk_scales,
     chunk_weights,
@@ -73,7 +74,6 @@ from .register_parts import (
 
 __all__ = ["WS_BLOCK_M", "WS_PLANS", "config", "launch", "problem"]
 
-WORDS = CHUNK // 8  # int32 code words per row and chunk
 WS_BLOCK_M = (8, 16, 32, 64, 128)  # the token tiles
 # Per format family: (the most chunks per work item, programs per SM, register cap). int4: a
 # whole K of 4096 in one item, two programs per SM under 80 registers. MXFP4 / NVFP4: their
