@@ -23,7 +23,7 @@ from ..gluon_api import (
 )
 from .register_parts import WORDS, chunk_scales, chunk_weights, codes_2d, codes_layout
 
-__all__ = ["WORDS", "wgmma_kernel"]
+__all__ = ["wgmma_kernel"]
 
 wgmma_kernel = None  # the program, where Gluon imports (below)
 
