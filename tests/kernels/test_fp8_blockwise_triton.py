@@ -213,6 +213,24 @@ def test_the_layout_routes_to_triton_when_asked(act_dtype):
     assert relative_error(out, expected) <= MAX_RELATIVE_ERROR
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize(("m", "n", "k"), [(0, 96, 128), (16, 0, 128), (16, 96, 0)])
+def test_empty_matmuls_give_empty_or_bias_outputs(backend, m, n, k):
+    """Zero tokens, rows or columns: no kernel runs (nor is one chosen: a split count over zero
+    tiles divides by zero); the output is empty, or the bias where K = 0."""
+    load_gpu_ops()
+    qdata, scale = ref.quantize_weight_blockwise(
+        torch.randn(n, k, device=DEVICE) * 0.02, (128, 128), ScaleFormat.FP32
+    )
+    x = torch.randn(m, k, dtype=torch.float16, device=DEVICE)
+    bias = torch.randn(n, dtype=torch.float16, device=DEVICE)
+    out = torch.ops.qshard.fp8_blockwise_linear(
+        x, qdata, scale, bias, 128, 128, 128, False, backend
+    )
+    assert out.shape == (m, n)
+    assert torch.equal(out, bias.expand(m, n))
+
+
 def test_the_ops_have_consistent_fake_implementations():
     # (opcheck's test_schema compares outputs with allclose, which fp8 tensors lack on CPU.)
     load_gpu_ops()

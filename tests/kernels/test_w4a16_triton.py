@@ -532,6 +532,29 @@ def test_the_kernel_is_chosen_by_the_number_of_tokens():
     assert kernel_for(300, CONFIGS["gemv-wide"]) == "gemv"
 
 
+def test_native_codes_need_whole_128_column_chunks():
+    """Native codes are permuted per 128-column chunk: a K that is not a multiple of 128 is
+    refused (by every kernel that reads them), never read past its rows."""
+    from qshard.kernels.w4a16.format import Format
+    from qshard.kernels.w4a16.ops import linear_launch
+
+    load_w4a16_ops()
+    q, s, z = int4.quantize_int4(torch.randn(64, 136) * 0.02, 128, False, False)
+    x = torch.randn(1, 136, dtype=ACT_DTYPE)
+    with pytest.raises(ValueError, match="K = 136 is not a multiple of 128"):
+        linear_launch(
+            Format.INT4_ASYM,
+            x.to(DEVICE),
+            q.to(DEVICE),
+            s.to(DEVICE),
+            z.to(DEVICE),
+            s.to(DEVICE),
+            None,
+            128,
+            native=True,
+        )
+
+
 def pair_gemv_choice(fmt, m: int, n: int, k: int, native: bool) -> dict | None:
     """The config `select.choose` picks for M tokens on an [N, K] weight (codes uninitialized:
     the choice reads shapes only) if it is the pair GEMV (two tokens per program), else None."""

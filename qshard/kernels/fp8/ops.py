@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import cublas, gluon
-from .select import STRATEGIES, Kernel, choose
+from .select import STRATEGIES, TRITON_KERNELS, Kernel, choose
 
 __all__ = ["fp8_blockwise_linear", "triton_linear_launch"]
 
@@ -35,6 +35,11 @@ def triton_linear_launch(
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else out.zero_())
     choice = choose(x, qdata, block_n, block_k, group, "triton", config)
+    if choice.kernel not in TRITON_KERNELS:
+        raise ValueError(
+            f"FP8 config {config} names the {choice.kernel.value} kernel: the Triton "
+            f"launcher runs {[k.value for k in TRITON_KERNELS]}"
+        )
     return STRATEGIES[choice.kernel].launch(
         x, qdata, scale, bias, out, block_n, block_k, group, ue8m0, choice.config
     )
@@ -54,10 +59,13 @@ def fp8_blockwise_linear(
 ) -> torch.Tensor:
     """y = x @ W.T + bias for x [..., K] and the FP8 blockwise weight (qdata, scale)."""
     n, k = qdata.shape
-    x2d = x.reshape(-1, k).contiguous()
+    x2d = x.reshape(x.shape[:-1].numel(), k).contiguous()  # (-1 is ambiguous at K = 0)
     # The kernels read rows with unit stride along K (a TP shard is a compact copy already).
     qdata, scale = qdata.contiguous(), scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
+    if x2d.shape[0] == 0 or n == 0 or k == 0:  # nothing to multiply: the launcher's own answer
+        out = triton_linear_launch(x2d, qdata, scale, bias, block_n, block_k, group, ue8m0)
+        return out.reshape(*x.shape[:-1], n)
     choice = choose(x2d, qdata, block_n, block_k, group, backend)
     if choice.kernel is Kernel.GLUON:
         out = gluon.launch(x2d, qdata, scale, bias, ue8m0, choice.config)

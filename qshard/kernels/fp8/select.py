@@ -150,15 +150,18 @@ def choose(
     config: dict | None = None,
 ) -> Choice:
     """The kernel and config for x [M, K] @ W.T (W [N, K] e4m3 in block_n x block_k blocks,
-    activation groups of `group`): `config`'s kernel where given; cuBLAS for backend "cublas";
-    else the first rule that applies, that the backend allows ("auto": all, "triton": the
-    Triton kernels) and whose kernel can run the matmul (its module's `problem()` is None)."""
+    activation groups of `group`): `config`'s kernel where given; cuBLAS for backend "cublas",
+    Gluon for "gluon"; else the first rule that applies, that the backend allows ("auto": all,
+    "triton": the Triton kernels) and whose kernel can run the matmul (its module's `problem()`
+    is None)."""
     if config is not None:
         return Choice(kernel_named_by(config), config, "given")
     if backend == "cublas":
         return Choice(Kernel.CUBLAS, None, "the layer's backend")
+    if backend == "gluon":
+        return Choice(Kernel.GLUON, None, "the op's backend")
     for rule in RULES:
-        if backend == "triton" and rule.kernel not in TRITON_KERNELS:
+        if backend != "auto" and rule.kernel not in TRITON_KERNELS:
             continue
         if not rule.applies(x.shape[0]):
             continue

@@ -42,7 +42,7 @@ class Choice:
 def choose_w4a16(fmt: int, tokens: int, experts: int, k: int, config: dict | None = None) -> Choice:
     """The 4-bit kernel for `tokens` routed rows over `experts` (module docstring); `config`
     where given (its "KERNEL" key "gemv" names the GEMV)."""
-    if config is not None:
+    if config:  # (an empty config is none)
         gemv = config.get("KERNEL") == Kernel.W4A16_GEMV.value
         return Choice(Kernel.W4A16_GEMV if gemv else Kernel.W4A16_TILES, config, "given")
     if tokens <= GEMV_MAX_ROWS_PER_EXPERT * experts and w4a16_gemv.problem(fmt, k) is None:

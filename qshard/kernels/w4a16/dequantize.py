@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..packing import check_native_order
+from ..packing import NATIVE_CHUNK, check_native_order
 from .decode import load_global_scale, scale_arg, step_codes, step_weights
 from .format import Format
 
@@ -109,6 +109,11 @@ def dequantize_weight(
     fmt = Format(fmt)
     if native:
         check_native_order(fmt.is_int4, group, fmt.name)
+        if k % NATIVE_CHUNK:
+            raise ValueError(
+                f"int4 codes in the native order hold whole {NATIVE_CHUNK}-column "
+                f"chunks: K = {k} is not a multiple of {NATIVE_CHUNK}"
+            )
     n = qdata.shape[0]
     w = torch.empty((n, k), dtype=dtype, device=qdata.device)
     if n == 0 or k == 0:

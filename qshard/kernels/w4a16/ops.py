@@ -57,7 +57,7 @@ def linear_launch(
 
 def _run(fmt: Format, x, qdata, scale, zero, global_scale, bias, group, native=False):
     k, n = x.shape[-1], qdata.shape[0]
-    x2d = x.reshape(-1, k).contiguous()
+    x2d = x.reshape(x.shape[:-1].numel(), k).contiguous()  # (-1 is ambiguous at K = 0)
     bias = bias.contiguous() if bias is not None else None  # the kernels read it with stride 1
     out = linear_launch(
         fmt,

@@ -182,7 +182,8 @@ def _register(p: Matmul) -> dict:
 
 
 def _tuned(p: Matmul) -> dict | None:
-    return tuned_config("w4a16", tuned_format(p.fmt, p.group), p.n, p.k, p.m, p.x.device)
+    config = tuned_config("w4a16", tuned_format(p.fmt, p.group), p.n, p.k, p.m, p.x.device)
+    return config or None  # (an empty entry is none)
 
 
 def _words(p: Matmul) -> dict | None:
@@ -316,12 +317,12 @@ def choose(
     int4 codes in the native order): `config` where given (tests, tuning sweeps), else the first
     rule of `RULES` (`NATIVE_RULES`) that applies and whose kernel can run the matmul."""
     fmt = Format(fmt)
-    if config is not None:
+    if config:  # (an empty config is none)
         kernel = kernel_for(x.shape[0], config)
         if native:
             _check_native(kernel, config)
-            if kernel is Kernel.DEQUANTIZE:
-                config = dequantize.config(native=True)
+        if kernel is Kernel.DEQUANTIZE:  # the codes' order is the op's flag, not the config's
+            config = dequantize.config(native)
         return Choice(kernel, config, "given")
     p = Matmul(fmt, x, qdata, group, native)
     for rule in NATIVE_RULES if native else RULES:
