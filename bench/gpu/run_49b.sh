@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Issue 49, second call: the rest of the GPU kernel tests (new code), NVFP4's linear-layer table
+# ".before/" is made beforehand, then carried: git archive c969b17 qshard bench | tar -x -C .before
 # and the FP8 blockwise layer table before (c969b17, .before/) and after.
 source bench/gpu/prelude.sh
 started tests

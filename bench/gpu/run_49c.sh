@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Issue 49, third call: the MoE table (bench_moe.py) before (c969b17, .before/) and after, then
+# ".before/" is made beforehand, then carried: git archive c969b17 qshard bench | tar -x -C .before
 # the GPU tests of the op's choice on Hopper (new code) while time is left.
 source bench/gpu/prelude.sh
 for side in after before; do
