@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 49, the GPU check of the kernel-choice redesign on one H200: the GPU kernel tests on the
-# ".before/" is made beforehand, then carried: git archive c969b17 qshard bench | tar -x -C .before
 # new code, then the linear-layer tables (the op on the Llama-3.1-8B layer, bench_op_layer.py)
 # before (c969b17, carried in .before/) and after, alternating, in one call.
+# ".before/" is made beforehand, then carried: git archive c969b17 qshard bench | tar -x -C .before
 source bench/gpu/prelude.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"

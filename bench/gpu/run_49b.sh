@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 49, second call: the rest of the GPU kernel tests (new code), NVFP4's linear-layer table
-# ".before/" is made beforehand, then carried: git archive c969b17 qshard bench | tar -x -C .before
 # and the FP8 blockwise layer table before (c969b17, .before/) and after.
+# ".before/" is made beforehand, then carried: git archive c969b17 qshard bench | tar -x -C .before
 source bench/gpu/prelude.sh
 started tests
 timeout 230 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_host_paths.py::test_cublas_rowwise_call_matches_the_reference tests/kernels/test_tuning.py tests/kernels/test_w4a16_gluon.py tests/kernels/test_w4a16_gluon_ws.py tests/kernels/test_w4a16_gluon_wgmma.py tests/kernels/test_w4a16_triton.py tests/layouts/test_int4_native.py tests/test_cuda.py 2>&1 | tail -25 | tee $OUT/gpu_tests.log

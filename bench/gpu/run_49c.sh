@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 49, third call: the MoE table (bench_moe.py) before (c969b17, .before/) and after, then
-# ".before/" is made beforehand, then carried: git archive c969b17 qshard bench | tar -x -C .before
 # the GPU tests of the op's choice on Hopper (new code) while time is left.
+# ".before/" is made beforehand, then carried: git archive c969b17 qshard bench | tar -x -C .before
 source bench/gpu/prelude.sh
 for side in after before; do
   started "moe $side"
