@@ -1,9 +1,9 @@
 """Which W4A16 kernel runs a matmul: one rule table, one `choose()`.
 
 Every caller goes through `choose()`: the op (`ops.linear_launch`), the bench scripts (which
-print its choice) and the tests. A rule names a kernel, the matmuls it is for (`config`, which
-returns the kernel's config there or None) and the measurement behind it; the first rule that
-applies and whose kernel can run the matmul (the strategy module's `problem()` is None) wins.
+print its choice) and the tests. A rule names a kernel, the matmuls it applies to (`applies`),
+the kernel's config there (`config`) and the measurement behind it; the first rule that applies
+and whose kernel can run the matmul (the strategy module's `problem()` is None) wins.
 The strategies, each a module with `problem()`, `config()` and `launch()`:
 
     GEMV            gemv.py            one token, any K (bytes)
