@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant import INTERPRETED, act_quant_launch
+from .act_quant import act_quant_launch
 
 __all__ = ["config", "launch", "problem"]
 
@@ -102,9 +102,6 @@ def launch(
     """out [M, N] = x @ W.T + bias: the act-quant kernel, then the tiles of `config`."""
     m, k = x.shape
     n = qdata.shape[0]
-    config = dict(config)
-    if INTERPRETED:  # the interpreter runs one program at a time, sequentially
-        config.update(num_stages=1)
     a, a_scale = act_quant_launch(x, group, ue8m0)
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     _gemm_kernel[grid](

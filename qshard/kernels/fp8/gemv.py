@@ -107,9 +107,6 @@ def launch(
     """out [M, N] = x @ W.T + bias, one program per token and band of BLOCK_N rows."""
     m, k = x.shape
     n = qdata.shape[0]
-    config = dict(config)
-    if INTERPRETED:  # the interpreter runs one program at a time, sequentially
-        config.update(num_stages=1)
     step = group * config["GROUPS_PER_STEP"]
     grid = (triton.cdiv(n, config["BLOCK_N"]) * m,)
     _gemv_kernel[grid](

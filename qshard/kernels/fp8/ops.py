@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import cublas, gluon
+from .act_quant import INTERPRETED
 from .select import STRATEGIES, TRITON_KERNELS, Kernel, choose
 
 __all__ = ["fp8_blockwise_linear", "triton_linear_launch"]
@@ -40,8 +41,11 @@ def triton_linear_launch(
             f"FP8 config {config} names the {choice.kernel.value} kernel: the Triton "
             f"launcher runs {[k.value for k in TRITON_KERNELS]}"
         )
+    config = dict(choice.config)
+    if INTERPRETED:  # the interpreter runs one program at a time, sequentially
+        config.update(num_stages=1)
     return STRATEGIES[choice.kernel].launch(
-        x, qdata, scale, bias, out, block_n, block_k, group, ue8m0, choice.config
+        x, qdata, scale, bias, out, block_n, block_k, group, ue8m0, config
     )
 
 

@@ -162,9 +162,7 @@ def launch(
     """out [M, N] = x @ W.T + bias with `config` (`config()`'s keys)."""
     m, k = x.shape
     n = qdata.shape[0]
-    config = dict(config)
-    if INTERPRETED:  # the interpreter runs one program at a time, sequentially
-        config.update(num_stages=1)
+    config = dict(config)  # (SPLIT_K is taken out of it)
     groups = triton.cdiv(k, group)
     split = min(config.pop("SPLIT_K"), groups)
     groups_per_split = triton.cdiv(groups, split)
