@@ -47,6 +47,7 @@ ROTATE_UP_TO = 16  # tokens: rotate routings so each replay hits other experts
 QSHARD_CONFIGS = {
     "qshard-fp8": qshard.Fp8BlockwiseConfig(),
     "qshard-int4": qshard.Int4WeightOnlyConfig(group_size=128),
+    "qshard-int4-w4a8": qshard.Int4WeightOnlyConfig(group_size=128, activations="fp8_group"),
     "qshard-mxfp4": qshard.MXFP4WeightOnlyConfig(),
     "qshard-nvfp4": qshard.NVFP4WeightOnlyConfig(),
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["load_gpu_ops", "load_grouped_ops", "load_w4a16_ops"]
+__all__ = ["load_gpu_ops", "load_grouped_ops", "load_w4a8_ops", "load_w4a16_ops"]
 
 
 @functools.cache
@@ -29,3 +29,10 @@ def load_grouped_ops() -> None:
     """Import the grouped (experts) Triton kernels once (registers
     `torch.ops.qshard.fp8_blockwise_grouped_linear` and `.w4a16_grouped_linear`)."""
     from .grouped import ops  # noqa: F401  (imports Triton)
+
+
+@functools.cache
+def load_w4a8_ops() -> None:
+    """Import the W4A8 Triton kernel once (registers `torch.ops.qshard.int4_w4a8_linear` and
+    `.int4_w4a8_grouped_linear`)."""
+    from .w4a8_triton import ops  # noqa: F401  (imports Triton)

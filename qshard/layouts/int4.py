@@ -15,6 +15,9 @@ Attributes:
     backend     AUTO (the Triton kernels on a CUDA GPU, dequantize + BLAS elsewhere), REFERENCE,
                 TRITON (forced; BackendUnavailableError where it cannot run), TINYGEMM (torch's
                 int4 kernels, CPU and CUDA) or GEMLITE (CUDA, gemlite installed)
+    activations NONE (weight-only, W4A16) or W4A8 (opt-in): FP8_GROUP quantizes the activations
+                to e4m3 per token per K block of min(group, 128), FP8_TOKEN per token, and the
+                matmul runs on FP8 tensor cores (kernels/w4a8.py; integer zero points only)
     code_order  CANONICAL (above) or NATIVE: each 128-column chunk's codes permuted as
                 `kernels/packing.native_codes` does, the order the Hopper register kernels
                 read (the word GEMV, the wgmma kernel; docs/kernels/w4a16_register.md, "The
@@ -45,7 +48,7 @@ import torch
 
 from ..config import Backend, QuantConfig, parse_backend, parse_enum
 from ..errors import BackendUnavailableError, ConfigError, MisalignedSliceError
-from ..kernels.availability import native_int4_problem
+from ..kernels.availability import native_int4_problem, triton_unavailable_reason
 from ..kernels.int4 import SCALE_DTYPE, dequantize_int4, int4_linear_reference, quantize_int4
 from ..kernels.int4_gemlite import gemlite_form, gemlite_linear, gemlite_problem
 from ..kernels.int4_tinygemm import (
@@ -54,8 +57,14 @@ from ..kernels.int4_tinygemm import (
     tinygemm_linear,
     tinygemm_problem,
 )
-from ..kernels.loader import load_w4a16_ops
+from ..kernels.loader import load_w4a8_ops, load_w4a16_ops
 from ..kernels.packing import NATIVE_CHUNK, canonical_codes, linear_in_dtype, native_codes
+from ..kernels.w4a8 import (
+    ActivationQuant,
+    kernel_problem,
+    w4a8_linear_dequantized,
+    w4a8_linear_reference,
+)
 from ..qtensor import DeviceForm, QTensor
 from ..qtensor.registry import register_layout
 from .checks import (
@@ -69,7 +78,14 @@ from .checks import (
     weight_only_grouped_linear,
 )
 
-__all__ = ["INT4_MIN_SQNR_DB", "CodeOrder", "Int4Tensor", "Int4WeightOnlyConfig", "ZeroPointDomain"]
+__all__ = [
+    "INT4_MIN_SQNR_DB",
+    "ActivationQuant",
+    "CodeOrder",
+    "Int4Tensor",
+    "Int4WeightOnlyConfig",
+    "ZeroPointDomain",
+]
 
 GROUP_SIZES = (32, 64, 128, 256)
 MIN_GROUP = 16  # the finest re-grouping of a TP cut
@@ -95,12 +111,22 @@ class ZeroPointDomain(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Int4WeightOnlyConfig(QuantConfig):
-    """4-bit weights per group of `group_size` input channels; activations stay bf16/fp16."""
+    """4-bit weights per group of `group_size` input channels; activations stay bf16/fp16.
+
+    `activations="fp8_group"` or `"fp8_token"` opts in to W4A8 (kernels/w4a8.py): the
+    activations are quantized on the fly to FP8 e4m3, per token per K block of
+    min(group_size, 128) or per token, and the matmul runs on FP8 tensor cores (sm_89+; on
+    other devices the same numerics by dequantize-and-matmul). Its results differ from
+    weight-only ones by the activations' rounding (e4m3 keeps 3 mantissa bits, about 2 %
+    relative error per value, averaged out over K); it is faster for prefill-sized batches,
+    where the matmul is compute-bound (docs/kernels/w4a8.md). Integer zero points only, and
+    qshard's kernels (backend auto, triton or reference)."""
 
     group_size: int = 128
     symmetric: bool = False
     backend: Backend = Backend.AUTO
     zero_point_domain: ZeroPointDomain = ZeroPointDomain.INT
+    activations: ActivationQuant = ActivationQuant.NONE
 
     def __post_init__(self):
         name = type(self).__name__
@@ -123,6 +149,21 @@ class Int4WeightOnlyConfig(QuantConfig):
                 f"{name}: gemlite takes integer zero points ((u - z) * s); a float zero point "
                 f"would have to be rounded into one. Use backend='auto' or 'tinygemm'"
             )
+        acts = parse_enum(ActivationQuant, self.activations, "activations", name)
+        self._set("activations", acts)
+        if acts is not ActivationQuant.NONE:
+            if domain is ZeroPointDomain.FLOAT:
+                raise ConfigError(
+                    f"{name}: activations={acts.value!r} (W4A8) multiplies the integer codes "
+                    f"u - zero on FP8 tensor cores; a float zero point is not a code. Use "
+                    f"zero_point_domain='int', or activations='none'"
+                )
+            if self.backend in DEVICE_FORM_BACKENDS:
+                raise ConfigError(
+                    f"{name}: activations={acts.value!r} (W4A8) runs qshard's kernels; backend "
+                    f"{self.backend.value!r} is weight-only. Use backend='auto', or "
+                    f"activations='none'"
+                )
 
 
 class CodeOrder(str, enum.Enum):
@@ -141,17 +182,25 @@ def _bad_zero_codes(zero: torch.Tensor) -> torch.Tensor:
     return (zero < 0) | (zero > 15) | (zero != zero.round())
 
 
-@register_layout(Int4WeightOnlyConfig, ZeroPointDomain, CodeOrder)
+@register_layout(Int4WeightOnlyConfig, ZeroPointDomain, CodeOrder, ActivationQuant)
 class Int4Tensor(QTensor):
     """A 4-bit weight with per-group bf16 scales (and zeros). See the module docstring."""
 
     inner_names = ("qdata", "scale", "zero")
-    attr_names = ("group_size", "symmetric", "backend", "zero_point_domain", "code_order")
-    # Checkpoints written before the attributes existed hold integer zero points and canonical
-    # codes.
+    attr_names = (
+        "group_size",
+        "symmetric",
+        "backend",
+        "zero_point_domain",
+        "code_order",
+        "activations",
+    )
+    # Checkpoints written before the attributes existed hold integer zero points, canonical
+    # codes and weight-only weights.
     attr_defaults: ClassVar[dict] = {
         "zero_point_domain": ZeroPointDomain.INT,
         "code_order": CodeOrder.CANONICAL,
+        "activations": ActivationQuant.NONE,
     }
     storage_attrs = ("code_order",)
     min_linear_sqnr_db: ClassVar[float] = INT4_MIN_SQNR_DB
@@ -164,6 +213,7 @@ class Int4Tensor(QTensor):
     backend: Backend
     zero_point_domain: ZeroPointDomain
     code_order: CodeOrder
+    activations: ActivationQuant
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -201,12 +251,18 @@ class Int4Tensor(QTensor):
                 symmetric=config.symmetric,
                 backend=config.backend,
                 zero_point_domain=config.zero_point_domain,
+                activations=config.activations,
             )
         ).repack_for_device()
 
     @property
     def float_zero(self) -> bool:
         return self.zero_point_domain is ZeroPointDomain.FLOAT
+
+    @property
+    def w4a8(self) -> bool:
+        """Whether the activations are quantized to FP8 (`ActivationQuant`)."""
+        return self.activations is not ActivationQuant.NONE
 
     @classmethod
     def contract_configs(cls) -> list[Int4WeightOnlyConfig]:
@@ -217,12 +273,15 @@ class Int4Tensor(QTensor):
             # The device form: every contract op on a tensor that carries one (CPU tinygemm).
             Int4WeightOnlyConfig(group_size=32, backend="tinygemm"),
             Int4WeightOnlyConfig(group_size=64, zero_point_domain="float"),
+            Int4WeightOnlyConfig(group_size=64, activations="fp8_group"),
         ]
 
     def config(self) -> Int4WeightOnlyConfig:
         # A re-grouped tensor (finer than any config) reports the nearest config it came from.
         group = self.group_size if self.group_size in GROUP_SIZES else GROUP_SIZES[0]
-        return Int4WeightOnlyConfig(group, self.symmetric, self.backend, self.zero_point_domain)
+        return Int4WeightOnlyConfig(
+            group, self.symmetric, self.backend, self.zero_point_domain, self.activations
+        )
 
     @classmethod
     def check_attrs(cls, attrs) -> None:
@@ -230,7 +289,11 @@ class Int4Tensor(QTensor):
         if not (MIN_GROUP <= group <= GROUP_SIZES[-1] and group & (group - 1) == 0):
             raise ConfigError(f"Int4Tensor: group_size {group} is not a power of two in 16..256")
         Int4WeightOnlyConfig(
-            GROUP_SIZES[0], attrs["symmetric"], attrs["backend"], attrs["zero_point_domain"]
+            GROUP_SIZES[0],
+            attrs["symmetric"],
+            attrs["backend"],
+            attrs["zero_point_domain"],
+            attrs["activations"],
         )
         if CodeOrder(attrs["code_order"]) is not CodeOrder.CANONICAL:
             raise ConfigError(
@@ -353,6 +416,8 @@ class Int4Tensor(QTensor):
         chunks, on a Hopper GPU (`native_int4_problem`)."""
         if self.experts is not None:
             return "experts: the grouped kernels read the canonical order"
+        if self.w4a8:
+            return "W4A8 (FP8 activations): its kernel reads the canonical order"
         if self.backend not in (Backend.AUTO, Backend.TRITON):
             return f"backend '{self.backend.value}' reads the canonical order"
         if self.dtype not in NATIVE_DTYPES:
@@ -446,6 +511,8 @@ class Int4Tensor(QTensor):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         check_activation(self, x)
+        if self.w4a8:
+            return self._w4a8_linear(x, bias)
         if self.backend in DEVICE_FORM_BACKENDS:
             return self._device_form_linear(x, bias)
         if self.select_backend(x) is Backend.TRITON:
@@ -473,7 +540,55 @@ class Int4Tensor(QTensor):
         )
         return linear_in_dtype(x, weight, bias)
 
+    # ---- W4A8 (FP8 activations) --------------------------------------------------------------
+
+    def w4a8_backend(self, x: torch.Tensor) -> Backend:
+        """TRITON where the W4A8 kernel runs for input x (a CUDA GPU of sm_89+, groups making
+        K blocks of 32+), else REFERENCE (for `auto`, the dequantize-and-matmul route);
+        BackendUnavailableError for backend 'triton' where it cannot run."""
+        if self.backend is Backend.REFERENCE:
+            return Backend.REFERENCE
+        reason = triton_unavailable_reason(x.device, fp8=True) or kernel_problem(self.group_size)
+        if self.backend is Backend.TRITON and reason:
+            raise BackendUnavailableError(
+                f"Int4Tensor {list(self.logical_shape)} (activations "
+                f"'{self.activations.value}'): backend 'triton' cannot run here: {reason}; use "
+                f"backend='auto' or 'reference'"
+            )
+        on_gpu = x.device.type == "cuda" or self.backend is Backend.TRITON
+        return Backend.TRITON if on_gpu and reason is None else Backend.REFERENCE
+
+    def _w4a8_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        args = (self.scale, self.zero, self.group_size, self.activations)
+        if self.w4a8_backend(x) is Backend.TRITON:
+            load_w4a8_ops()
+            return torch.ops.qshard.int4_w4a8_linear(
+                x, self.qdata, self.scale, self.zero, bias, self.group_size, self.activations.value
+            )
+        qdata = self.canonical().qdata
+        if self.backend is Backend.REFERENCE:
+            return w4a8_linear_reference(x, qdata, *args, bias)
+        return w4a8_linear_dequantized(x, qdata, *args, bias)
+
+    def _w4a8_grouped_linear(self, x, offs, bias):
+        check_activation(self, x)
+        if self.w4a8_backend(x) is not Backend.TRITON:
+            return QTensor.grouped_linear(self, x, offs, bias)
+        load_w4a8_ops()
+        return torch.ops.qshard.int4_w4a8_grouped_linear(
+            x,
+            offs,
+            self.qdata,
+            self.scale,
+            self.zero,
+            bias,
+            self.group_size,
+            self.activations.value,
+        )
+
     def grouped_linear(self, x, offs, bias=None):
+        if self.w4a8:
+            return self._w4a8_grouped_linear(x, offs, bias)
         if self.backend in DEVICE_FORM_BACKENDS:
             raise BackendUnavailableError(
                 f"Int4Tensor experts: backend '{self.backend.value}' has no grouped matmul; "

@@ -88,22 +88,30 @@ def _act_quant_kernel(
     GROUP: tl.constexpr,
     UE8M0: tl.constexpr,
     EXACT_CAST: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, GROUP)
+    offs = tl.arange(0, GROUP)
+    cols = g * GROUP + offs
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     q, scale = quantize_rows(x.to(tl.float32), UE8M0, EXACT_CAST, True)
+    if SPLIT:  # the group's even columns, then its odd ones, every column written (zeros past K)
+        cols = g * GROUP + (offs % 2) * (GROUP // 2) + offs // 2
+        mask = (rows < M)[:, None] & (cols < stride_qm)[None, :]
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     tl.store(s_ptr + g * M + rows, scale, mask=rows < M)
 
 
-def act_quant_launch(x: torch.Tensor, group: int, ue8m0: bool):
-    """[M, K] float -> (e4m3 [M, K], fp32 scales [ceil(K/group), M] group-major)."""
+def act_quant_launch(x: torch.Tensor, group: int, ue8m0: bool, split: bool = False):
+    """[M, K] float -> (e4m3 [M, K], fp32 scales [ceil(K/group), M] group-major). `split`: each
+    group's even columns first, then its odd ones, and K padded with zeros to whole groups
+    ([M, ceil(K/group) * group]; the W4A8 kernel's order, kernels/w4a8_triton/tiles.py)."""
     m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    width = -(-k // group) * group if split else k
+    q = torch.empty((m, width), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((-(-k // group), m), dtype=torch.float32, device=x.device)
     if m and k:
         block_m = 16 if m >= 16 else 1 << (m - 1).bit_length()
@@ -119,6 +127,7 @@ def act_quant_launch(x: torch.Tensor, group: int, ue8m0: bool):
             GROUP=group,
             UE8M0=ue8m0,
             EXACT_CAST=INTERPRETED,
+            SPLIT=split,
             BLOCK_M=block_m,
             num_warps=4,
         )
