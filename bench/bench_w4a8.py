@@ -111,7 +111,39 @@ def check() -> None:
     assert err < MAX_RELATIVE_ERROR, err
 
 
-def layer_table(ms) -> None:
+SCALE_FORMS = {
+    "[N,G] N-contiguous": lambda s: s.t().contiguous().t(),
+    "[N,G] G-contiguous": lambda s: s.contiguous(),
+    "[G,N] N-contiguous": lambda s: s.t().contiguous(),
+    "[G,N] G-contiguous": lambda s: s.t(),
+}
+
+
+def probe_cublas() -> bool:
+    """Which layout of the weight's 1 x 128 scales `F.scaled_mm` takes (and gets right), made
+    `cublas.weight_scales`; False if none."""
+    from qshard.kernels.w4a8_triton import cublas
+
+    torch.manual_seed(0)
+    n, k, m = 1024, 2048, 64
+    w = torch.randn(n, k, device="cuda") * 0.02
+    q, s, z = quantize_int4(w, 128, False)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    want = w4a8_linear_reference(x, q, s, z, 128, ActivationQuant.FP8_GROUP)
+    for label, form in SCALE_FORMS.items():
+        cublas.weight_scales = form
+        try:
+            err = relative_error(cublas.launch(x, q, s, z, None, 128), want)
+        except Exception as e:
+            print(f"cublas scales {label}: fails {type(e).__name__}: {str(e)[:150]}")
+            continue
+        print(f"cublas scales {label}: rel. error {err:.2e}")
+        if err < MAX_RELATIVE_ERROR:
+            return True
+    return False
+
+
+def layer_table(ms, with_cublas: bool) -> None:
     torch.manual_seed(0)
     sums: dict = {}
     native = native_int4_problem(torch.device("cuda")) is None
@@ -145,6 +177,12 @@ def layer_table(ms) -> None:
                     x,
                 ),
             }
+            if with_cublas and m >= 16:
+                from qshard.kernels.w4a8_triton import cublas
+
+                row["w4a8-cublas"] = timed(
+                    lambda q, s, z: lambda a: cublas.launch(a, q, s, z, None, 128), canon, x
+                )
             for label, backend in (("fp8", "auto"), ("fp8-triton", "triton")):
                 row[label] = timed(
                     lambda q, s, b=backend: (
@@ -212,7 +250,7 @@ def main() -> None:
         check()
     if args.sweep:
         sweep(ms)
-    layer_table(ms)
+    layer_table(ms, probe_cublas())
 
 
 if __name__ == "__main__":

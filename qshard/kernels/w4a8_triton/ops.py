@@ -1,15 +1,17 @@
 """The W4A8 ops: `torch.ops.qshard.int4_w4a8_linear` (a 2-D weight) and
 `.int4_w4a8_grouped_linear` (experts), with their fake implementations. Each quantizes the
 activations (the FP8 act-quant kernel per K block, or per token as the reference does), then
-runs the tile kernel (`tiles.py`). References: `kernels/w4a8.py`."""
+runs the tile kernel (`tiles.py`), or for a 2-D weight from 128 tokens cuBLAS on the codes
+expanded to e4m3 (`cublas.py`). References: `kernels/w4a8.py`."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..fp8.act_quant import act_quant_launch
 from ..w4a8 import ActivationQuant, act_group, quantize_w4a8_activations
-from . import tiles
+from . import cublas, tiles
 
 __all__ = ["int4_w4a8_grouped_linear", "int4_w4a8_linear", "w4a8_launch"]
 
@@ -50,6 +52,12 @@ def w4a8_launch(
         return out.zero_()
     if k == 0:  # no K blocks: the bias alone
         return out.copy_(_bias_only(bias, offs, out))
+    if offs is None and config is None and cublas.problem(x, n, k, group) is None:
+        pad = -tokens % cublas.CUBLAS_M_MULTIPLE
+        xq, x_scale = _quantized_activations(F.pad(x, (0, 0, 0, pad)) if pad else x, group, mode)
+        return cublas.launch(
+            xq, x_scale, qdata[0], scale[0], zero[0] if zero.numel() else zero, bias, group, x.dtype
+        )[:tokens]
     xq, x_scale = _quantized_activations(x, group, mode)
     rows = tokens if offs is None else -(-tokens // experts)
     config = config or tiles.config(rows)

@@ -5,7 +5,7 @@ AB" as the grouped kernels (`kernels/grouped/common.py`: which expert and rows a
 stands for, found in the kernel from offs). Per K block of KB = min(group, 128) columns
 (`kernels/w4a8.py`): the weight's bytes become two e4m3 planes, the low nibbles' u - z (the
 block's even columns) and the high nibbles' (its odd columns), by bit placement in fp16 and
-one conversion per two values (`_e4m3_planes`), with no interleaving of the two; the
+one conversion per two values (`e4m3_planes`), with no interleaving of the two; the
 activations' e4m3 codes were stored in the same order (each block's even columns, then its odd
 ones: the act-quant kernel's `split`, or per token by the launcher), so the block's dot is two
 fp8 dots of KB / 2, one per plane; then it is promoted to fp32 with the weight's and the
@@ -23,12 +23,12 @@ import triton.language as tl
 
 from ..grouped.common import INTERPRETED, bias_args, expert_block, grid, store_tile, zero_tail
 
-__all__ = ["config", "launch"]
+__all__ = ["config", "e4m3_planes", "launch"]
 
 
 _INTERPRETED: tl.constexpr = tl.constexpr(INTERPRETED)
 
-# The PTX of `_e4m3_planes`, per 32-bit register of 4 code bytes ($2) and 4 zero-code bytes ($3,
+# The PTX of `e4m3_planes`, per 32-bit register of 4 code bytes ($2) and 4 zero-code bytes ($3,
 # each the row's z): the bytes spread to fp16 halves (prmt); a nibble and-ed under the exponent
 # of 1024 (one lop3) is the fp16 1024 + u, or 1024 + 16 u for the high nibble; then u - z is
 # (1024 + u) - (1024 + z), or (1024 + 16 u) / 16 - (64 + z) in one fma, exactly (every value is
@@ -64,7 +64,7 @@ mov.b32 $1, {h0, h1};
 
 
 @triton.jit
-def _e4m3_planes(packed, zero):
+def e4m3_planes(packed, zero):
     """Code bytes [rows, H] (uint8) and each row's zero code (uint8, broadcast to [rows, H]) ->
     (e4m3 u - z of the low nibbles, of the high nibbles), each [rows, H]: the weight's even and
     odd columns, exactly (|u - z| <= 15). The interpreter, which runs no PTX, computes the same
@@ -154,7 +154,7 @@ def _w4a8_kernel(
                 zero = tl.full((BLOCK_N,), 8, tl.uint8)
             else:
                 zero = tl.load(zero_ptr + s_rows + g, mask=n_ok, other=0.0).to(tl.uint8)
-            w_even, w_odd = _e4m3_planes(packed, tl.broadcast_to(zero[:, None], packed.shape))
+            w_even, w_odd = e4m3_planes(packed, tl.broadcast_to(zero[:, None], packed.shape))
             partial = tl.dot(w_even, tl.trans(x_even))
             partial = tl.dot(w_odd, tl.trans(x_odd), partial)
             acc += partial * (w_scale[:, None] * x_scale[None, :])
