@@ -1196,6 +1196,31 @@ def test_compressed_tensors_int_quantized_int4_loads_as_compressed_tensors_decom
     assert theirs.dtype == torch.bfloat16
     assert torch.equal(w.dequantize(torch.bfloat16), theirs), case
     assert state["lm_head.weight"].dtype == torch.bfloat16
+    # FP8 activations (W4AFP8: dynamic, per token) run as W4A8 per token; int8 ones weight-only
+    acts = "fp8_token" if case == "W4AFP8" else "none"
+    assert w.activations.value == acts, case
+
+
+def test_a_w4a8_export_carries_its_fp8_activations_to_compressed_tensors(tmp_path):
+    """An int4 model with FP8 activations exports as pack-quantized with dynamic FP8
+    `input_activations` (per token: the W4AFP8 preset's; per group of 128), which
+    compressed-tensors parses, and loads back with the same activations."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    for acts, strategy in (("fp8_token", "token"), ("fp8_group", "group")):
+        model = torch.nn.Sequential(torch.nn.Linear(256, 64)).to(torch.bfloat16)
+        qshard.quantize_(model, qshard.Int4WeightOnlyConfig(activations=acts))
+        directory = tmp_path / acts
+        qshard.export(model, directory, format="compressed-tensors")
+        qc = json.loads((directory / "config.json").read_text())["quantization_config"]
+        (group,) = qc["config_groups"].values()
+        scheme = QuantizationScheme.model_validate(group)
+        inputs = scheme.input_activations
+        assert (inputs.type, inputs.num_bits, inputs.dynamic) == ("float", 8, True)
+        assert inputs.strategy == strategy
+        loaded = qshard.load_pretrained(directory)["0.weight"]
+        assert loaded.activations.value == acts
+        assert torch.equal(loaded.qdata, model[0].weight.qdata)
 
 
 @pytest.mark.parametrize("preset", ["W8A8", "W8A16"])

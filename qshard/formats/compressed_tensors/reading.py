@@ -12,8 +12,9 @@ import torch
 from ...config import Backend, ScaleFormat
 from ...errors import CheckpointError, QShardError
 from ...kernels.packing import pack_nibbles
+from ...kernels.w4a8 import act_group
 from ...layouts import Fp8BlockwiseTensor, Int4Tensor, Mxfp4Tensor, Nvfp4Tensor
-from ...layouts.int4 import GROUP_SIZES
+from ...layouts.int4 import GROUP_SIZES, ActivationQuant
 from ...qtensor import QTensor
 from ..configs import (
     MAX_SIZE,
@@ -205,6 +206,7 @@ def _int4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
             where, "weight_zero_point", reader.get(zero_key), torch.int32, (-(-n // 8), groups)
         )
         zero = _unpack_words(words.t(), n).t().to(torch.bfloat16)  # z + 8: the zero's code
+    _check_dropped(reader, prefix, "input_scale", SCALES)
     tensor = Int4Tensor(
         {"qdata": qdata, "scale": scale, "zero": zero.contiguous()},
         shape=(n, k),
@@ -212,9 +214,24 @@ def _int4(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> QTensor:
         group_size=group,
         symmetric=symmetric,
         backend=Backend.AUTO,
+        activations=_int4_activations(scheme),
     )
     tensor.validate()
     return tensor.repack_for_device()
+
+
+def _int4_activations(scheme: Scheme) -> ActivationQuant:
+    """What an int4 scheme's activations run as (the module docstring): FP8 ones as W4A8, per
+    token (strategy "token", or a static scale, replaced by the dynamic per-token one) or per
+    K block of min(weight group, 128) where the file's groups are no finer; none, int ones and
+    finer FP8 groups weight-only (W4A16: finer than any)."""
+    acts = scheme.inputs
+    if acts is None or (acts.type, acts.num_bits) != ("float", 8):
+        return ActivationQuant.NONE
+    if acts.strategy != "group":
+        return ActivationQuant.FP8_TOKEN
+    ours = act_group(scheme.weights.group_size or GROUP_SIZES[-1])
+    return ActivationQuant.FP8_GROUP if (acts.group_size or 0) >= ours else ActivationQuant.NONE
 
 
 def _symmetric(reader, where: str, zero_key: str, scheme: Scheme) -> bool:
@@ -282,6 +299,7 @@ def _int4_unpacked(reader, prefix: str, scheme: Scheme, dtype: torch.dtype) -> Q
         group_size=group,
         symmetric=symmetric,
         backend=Backend.AUTO,
+        activations=_int4_activations(scheme),
     )
     tensor.validate()
     return tensor.repack_for_device()

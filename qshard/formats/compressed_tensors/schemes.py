@@ -56,13 +56,17 @@ Activations: none -> weight-only. Float activation quantization is replaced by f
 dynamic (per token, or per group for blocks) -> qshard's dynamic activation quantization; FP8
 static (an `input_scale` per tensor) -> dynamic per token (the input_scale is dropped); NVFP4 or
 MXFP4 activations (W4A4; `input_global_scale` dropped) -> weight-only, activations in bf16/fp16.
+FP8 activations with int4 weights (W4AFP8) -> the int4 layout's W4A8 (`activations`:
+"fp8_token" for per-token or static ones, "fp8_group" for groups no finer than min(weight
+group, 128); finer groups weight-only).
 int activation quantization with int4 weights (W4A8: int8 per token) -> weight-only W4A16, the
 activations in bf16/fp16 (finer than int8; a static `input_scale` / `input_zero_point` is
 dropped). Refused, naming the scheme (CheckpointError): int weights of other than 4 bits (W8A8,
 W8A16: qshard has no int8 layout) or not per channel or in groups of 32..256 (pack-quantized:
 groups only), int activations with float weights, MXFP6/MXFP8, the sparse formats, act-order
 (`weight_g_idx`).
-Export writes int4, NVFP4, MXFP4, and FP8 per channel or in blocks with dynamic activations.
+Export writes int4 (W4A8 ones with their dynamic FP8 activations), NVFP4, MXFP4, and FP8 per
+channel or in blocks with dynamic activations.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ import torch
 
 from ...errors import QShardError
 from ...kernels.packing import unpack_nibbles
+from ...kernels.w4a8 import act_group
 from ...layouts import Fp8BlockwiseTensor, Fp8RowwiseTensor, Int4Tensor, Mxfp4Tensor, Nvfp4Tensor
-from ...layouts.int4 import GROUP_SIZES
+from ...layouts.int4 import GROUP_SIZES, ActivationQuant
 from ...qtensor import QTensor
 from ..configs import unquantized_modules
 from .schemes import (
@@ -38,6 +39,17 @@ def _fp8_export(w: QTensor, prefix: str, tensors: dict) -> tuple[dict, dict | No
         args.update(strategy="block", block_structure=list(w.block_size))
         acts.update(strategy="group", group_size=w.act_group_size)
     return args, None if w.weight_only else acts
+
+
+def _int4_inputs(w: Int4Tensor) -> dict | None:
+    """An int4 weight's `input_activations`: None (W4A16), or W4A8's dynamic FP8 activations,
+    per token (compressed-tensors' W4AFP8 preset) or per group of min(weight group, 128)."""
+    if w.activations is ActivationQuant.NONE:
+        return None
+    args = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
+    if w.activations is ActivationQuant.FP8_TOKEN:
+        return {**args, "strategy": "token"}
+    return {**args, "strategy": "group", "group_size": act_group(w.group_size)}
 
 
 def _pack_words(codes: torch.Tensor) -> torch.Tensor:
@@ -139,7 +151,7 @@ def export(state: dict, linear_names: list[str]) -> tuple[dict, dict, dict]:
                 "group_size": w.group_size,
                 "dynamic": False,
             }
-            add(INT4_FORMAT, args, None, prefix)
+            add(INT4_FORMAT, args, _int4_inputs(w), prefix)
         elif isinstance(w, Nvfp4Tensor) and k % NVFP4_GROUP == 0:
             tensors[prefix + ".weight_packed"] = w.qdata
             tensors[prefix + ".weight_scale"] = w.scale
