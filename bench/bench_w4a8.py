@@ -1,7 +1,8 @@
 """W4A8 (int4 weights on FP8 tensor cores, kernels/w4a8.py) on one GPU: its correctness against
 the float64 reference (odd shapes, experts, a TP-cut weight, compiled), the tile sweep, and the
-op on the Llama-3.1-8B layer (qkv, o, gate_up, down summed) beside bf16 `F.linear` and the int4
-weight-only op (on the codes an Int4Tensor holds there, native on Hopper).
+op (the tile kernel below 128 tokens, cuBLAS from 128: kernels/w4a8_triton/) on the
+Llama-3.1-8B layer (qkv, o, gate_up, down summed) beside bf16 `F.linear`, the int4
+weight-only op (on the codes an Int4Tensor holds there, native on Hopper) and FP8 blockwise.
 
     PYTHONPATH=$PWD python bench/bench_w4a8.py [--ms 1,16,64,128,512,2048] [--sweep]
 """
@@ -120,12 +121,12 @@ SCALE_FORMS = {
 
 
 def probe_cublas() -> bool:
-    """Which layout of the weight's 1 x 128 scales `F.scaled_mm` takes (and gets right), made
-    `cublas.weight_scales`; False if none."""
+    """Which layout of the weight's 1 x 128 scales `F.scaled_mm` takes (and gets right): the
+    first that does stays `cublas.weight_scales` (the op's, from 128 tokens); False if none."""
     from qshard.kernels.w4a8_triton import cublas
 
     torch.manual_seed(0)
-    n, k, m = 1024, 2048, 64
+    n, k, m = 1024, 2048, 128  # (cuBLAS runs from CUBLAS_MIN_TOKENS)
     w = torch.randn(n, k, device="cuda") * 0.02
     q, s, z = quantize_int4(w, 128, False)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -133,7 +134,8 @@ def probe_cublas() -> bool:
     for label, form in SCALE_FORMS.items():
         cublas.weight_scales = form
         try:
-            err = relative_error(cublas.launch(x, q, s, z, None, 128), want)
+            got = torch.ops.qshard.int4_w4a8_linear(x, q, s, z, None, 128, "fp8_group")
+            err = relative_error(got, want)
         except Exception as e:
             print(f"cublas scales {label}: fails {type(e).__name__}: {str(e)[:150]}")
             continue
@@ -143,7 +145,7 @@ def probe_cublas() -> bool:
     return False
 
 
-def layer_table(ms, with_cublas: bool) -> None:
+def layer_table(ms) -> None:
     torch.manual_seed(0)
     sums: dict = {}
     native = native_int4_problem(torch.device("cuda")) is None
@@ -177,12 +179,6 @@ def layer_table(ms, with_cublas: bool) -> None:
                     x,
                 ),
             }
-            if with_cublas and m >= 16:
-                from qshard.kernels.w4a8_triton import cublas
-
-                row["w4a8-cublas"] = timed(
-                    lambda q, s, z: lambda a: cublas.launch(a, q, s, z, None, 128), canon, x
-                )
             for label, backend in (("fp8", "auto"), ("fp8-triton", "triton")):
                 row[label] = timed(
                     lambda q, s, b=backend: (
@@ -250,7 +246,8 @@ def main() -> None:
         check()
     if args.sweep:
         sweep(ms)
-    layer_table(ms, probe_cublas())
+    print(f"cuBLAS route: {probe_cublas()}")
+    layer_table(ms)
 
 
 if __name__ == "__main__":

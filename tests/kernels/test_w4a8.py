@@ -29,8 +29,10 @@ KERNEL_PROBLEM = triton_unavailable_reason(DEVICE, fp8=True)
 needs_kernel = pytest.mark.skipif(KERNEL_PROBLEM is not None, reason=str(KERNEL_PROBLEM))
 ACT_DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
 # The kernels against the reference: the same e4m3 codes and scales; the tensor cores' fp8 sums
-# within a block and the fp32 order differ (measured <= 5e-4 on an H200, bench/bench_w4a8.py).
-MAX_KERNEL_ERROR = 2e-3
+# within a block and the fp32 order differ (measured <= 5e-4 on an H200, bench/bench_w4a8.py),
+# and the cuBLAS route adds the bias to the rounded output (one more rounding of the output
+# dtype, 2**-11 fp16, 2**-8 bf16).
+MAX_KERNEL_ERROR = {torch.float16: 2e-3, torch.bfloat16: 8e-3}[ACT_DTYPE]
 MODES = ["fp8_group", "fp8_token"]
 
 
