@@ -117,10 +117,11 @@ class Int4WeightOnlyConfig(QuantConfig):
     activations are quantized on the fly to FP8 e4m3, per token per K block of
     min(group_size, 128) or per token, and the matmul runs on FP8 tensor cores (sm_89+; on
     other devices the same numerics by dequantize-and-matmul). Its results differ from
-    weight-only ones by the activations' rounding (e4m3 keeps 3 mantissa bits, about 2 %
-    relative error per value, averaged out over K); it is faster for prefill-sized batches,
-    where the matmul is compute-bound (docs/kernels/w4a8.md). Integer zero points only, and
-    qshard's kernels (backend auto, triton or reference)."""
+    weight-only ones by the activations' rounding (e4m3 keeps 3 mantissa bits; 2.6 % relative
+    L2 from W4A16 on a Gaussian 4096 x 4096 layer, whose W4A16 error is itself 10 %). Measured
+    on an H200 it is the fastest 4-bit route for MoE experts at 16-128 tokens and slower than
+    weight-only for 2-D weights (docs/kernels/w4a8.md). Integer zero points only, and qshard's
+    kernels (backend auto, triton or reference)."""
 
     group_size: int = 128
     symmetric: bool = False
