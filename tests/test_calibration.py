@@ -138,6 +138,77 @@ def test_a_non_finite_weight_is_named_and_nothing_changes():
     assert type(model[0].weight) is nn.Parameter and torch.equal(model[0].weight, first)
 
 
+# ---- sequential: each stage on the inputs through the stages before it, already rounded -------
+
+
+class TwoHeads(nn.Module):
+    """q and k read the same input (one stage), out reads their sum (the next stage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(256, 128), nn.Linear(256, 128), nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.q(x) + self.k(x)))
+
+
+def test_sequential_stages_follow_the_forward_and_group_linears_sharing_an_input():
+    model = TwoHeads()
+    linears, _ = calibration._selected_targets(model, None, None, None)
+    stages = calibration._stages(model, linears, torch.randn(8, 256), lambda m, b: m(b))
+    assert [[t.name for t in stage] for stage in stages] == [["q", "k"], ["out"]]
+
+
+def test_sequential_calibrates_on_the_rounded_stages_inputs_and_restores_nothing_else():
+    """The last stage's x^T x comes from the calibrated q and k (their values in place during the
+    passes), so its weight differs from the one-pass result while q and k equal it; the float
+    weights are back where they were (the handler then installs the calibrated tensors); a
+    generator of batches is taken once."""
+    torch.manual_seed(0)
+    config = qshard.MXFP4WeightOnlyConfig()
+    batches = [correlated_inputs(128, 256, seed) for seed in (1, 3)]
+    one_pass, staged = TwoHeads(), TwoHeads()
+    staged.load_state_dict(one_pass.state_dict())
+    reference = TwoHeads()
+    reference.load_state_dict(one_pass.state_dict())
+    qshard.gptq_(one_pass, config, batches)
+    qshard.gptq_(staged, config, (b for b in batches), sequential=True)
+    for name in ("q", "k"):
+        assert torch.equal(getattr(staged, name).weight.qdata, getattr(one_pass, name).weight.qdata)
+    assert not torch.equal(staged.out.weight.qdata, one_pass.out.weight.qdata)
+    held_out = correlated_inputs(256, 256, seed=7)
+    with torch.no_grad():
+        want = reference(held_out)
+        errors = [float((m(held_out) - want).norm() / want.norm()) for m in (one_pass, staged)]
+    assert errors[1] < errors[0] * 1.05, errors  # no worse (better on MiniLM's held-out text)
+
+
+def test_sequential_restores_the_float_weights_when_a_later_stage_fails():
+    """A pass that raises midway (the calibration's forward fails on the second stage's pass):
+    every weight is the float one it was, nothing quantized."""
+    model = TwoHeads()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    passes = []
+
+    def forward(m, batch):
+        passes.append(1)
+        if len(passes) > 3:  # stages found (1), first stage's x^T x (1, 2... ), then fails
+            raise RuntimeError("the calibration's forward failed")
+        return m(batch)
+
+    with pytest.raises(RuntimeError, match="forward failed"):
+        qshard.gptq_(
+            model,
+            qshard.NVFP4WeightOnlyConfig(),
+            [torch.randn(8, 256)] * 2,
+            forward=forward,
+            sequential=True,
+        )
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
 # ---- experts: per expert, on the tokens routed to it ------------------------------------------
 
 MOE_CONFIGS = [

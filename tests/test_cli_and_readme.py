@@ -65,9 +65,13 @@ def test_demo_prints_report_and_accuracy(capsys, monkeypatch):
 # stated in the issue's notes. bench/minilm_calibration.py measures what would close it: scale
 # search gains ~0.005, GPTQ reaches 0.9776 (int4) and 0.9687 (MXFP4, scale rounded up).
 MINILM_FLOORS = {"fp8-block": 0.995, "nvfp4": 0.97, "int4-g64": 0.955, "mxfp4": 0.94}
-# Calibrated with GPTQ (qshard.gptq_, the demo's 96 calibration sentences, 1230 tokens): every
-# 4-bit layout meets issue 9's floor (measured 0.9856 int4 g64, 0.9865 NVFP4, 0.9733 MXFP4).
+# Calibrated with GPTQ (qshard.gptq_, sequential, the demo's 191 calibration sentences, 2456
+# tokens): every 4-bit layout meets issue 9's floor (measured 0.9845 int4 g64, 0.9878 NVFP4,
+# 0.9784 MXFP4).
 MINILM_GPTQ_FLOORS = {"int4-g64 gptq": 0.98, "nvfp4 gptq": 0.97, "mxfp4 gptq": 0.97}
+# On held-out text (64 sentences of CPython's docs, `demo.minilm_heldout_sentences`), MXFP4 GPTQ
+# meets issue 50's 0.97 (measured 0.9704; int4 g64 GPTQ 0.9768, NVFP4 GPTQ 0.9835).
+MINILM_HELDOUT_FLOORS = {"mxfp4 gptq": 0.97}
 
 
 def test_demo_runs_minilm_with_each_layout(capsys, monkeypatch):
@@ -84,6 +88,8 @@ def test_demo_runs_minilm_with_each_layout(capsys, monkeypatch):
     for layout, floor in (MINILM_FLOORS | MINILM_GPTQ_FLOORS).items():
         assert result[layout]["cosine_min"] >= floor, (layout, result[layout])
         assert result[layout]["linear_bytes"] < result["float"]["linear_bytes"] / 3.5
+    for layout, floor in MINILM_HELDOUT_FLOORS.items():
+        assert result[layout]["heldout_min"] >= floor, (layout, result[layout])
 
 
 def test_demo_under_tensor_parallelism_matches_one_device(capfd):

@@ -326,6 +326,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qshard.kernels.fp8 import act_quant, gemm, gemv, small_m
+from qshard.kernels.w4a8_triton import cublas as w4a8_cublas, tiles as w4a8_tiles
 
 def compile_for_sm89(fn, pointers, ints, constexprs):
     names = list(fn.arg_names)
@@ -335,9 +336,19 @@ def compile_for_sm89(fn, pointers, ints, constexprs):
                    target=GPUTarget("cuda", 89, 32), options={"num_warps": 4, "num_stages": 3})
 
 blocks = {"W_BLOCK_N": 128, "W_BLOCK_K": 128, "GROUP": 128}
-for exact in (False, True):
+for exact, split in ((False, False), (True, False), (False, True)):
     compile_for_sm89(act_quant._act_quant_kernel, ["*bf16", "*fp8e4nv", "*fp32"], 4,
-                     {"GROUP": 128, "UE8M0": False, "EXACT_CAST": exact, "BLOCK_M": 16})
+                     {"GROUP": 128, "UE8M0": False, "EXACT_CAST": exact, "SPLIT": split,
+                      "BLOCK_M": 16})
+# W4A8 (kernels/w4a8_triton/): the tile kernel, dense and grouped, and the codes' expansion
+for dense in (True, False):
+    compile_for_sm89(w4a8_tiles._w4a8_kernel,
+                     ["*fp8e4nv", "*fp32", "*u8", "*bf16", "*bf16", "*bf16", "*bf16", "*i32"], 12,
+                     {"GROUP": 128, "KB": 128, "SYMMETRIC": not dense, "DENSE": dense,
+                      "HAS_BIAS": True, "EVEN_K": False, "BLOCK_N": 128, "BLOCK_M": 64,
+                      "E_POW2": 1 if dense else 8})
+compile_for_sm89(w4a8_cublas._expand_kernel, ["*u8", "*bf16", "*fp8e4nv"], 3,
+                 {"SYMMETRIC": False, "GROUP": 128, "BLOCK_N": 64})
 compile_for_sm89(gemm._gemm_kernel, ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32", "*bf16", "*bf16"], 7,
                  {**blocks, "HAS_BIAS": True, "EVEN_K": False, "BLOCK_M": 64, "BLOCK_N": 128,
                   "GROUP_M": 8})
@@ -357,7 +368,8 @@ for prequant in (False, True):
 def test_the_fp8_kernels_compile_for_sm89():
     """The FP8 kernels are meant to run on Ada (sm_89) too, where Triton has an fp8 dot and
     cuBLAS blockwise does not run (issue 5): each compiles to a cubin for an sm_89 target, in a
-    process without the interpreter; needs no GPU. (Run on one, it would compile for it.)"""
+    process without the interpreter; needs no GPU. (Run on one, it would compile for it.) The
+    W4A8 kernels (int4 weights, FP8 activations) too."""
     import os
     import subprocess
     import sys
