@@ -154,7 +154,7 @@ def minilm_heldout_sentences(count: int = 64) -> list[str]:
     prose (a capital first, letters and punctuation only, a period last, 60-160 characters);
     an empty list where this Python ships no pydoc_data."""
     try:
-        import pydoc_data.topics
+        import pydoc_data.topics  # the demo only; some Python builds leave it out
     except ImportError:
         return []
     topics = pydoc_data.topics.topics
