@@ -159,6 +159,27 @@ def test_sequential_stages_follow_the_forward_and_group_linears_sharing_an_input
     assert [[t.name for t in stage] for stage in stages] == [["q", "k"], ["out"]]
 
 
+def test_sequential_stages_keep_a_tied_weights_modules_together_and_unreached_last():
+    """A weight tied between two linears goes into the stage of its first call with both its
+    modules (its x^T x sums their inputs); linears the batch never reaches are one last stage."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.mid, self.b = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+            self.unused, self.unused2 = nn.Linear(64, 64), nn.Linear(64, 64)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.relu(self.mid(torch.relu(self.a(x)))))
+
+    model = Tied()
+    linears, _ = calibration._selected_targets(model, None, None, None)
+    stages = calibration._stages(model, linears, torch.randn(4, 64), lambda m, b: m(b))
+    names = [sorted(t.name for t in stage) for stage in stages]
+    assert names == [["a", "b"], ["mid"], ["unused", "unused2"]], names
+
+
 def test_sequential_calibrates_on_the_rounded_stages_inputs_and_restores_nothing_else():
     """The last stage's x^T x comes from the calibrated q and k (their values in place during the
     passes), so its weight differs from the one-pass result while q and k equal it; the float

@@ -223,13 +223,20 @@ def _calibrate_sequentially(model, linears, hessians, batches, forward, config, 
 
 def _stages(model, linears, batch, forward) -> list[list[Target]]:
     """The selected linears in the order `batch`'s forward runs them, those reading the same
-    input tensor one after another grouped into a stage."""
-    by_key = {_key(t.weight): t for t in linears}
-    calls: list[tuple[Target, tuple]] = []
+    input tensor one after another grouped into a stage; every module of a tied weight in the
+    stage of its first call (its x^T x sums their inputs, as one-pass calibration's does); the
+    linears `batch` does not reach together in a last stage."""
+    by_key: dict[tuple, list[Target]] = {}
+    for target in linears:
+        by_key.setdefault(_key(target.weight), []).append(target)
+    calls: list[tuple[tuple, bool]] = []  # (weight key, reads the previous call's input)
+    previous: list[torch.Tensor] = []  # held, so that its memory is not another tensor's
 
     def record(module, inputs):
         x = inputs[0]
-        calls.append((by_key[_key(module.weight)], (x.data_ptr(), tuple(x.shape))))
+        same = bool(previous) and x.data_ptr() == previous[0].data_ptr()
+        calls.append((_key(module.weight), same and x.shape == previous[0].shape))
+        previous[:] = [x]
 
     hooks = [target.module.register_forward_pre_hook(record) for target in linears]
     try:
@@ -237,18 +244,19 @@ def _stages(model, linears, batch, forward) -> list[list[Target]]:
     finally:
         for hook in hooks:
             hook.remove()
+        previous.clear()
     stages: list[list[Target]] = []
-    seen, last_input = set(), None
-    for target, source in calls:
-        if _key(target.weight) in seen:
+    seen: set = set()
+    for key, same_input in calls:
+        if key in seen:
             continue
-        seen.add(_key(target.weight))
-        if stages and source == last_input:
-            stages[-1].append(target)
+        seen.add(key)
+        if stages and same_input:
+            stages[-1].extend(by_key[key])
         else:
-            stages.append([target])
-        last_input = source
-    return stages + [[t] for t in linears if _key(t.weight) not in seen]
+            stages.append(list(by_key[key]))
+    unreached = [t for t in linears if _key(t.weight) not in seen]
+    return stages + ([unreached] if unreached else [])
 
 
 def _default_forward(model: nn.Module, batch: Any) -> Any:

@@ -135,7 +135,7 @@ def w4a8_linear_dequantized(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference's result by dequantize-and-matmul (`backend="auto"` where no W4A8 kernel
-    runs: the CPU, re-grouped weights finer than 32): the activations quantized exactly as the
+    runs: the CPU, groups finer than 64): the activations quantized exactly as the
     reference, then one fp32 BLAS call of the dequantized values (fp32 sums instead of exact
     per-block partials, so within fp32 rounding of the reference)."""
     n, k = packed.shape[0], x.shape[-1]

@@ -121,7 +121,8 @@ class Int4WeightOnlyConfig(QuantConfig):
     L2 from W4A16 on a Gaussian 4096 x 4096 layer, whose W4A16 error is itself 10 %). Measured
     on an H200 it is the fastest 4-bit route for MoE experts at 16-128 tokens and slower than
     weight-only for 2-D weights (docs/kernels/w4a8.md). Integer zero points only, and qshard's
-    kernels (backend auto, triton or reference)."""
+    kernels (backend auto, triton or reference); the GPU kernel takes groups of 64 or more
+    (groups of 32 run the same numerics by dequantize-and-matmul, slow on a GPU)."""
 
     group_size: int = 128
     symmetric: bool = False
@@ -545,7 +546,7 @@ class Int4Tensor(QTensor):
 
     def w4a8_backend(self, x: torch.Tensor) -> Backend:
         """TRITON where the W4A8 kernel runs for input x (a CUDA GPU of sm_89+, groups making
-        K blocks of 32+), else REFERENCE (for `auto`, the dequantize-and-matmul route);
+        K blocks of 64+), else REFERENCE (for `auto`, the dequantize-and-matmul route);
         BackendUnavailableError for backend 'triton' where it cannot run."""
         if self.backend is Backend.REFERENCE:
             return Backend.REFERENCE
