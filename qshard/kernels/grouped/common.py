@@ -33,6 +33,7 @@ import triton.language as tl
 __all__ = [
     "INTERPRETED",
     "bias_args",
+    "contiguous",
     "expert_block",
     "grid",
     "store_tile",
@@ -113,3 +114,8 @@ def grid(n: int, tokens: int, experts: int, block_n: int, block_m: int) -> tuple
 
 def bias_args(bias: torch.Tensor | None, out: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (bias, bias.stride(0)) if bias is not None else (out, 0)
+
+
+def contiguous(*tensors):
+    """Each tensor contiguous (None stays None): the ops' kernels read rows at stride 1."""
+    return [t.contiguous() if t is not None else None for t in tensors]

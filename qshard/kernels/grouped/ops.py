@@ -8,6 +8,7 @@ import torch
 
 from ..w4a16.format import Format
 from . import fp8, w4a16_gemv, w4a16_tiles
+from .common import contiguous
 from .select import Kernel, choose_fp8, choose_w4a16
 
 __all__ = [
@@ -69,10 +70,6 @@ def w4a16_grouped_launch(
 # ---- torch.library ops -------------------------------------------------------------------------
 
 
-def _contiguous(*tensors):
-    return [t.contiguous() if t is not None else None for t in tensors]
-
-
 @torch.library.custom_op("qshard::fp8_blockwise_grouped_linear", mutates_args=())
 def fp8_blockwise_grouped_linear(
     x: torch.Tensor,
@@ -86,7 +83,7 @@ def fp8_blockwise_grouped_linear(
     ue8m0: bool,
 ) -> torch.Tensor:
     """The grouped FP8 blockwise W8A8 matmul (module docstring)."""
-    x, offs, qdata, scale, bias = _contiguous(x, offs, qdata, scale, bias)
+    x, offs, qdata, scale, bias = contiguous(x, offs, qdata, scale, bias)
     return fp8_grouped_launch(x, offs, qdata, scale, bias, block_n, block_k, group, ue8m0)
 
 
@@ -111,7 +108,7 @@ def w4a16_grouped_linear(
     """The grouped 4-bit weight-only matmul (module docstring); fmt a `Format` name
     ("int4_asym", "int4_sym", "int4_fzero", "mxfp4", "nvfp4"); an empty `zero` or
     `global_scale` where the format has none."""
-    x, offs, qdata, scale, zero, global_scale, bias = _contiguous(
+    x, offs, qdata, scale, zero, global_scale, bias = contiguous(
         x, offs, qdata, scale, zero, global_scale, bias
     )
     global_scale = global_scale if global_scale.numel() else qdata

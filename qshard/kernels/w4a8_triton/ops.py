@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fp8.act_quant import act_quant_launch
+from ..grouped.common import contiguous
 from ..w4a8 import ActivationQuant, act_group, quantize_w4a8_activations
 from . import cublas, tiles
 
@@ -79,10 +80,6 @@ def _bias_only(bias, offs, out):
     return torch.where(routed[:, None], bias[expert.clamp(max=ends.numel() - 1)], 0.0)
 
 
-def _contiguous(*tensors):
-    return [t.contiguous() if t is not None else None for t in tensors]
-
-
 @torch.library.custom_op("qshard::int4_w4a8_linear", mutates_args=())
 def int4_w4a8_linear(
     x: torch.Tensor,
@@ -97,7 +94,7 @@ def int4_w4a8_linear(
     `ActivationQuant` value ("fp8_group", "fp8_token"); an empty `zero`: symmetric."""
     k, n = x.shape[-1], qdata.shape[0]
     x2d = x.reshape(x.shape[:-1].numel(), k).contiguous()
-    qdata, scale, zero, bias = _contiguous(qdata, scale, zero, bias)
+    qdata, scale, zero, bias = contiguous(qdata, scale, zero, bias)
     zero = zero[None] if zero.numel() else zero
     out = w4a8_launch(x2d, None, qdata[None], scale[None], zero, bias, group, ActivationQuant(mode))
     return out.reshape(*x.shape[:-1], n)
@@ -122,7 +119,7 @@ def int4_w4a8_grouped_linear(
     """The grouped W4A8 matmul: x [T, K] sorted by expert, offs int32 [E] the experts' end rows,
     int4 experts qdata [E, N, ceil(K/2)], scale / zero [E, N, groups] (zero empty: symmetric),
     bias [E, N] or None -> [T, N]; rows past offs[-1] are zeros."""
-    x, offs, qdata, scale, zero, bias = _contiguous(x, offs, qdata, scale, zero, bias)
+    x, offs, qdata, scale, zero, bias = contiguous(x, offs, qdata, scale, zero, bias)
     return w4a8_launch(x, offs, qdata, scale, zero, bias, group, ActivationQuant(mode))
 
 
