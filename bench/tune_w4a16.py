@@ -1,14 +1,17 @@
-"""Tune the W4A16 kernels (int4, MXFP4, NVFP4) per shape and M bucket on this GPU; write the
-configs that beat the built-in default into a tuned file (qshard/kernels/tuning.py).
+"""Tune the W4A16 op (int4, MXFP4, NVFP4) on this GPU: per shape and M bucket, time the op's own
+choice (its rule tables, qshard/kernels/w4a16/select.py, with no tuned file) against every
+kernel that can run the matmul, each with its built-in config and a few variants; where one is
+faster by more than MIN_GAIN (the run-to-run spread of these timings), write it into this GPU's
+tuned file (qshard/kernels/tuning.py) with the GPU's traits. Prints, per shape and M, the op's
+choice and time beside the fastest candidate: the op's choice re-measured on this GPU.
 
-    python bench/tune_w4a16.py [--formats int4,mxfp4,nvfp4] [--ms 1,16,64,128]
-        [--shapes 6144x4096,4096x4096,...] [--out qshard/kernels/tuned/<gpu tag>.json]
+    python bench/tune_w4a16.py [--formats int4,mxfp4,nvfp4] [--ms 1,2,4,8,16,32,64,128]
+        [--shapes 6144x4096,4096x4096,...] [--out qshard/kernels/tuned/<name>.json]
 
-Shapes default to the Llama-3.1-8B layer. Each candidate (bench_int4.sweep_candidates: GEMV,
-small-M and dequantize + cuBLAS configs) is timed per shape as bench_int4 times them (CUDA
-graphs, weight copies rotated past the L2). A shape keeps the default unless its best config is
-faster by more than MIN_GAIN, the run-to-run spread of these timings (docs/kernels/w4a16.md).
-An existing file is extended: its other keys stay.
+int4 runs on the codes as an Int4Tensor holds them on this GPU (the native order on Hopper,
+keys "..._native"). Shapes default to the Llama-3.1-8B layer; bf16 activations. Each candidate
+is checked against the op's output first and timed as bench_int4 times the op (CUDA graphs,
+weight copies rotated past the L2). An existing file is extended: its other keys stay.
 """
 
 from __future__ import annotations
@@ -20,68 +23,154 @@ import os
 import torch
 import triton
 from bench_fp4 import mxfp4_weight, nvfp4_weight
-from bench_int4 import int4_weight, sweep_candidates, time_launch
-from harness import LLAMA, copies_for, versions_line
+from bench_int4 import WORDS_SWEEP, int4_weight
+from harness import LLAMA, copies_for, relative_error, time_us, versions_line
 
 from qshard.kernels import tuning
+from qshard.kernels.availability import native_int4_problem
+from qshard.kernels.gpu import traits
 from qshard.kernels.loader import load_w4a16_ops
+from qshard.kernels.packing import native_codes
+from qshard.kernels.w4a16 import (
+    dequantize,
+    gemv,
+    gemv_words,
+    register,
+    register_wgmma,
+    register_ws,
+    small_m,
+)
+from qshard.kernels.w4a16.format import Format, tuned_format
+from qshard.kernels.w4a16.ops import linear_launch
+from qshard.kernels.w4a16.select import STRATEGIES, choose, kernel_for
 
 MIN_GAIN = 0.03
+MAX_DIFFERENCE = 0.01  # a candidate's output against the op's (both fp32-accumulated)
 FORMATS = {"int4": int4_weight, "mxfp4": mxfp4_weight, "nvfp4": nvfp4_weight}
+SPLITS = (1, 2, 3, 4, 6, 8)  # the wgmma kernel's K splits tried beside its model's
 
 
-def tune_shape(weight, n: int, k: int, m: int) -> tuple[dict | None, float, float, str]:
-    """(best config or None when the default is as good, its us, the default's us, label)."""
-    from qshard.kernels.w4a16.select import default_config
+def candidates(fmt: Format, x, qdata, group: int, native: bool):
+    """(label, config) for each kernel that can run x @ W.T, and its variants."""
+    m, k, n = x.shape[0], x.shape[1], qdata.shape[0]
+    device = x.device
+    found = []
+    if m == 1:
+        if native:
+            base = gemv_words.native_config(k)
+            found += [(f"words native {rows} rows", {**base, "BLOCK_N": rows}) for rows in (8, 16)]
+        else:
+            for rows, words, warps, evict in WORDS_SWEEP:
+                config = dict(
+                    KERNEL="gemv_words", BLOCK_N=rows, BLOCK_W=words, num_warps=warps, EVICT=evict
+                )
+                if k % (8 * words) == 0:
+                    found.append((f"words {rows}x{words}w {warps}w ev{evict}", config))
+            found.append(("gemv", gemv.config(fmt)))
+    if m == 2:
+        found.append(("pair gemv", gemv_words.pair_config(native)))
+    if m >= 2:
+        base = register_wgmma.config(m, n, k, device)
+        if native:
+            promote = register_wgmma.promote_config(int(fmt), x, group, base["BLOCK_T"])
+            base = {**base, "NATIVE": 1, **promote}
+        chunks = triton.cdiv(k, 128)
+        steps = sorted({base["STEPS"]} | {triton.cdiv(chunks, s) for s in SPLITS})
+        for s in steps:
+            config = {"KERNEL": "register_wgmma", **base, "STEPS": s}
+            found.append((f"wgmma {triton.cdiv(chunks, s)} splits", config))
+    if m >= 2 and not native:
+        if m <= 16:
+            found.append(("register", {"KERNEL": "register", **register.config(m, n, k, device)}))
+            ws = register_ws.config(m, n, k, device, int(fmt))
+            found.append(("register ws", {"KERNEL": "register_ws", **ws}))
+        found.append(("small-m", small_m.config(m, n, k, device)))
+    if m >= 16:
+        found.append(("dequantize + cuBLAS", dequantize.config(native)))
+    return [(label, c) for label, c in found if _runs(fmt, x, qdata, group, c)]
 
-    # One set of weight copies per shape and M, shared by every candidate.
+
+def _runs(fmt, x, qdata, group, config) -> bool:
+    kernel = kernel_for(x.shape[0], config)
+    return STRATEGIES[kernel].problem(int(fmt), x, qdata, group) is None
+
+
+def time_config(copies, x, config, native: bool) -> float:
+    """us per call of the op with `config` (None: its own choice) over the weight copies."""
+    fn = lambda: [  # noqa: E731
+        linear_launch(w.fmt, x, *w.inner, None, w.group, config, native=native) for w in copies
+    ]
+    return time_us(fn, len(copies))
+
+
+def tune_shape(weight, native: bool, n: int, k: int, m: int):
+    """(best config or None where the op's choice stands, best us, the op's us, labels)."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    qdata = weight.inner[0]
     copies = [weight] + [weight.clone() for _ in range(copies_for(n * k // 2, m) - 1)]
-    default = default_config(weight.fmt, m, n, k, torch.device("cuda"))
-    default_us = time_launch(copies, k, m, default)
-    best, best_us, best_label = None, default_us, "default"
-    for label, config_for in sweep_candidates(m):
-        config = config_for(n, k)
+    with tuning.ignored():
+        chosen = choose(weight.fmt, x, qdata, weight.group, native)
+        want = linear_launch(weight.fmt, x, *weight.inner, None, weight.group, native=native)
+        op_us = time_config(copies, x, None, native)
+    best, best_us, best_label = None, op_us, "the op's choice"
+    for label, config in candidates(weight.fmt, x, qdata, weight.group, native):
         try:
-            us = time_launch(copies, k, m, config)
-        except Exception as e:  # a config that does not compile here: shown, not fatal
-            print(f"  ({n}x{k} M={m} {label}: {type(e).__name__})")
+            got = linear_launch(weight.fmt, x, *weight.inner, None, weight.group, config, native)
+            error = relative_error(got, want)
+            if error > MAX_DIFFERENCE:
+                print(f"  ({label}: differs from the op by {error:.2e}; skipped)")
+                continue
+            us = time_config(copies, x, config, native)
+        except Exception as e:  # a config that does not build here: shown, not fatal
+            print(f"  ({label}: {type(e).__name__}: {str(e)[:120]})")
             continue
         if us < best_us:
             best, best_us, best_label = config, us, label
-    if best is not None and best_us > default_us * (1 - MIN_GAIN):
-        return None, default_us, default_us, "default (no config beats it by 3%)"
-    return best, best_us, default_us, best_label
+    if best is not None and best_us > op_us * (1 - MIN_GAIN):
+        best, best_label = None, f"{best_label} (within 3 %: the op's choice stands)"
+    return best, best_us, op_us, f"op {chosen.kernel.value}", best_label
+
+
+def held(weight, fmt_name: str):
+    """The weight as an Int4Tensor holds it on this GPU: int4 codes in the native order on
+    Hopper; (weight, native)."""
+    native = fmt_name == "int4" and native_int4_problem(weight.inner[0].device) is None
+    if native:
+        weight.inner = (native_codes(weight.inner[0]), *weight.inner[1:])
+    return weight, native
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--formats", default=",".join(FORMATS))
-    parser.add_argument("--ms", default="1,16,64,128")
+    parser.add_argument("--ms", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in LLAMA.values()))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     load_w4a16_ops()
     name = torch.cuda.get_device_name()
-    tag = tuning.gpu_tag(name) or name.lower().replace(" ", "_")
-    out = args.out or str(tuning.TUNED_DIR / f"{tag}.json")
+    gpu = traits(torch.cuda.current_device())
+    out = args.out or str(tuning.TUNED_DIR / f"{name.lower().replace(' ', '_')}.json")
     data = {"version": tuning.TUNED_FORMAT_VERSION, "configs": {}}
     if os.path.exists(out):
         with open(out) as f:
             data = json.load(f)
-    data.update(gpu=name, triton=triton.__version__)
-    print(versions_line(()))
+    data.update(version=tuning.TUNED_FORMAT_VERSION, gpu=name, traits=gpu.to_json())
+    data["triton"] = triton.__version__
+    data.pop("note", None)  # a shipped file's words on how it was made
+    print(versions_line(()), gpu)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    from qshard.kernels.w4a16.format import tuned_format
-
     for fmt_name in args.formats.split(","):
         for n, k in shapes:
-            weight = FORMATS[fmt_name](torch.randn(n, k, device="cuda") * 0.02)
+            made = FORMATS[fmt_name](torch.randn(n, k, device="cuda") * 0.02)
+            weight, native = held(made, fmt_name)
             for m in (int(v) for v in args.ms.split(",")):
-                config, us, default_us, label = tune_shape(weight, n, k, m)
-                key = tuning.config_key("w4a16", tuned_format(weight.fmt, weight.group), n, k, m)
-                gain = default_us / us
+                config, us, op_us, op_label, label = tune_shape(weight, native, n, k, m)
+                fmt = tuned_format(weight.fmt, weight.group, native)
+                key = tuning.config_key("w4a16", fmt, n, k, m)
                 print(
-                    f"- {key}: {label} {us:.1f} us vs default {default_us:.1f} ({gain:.2f}x)",
+                    f"- {key}: {op_label} {op_us:.2f} us; best {label} {us:.2f} us "
+                    f"({op_us / us:.2f}x)",
                     flush=True,
                 )
                 if config is not None:

@@ -14,7 +14,6 @@ __all__ = [
     "CHUNK",
     "GLUON_IMPORT_ERROR",
     "HALF_ROWS",
-    "SMEM_BUDGET",
     "TILE_ROWS",
     "TensorDescriptor",
     "async_copy",
@@ -39,7 +38,6 @@ __all__ = [
 CHUNK = 128  # columns of K per chunk: an FP8 activation group, a ring slot of the 4-bit kernels
 TILE_ROWS = 128  # the wgmma kernels' tile: one FP8 weight block of rows
 HALF_ROWS = 64  # each consumer warpgroup's rows (wgmma's M per warpgroup)
-SMEM_BUDGET = 200 * 1024  # of the H100's 227 KB per block, leaving room for the barriers
 
 try:  # in every Triton that torch ships since 3.4; its Hopper API as of triton 3.6
     from triton.experimental import gluon

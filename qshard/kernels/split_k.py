@@ -15,20 +15,19 @@ other groupings than the whole weight: equal up to fp32 summation order, not bit
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from .gpu import traits
+
 __all__ = ["finish_tile", "programs_of", "sm_count", "split_count", "store_tile", "workspace"]
 
 
-@functools.cache
 def sm_count(device_index: int) -> int:
-    """The SMs of CUDA device `device_index` (cached: a device query per launch costs host
-    time)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    """The SMs of CUDA device `device_index` (`gpu.traits`, cached: a device query per launch
+    costs host time)."""
+    return traits(device_index).sms
 
 
 def programs_of(device: torch.device) -> int:

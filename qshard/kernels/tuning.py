@@ -1,38 +1,51 @@
 """Tuned kernel configs, keyed on (kernel family, weight format, N, K, M bucket), shipped per GPU.
 
 A tuned file (`kernels/tuned/<gpu>.json`, written by `bench/tune_w4a16.py`) holds, for the
-shapes it was tuned on, the config that measured fastest when it beat the built-in default by
-more than the timing noise; every other shape and M runs the built-in default, which needs no
-tuning. The file for a GPU is picked by its name (`torch.cuda.get_device_name`, lower case,
-spaces as underscores: "NVIDIA H100 80GB HBM3" -> "nvidia_h100_80gb_hbm3" contains "h100"),
-the longest matching tag first, as gemlite picks its configs. A file of one's own is added with
-`load_tuned_configs(path)` or the QSHARD_TUNED_CONFIGS environment variable (a path).
+shapes it was tuned on, the kernel and config that measured fastest where it beat the op's own
+choice (its rule table) by more than the timing noise; every other shape and M runs the rule
+table's choice. The file for a GPU is picked by what the GPU is, not by its name: the shipped
+file of the same compute capability whose traits (SM count, shared memory per SM, memory
+bandwidth: `gpu.GpuTraits`) are the nearest, so an H200 takes h200.json and a Hopper GPU with no
+file of its own the closest one's. A file of one's own is added with `load_tuned_configs(path)`
+or the QSHARD_TUNED_CONFIGS environment variable (a path).
 
-File format (JSON): {"version": 1, "gpu": "<device name>", "triton": "<version>",
-"configs": {"<family>/<format>/<N>x<K>/m<bucket>": {"BLOCK_N": ..., ...}}}.
+File format (JSON): {"version": 2, "gpu": "<device name>", "traits": {"capability": [9, 0],
+"sms": ..., "smem_kib": ..., "bandwidth_gbs": ...}, "triton": "<version>",
+"configs": {"<family>/<format>/<N>x<K>/m<bucket>": {"KERNEL": ..., ...}}}.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError
+from .gpu import GpuTraits, traits
 
-__all__ = ["config_key", "gpu_tag", "load_tuned_configs", "m_bucket", "tuned_config"]
+__all__ = [
+    "config_key",
+    "ignored",
+    "load_tuned_configs",
+    "m_bucket",
+    "shipped_file",
+    "tuned_config",
+]
 
 TUNED_DIR = Path(__file__).parent / "tuned"
-TUNED_FORMAT_VERSION = 1
+TUNED_FORMAT_VERSION = 2
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 ENV_VAR = "QSHARD_TUNED_CONFIGS"
 
 # Configs added by load_tuned_configs (and the environment variable), over the shipped ones.
 _EXTRA: dict[str, dict[str, Any]] = {}
+_IGNORED = [False]  # `ignored()`: the rule tables' own choices, for the tuner's baseline
 
 
 def m_bucket(m: int) -> int:
@@ -44,14 +57,31 @@ def config_key(family: str, fmt: str, n: int, k: int, m: int) -> str:
     return f"{family}/{fmt}/{n}x{k}/m{m_bucket(m)}"
 
 
-def gpu_tag(name: str) -> str | None:
-    """The shipped tuned file for a GPU called `name`, by tag, or None."""
-    normalized = name.lower().replace(" ", "_")
-    tags = sorted((p.stem for p in TUNED_DIR.glob("*.json")), key=len, reverse=True)
-    return next((tag for tag in tags if tag in normalized), None)
+def shipped_file(gpu: GpuTraits) -> Path | None:
+    """The shipped tuned file for a GPU of traits `gpu`: of the same compute capability, the
+    nearest (`GpuTraits.distance`); None where no file has its capability."""
+    best, best_distance = None, None
+    for path in sorted(TUNED_DIR.glob("*.json")):
+        distance = gpu.distance(file_traits(path))
+        if distance is not None and (best_distance is None or distance < best_distance):
+            best, best_distance = path, distance
+    return best
 
 
-def _read(path: Path) -> dict[str, dict[str, Any]]:
+def file_traits(path: Path) -> GpuTraits:
+    """The traits of the GPU a tuned file was measured on."""
+    data = _load(path)
+    try:
+        return GpuTraits.from_json(data["traits"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConfigError(
+            f"tuned configs {str(path)!r}: 'traits' must hold the GPU's capability [major, "
+            f"minor], sms, smem_kib and bandwidth_gbs ({type(error).__name__}: {error}); "
+            f"re-run bench/tune_w4a16.py"
+        ) from None
+
+
+def _load(path: Path) -> dict:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -62,7 +92,11 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
             f"tuned configs {str(path)!r}: version {version!r}, this qshard reads version "
             f"{TUNED_FORMAT_VERSION}; re-run bench/tune_w4a16.py"
         )
-    configs = data.get("configs")
+    return data
+
+
+def _read(path: Path) -> dict[str, dict[str, Any]]:
+    configs = _load(path).get("configs")
     if not isinstance(configs, dict) or not all(isinstance(v, dict) for v in configs.values()):
         raise ConfigError(f"tuned configs {str(path)!r}: 'configs' must map keys to objects")
     return configs
@@ -73,10 +107,21 @@ def load_tuned_configs(path: str | os.PathLike) -> None:
     _EXTRA.update(_read(Path(path)))
 
 
+@contextlib.contextmanager
+def ignored() -> Iterator[None]:
+    """No tuned config inside: the op runs its rule tables' own choices (the tuner's
+    baseline)."""
+    _IGNORED[0] = True
+    try:
+        yield
+    finally:
+        _IGNORED[0] = False
+
+
 @functools.cache
-def _shipped(device_name: str) -> dict[str, dict[str, Any]]:
-    tag = gpu_tag(device_name)
-    configs = _read(TUNED_DIR / f"{tag}.json") if tag else {}
+def _shipped(index: int) -> dict[str, dict[str, Any]]:
+    path = shipped_file(traits(index))
+    configs = _read(path) if path else {}
     extra = os.environ.get(ENV_VAR)
     if extra:
         configs = {**configs, **_read(Path(extra))}
@@ -84,14 +129,9 @@ def _shipped(device_name: str) -> dict[str, dict[str, Any]]:
 
 
 def tuned_config(family: str, fmt: str, n: int, k: int, m: int, device: torch.device):
-    """The tuned config for this shape on `device`'s GPU, or None (use the default)."""
-    if device.type != "cuda":
+    """The tuned config for this shape on `device`'s GPU, or None (the rule table's choice)."""
+    if device.type != "cuda" or _IGNORED[0]:
         return None
     key = config_key(family, fmt, n, k, m)
-    config = _EXTRA.get(key) or _shipped(_device_name(device.index)).get(key)
+    config = _EXTRA.get(key) or _shipped(device.index or 0).get(key)
     return dict(config) if config is not None else None
-
-
-@functools.cache
-def _device_name(index: int | None) -> str:
-    return torch.cuda.get_device_name(index)

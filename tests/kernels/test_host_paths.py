@@ -34,9 +34,10 @@ from helpers import compile_for_sm90, relative_error
 import qshard
 from qshard.config import ScaleFormat
 from qshard.kernels import fp8_blockwise as fp8_ref
-from qshard.kernels import split_k
+from qshard.kernels import gpu, split_k
 from qshard.kernels.availability import triton_unavailable_reason
 from qshard.kernels.gluon_api import GLUON_IMPORT_ERROR
+from qshard.kernels.gpu import smem_budget
 from qshard.kernels.loader import load_gpu_ops, load_grouped_ops
 
 CPU = torch.device("cpu")
@@ -89,9 +90,12 @@ def stub_kernel(monkeypatch, module, name: str) -> list[Launch]:
 
 
 def stub_sm_count(monkeypatch, module, sms: int = H100_SMS) -> list[int]:
-    """`module.sm_count` (a CUDA device query) answering `sms`; returns the indices asked."""
+    """`module.sm_count` (a CUDA device query) answering `sms`; returns the indices asked.
+    The module's shared memory budget, where it has one, is an sm_90 SM's (as on the CPU)."""
     asked = []
     monkeypatch.setattr(module, "sm_count", lambda index: asked.append(index) or sms)
+    if hasattr(module, "smem_budget"):
+        monkeypatch.setattr(module, "smem_budget", lambda device: smem_budget(CPU))
     return asked
 
 
@@ -164,15 +168,17 @@ def assert_split_k_workspace(partials, arrived, m: int, n: int, splits: int, til
 
 def test_the_sm_count_is_the_asked_devices_and_cached(monkeypatch):
     """`sm_count` sizes every persistent grid and split: it must ask the given device (not
-    device 0 on a multi-GPU host) and ask it once; a CUDA device with no index is device 0."""
+    device 0 on a multi-GPU host) and ask it once (`gpu.traits`, cached); a CUDA device with no
+    index is device 0."""
     asked = []
 
     def properties(index):
         asked.append(index)
-        return types.SimpleNamespace(multi_processor_count={0: 132, 1: 78}[index])
+        sms = {0: 132, 1: 78}[index]
+        return types.SimpleNamespace(multi_processor_count=sms, major=9, minor=0)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
-    split_k.sm_count.cache_clear()
+    gpu.traits.cache_clear()
     try:
         assert (split_k.sm_count(0), split_k.sm_count(1), split_k.sm_count(1)) == (132, 78, 78)
         assert asked == [0, 1]
@@ -180,7 +186,7 @@ def test_the_sm_count_is_the_asked_devices_and_cached(monkeypatch):
         assert split_k.split_count(6, 1024, 4, 2.0, torch.device("cuda", 1)) == round(2 * 78 / 6)
         assert split_k.split_count(6, 1024, 4, 2.0, torch.device("cuda")) == round(2 * 132 / 6)
     finally:
-        split_k.sm_count.cache_clear()
+        gpu.traits.cache_clear()
 
 
 # ---- the Gluon FP8 blockwise kernel ------------------------------------------------------------

@@ -39,7 +39,6 @@ from ..gluon_api import (
     CHUNK,
     GLUON_IMPORT_ERROR,
     HALF_ROWS,
-    SMEM_BUDGET,
     TILE_ROWS,
     TensorDescriptor,
     async_copy,
@@ -55,6 +54,7 @@ from ..gluon_api import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from ..gpu import smem_budget
 from ..split_k import sm_count
 from .act_quant import act_quant_launch
 
@@ -97,7 +97,7 @@ def config(m: int, n: int, k: int, device: torch.device) -> dict:
     block_t = max(16, triton.next_power_of_2(m))
     # a slot: the weight tile's group, x's group, and the two scale rows (fp32, >= 32 wide)
     stage_bytes = TILE_ROWS * CHUNK + block_t * CHUNK + 2 * 4 * max(32, block_t)
-    stages = min(10, SMEM_BUDGET // stage_bytes)
+    stages = min(10, smem_budget(device) // stage_bytes)
     programs = sm_count(device.index or 0)
     tiles = triton.cdiv(n, TILE_ROWS)
     splits = split_for(tiles, triton.cdiv(k, CHUNK), programs, block_t)

@@ -28,8 +28,9 @@ class Format(enum.IntEnum):
         return self < Format.MXFP4
 
 
-def tuned_format(fmt: Format, group: int) -> str:
-    """The format part of a tuned config's key: "int4_asym_g128", "mxfp4_g32", ... A float zero
-    point moves the same bytes as an integer one and takes its configs."""
+def tuned_format(fmt: Format, group: int, native: bool = False) -> str:
+    """The format part of a tuned config's key: "int4_asym_g128", "mxfp4_g32", ...;
+    "int4_asym_g128_native" for int4 codes in the native order (other kernels read them). A
+    float zero point moves the same bytes as an integer one and takes its configs."""
     fmt = Format.INT4_ASYM if fmt == Format.INT4_FZERO else fmt
-    return f"{fmt.name.lower()}_g{group}"
+    return f"{fmt.name.lower()}_g{group}" + ("_native" if native else "")

@@ -74,12 +74,12 @@ import triton
 
 from ..gluon_api import (
     CHUNK,
-    SMEM_BUDGET,
     TILE_ROWS,
     TensorDescriptor,
     gl,
     half_tile_workspace,
 )
+from ..gpu import smem_budget
 from ..packing import check_native_order, native_codes
 from ..split_k import sm_count
 from . import register
@@ -170,7 +170,7 @@ def config(m: int, n: int, k: int, device: torch.device, sms: int | None = None)
     return {
         "BLOCK_T": block_t,
         "STEPS": triton.cdiv(chunks, splits),
-        "STAGES": _stages(block_t),
+        "STAGES": _stages(block_t, device),
         "GROUP_CHUNKS": GROUP_CHUNKS,
         "X_BY_TMA": int(block_t >= X_BY_TMA_MIN_T),
     }
@@ -196,9 +196,9 @@ def split_for(tiles: int, chunks: int, programs: int, block_t: int) -> int:
     return best
 
 
-def _stages(block_t: int) -> int:
+def _stages(block_t: int, device: torch.device) -> int:
     slot = TILE_ROWS * WORDS * 4 + block_t * CHUNK * 2  # codes + x (16-bit)
-    return max(2, min(8, SMEM_BUDGET // slot))
+    return max(2, min(8, smem_budget(device) // slot))
 
 
 def launch(
@@ -219,7 +219,7 @@ def launch(
     n = qdata.shape[0]
     config = dict(config or _config(m, n, k, x.device))
     block_t, steps = config["BLOCK_T"], config["STEPS"]
-    stages = config.get("STAGES") or _stages(block_t)
+    stages = config.get("STAGES") or _stages(block_t, x.device)
     group_chunks = config.get("GROUP_CHUNKS", GROUP_CHUNKS)
     native = bool(config.get("NATIVE", 0))  # qdata from `native_codes`; x as it is, by TMA
     x_by_tma = native or bool(config.get("X_BY_TMA", block_t >= X_BY_TMA_MIN_T))
@@ -241,13 +241,13 @@ def launch(
     if (
         block_t not in WGMMA_BLOCK_T
         or block_t < m
-        or not 2 <= stages <= _stages(block_t)
+        or not 2 <= stages <= _stages(block_t, x.device)
         or steps < 1
         or group_chunks < 1
     ):
         raise ValueError(
             f"wgmma W4A16 config {config} for {m} tokens: BLOCK_T must be one of "
-            f"{list(WGMMA_BLOCK_T)} and >= the tokens, STAGES 2..{_stages(block_t)} "
+            f"{list(WGMMA_BLOCK_T)} and >= the tokens, STAGES 2..{_stages(block_t, x.device)} "
             f"(the ring fills the shared memory), STEPS and GROUP_CHUNKS >= 1"
         )
     tiles = triton.cdiv(n, TILE_ROWS)

@@ -47,7 +47,6 @@ import triton
 from ..gluon_api import (
     CHUNK,
     GLUON_IMPORT_ERROR,
-    SMEM_BUDGET,
     TensorDescriptor,
     fence_async_shared,
     gl,
@@ -56,6 +55,7 @@ from ..gluon_api import (
     mma_v2,
     tma_load,
 )
+from ..gpu import smem_budget
 from ..split_k import sm_count, workspace
 from . import register
 from .register import MXFP4, NVFP4
@@ -119,7 +119,7 @@ def config(
     return {
         "BLOCK_M": block_m,
         "STEPS": steps,
-        "STAGES": _stages(block_m, warps, per_sm),
+        "STAGES": _stages(block_m, warps, per_sm, device),
         "PER_SM": per_sm,
         "WARPS": warps,
         "MAXNREG": maxnreg,
@@ -129,9 +129,9 @@ def config(
 _config = config  # (`launch`'s parameter of that name hides the function)
 
 
-def _stages(block_m: int, warps: int, per_sm: int) -> int:
+def _stages(block_m: int, warps: int, per_sm: int, device: torch.device) -> int:
     slot = ROWS_PER_WARP * warps * WORDS * 4 + block_m * CHUNK * 2  # codes + x (16-bit)
-    return max(2, min(8, SMEM_BUDGET // per_sm // slot))
+    return max(2, min(8, smem_budget(device) // per_sm // slot))
 
 
 def launch(
@@ -154,7 +154,7 @@ def launch(
     config = dict(config or _config(m, n, k, x.device, fmt))
     block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
     warps = config.get("WARPS", 8)
-    stages = config.get("STAGES") or _stages(block_m, warps, per_sm)
+    stages = config.get("STAGES") or _stages(block_m, warps, per_sm, x.device)
     if (
         block_m not in WS_BLOCK_M
         or block_m < m

@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from ...errors import ConfigError
+from .. import tuning
 from ..split_k import programs_of
 from ..tuning import tuned_config
 from . import dequantize, gemv, gemv_words, register, register_wgmma, register_ws, small_m
@@ -182,8 +184,24 @@ def _register(p: Matmul) -> dict:
 
 
 def _tuned(p: Matmul) -> dict | None:
-    config = tuned_config("w4a16", tuned_format(p.fmt, p.group), p.n, p.k, p.m, p.x.device)
-    return config or None  # (an empty entry is none)
+    """The tuned entry for this GPU, shape and token bucket (`tuning.py`), or None. The wgmma
+    kernel's PROMOTE follows x's dtype, as in the rule's own config (the tuner runs bf16)."""
+    fmt = tuned_format(p.fmt, p.group, p.native)
+    config = tuned_config("w4a16", fmt, p.n, p.k, p.m, p.x.device)
+    if not config:  # (an empty entry is none)
+        return None
+    kernel = kernel_for(p.m, config)
+    if p.native:
+        try:
+            _check_native(kernel, config)
+        except ValueError as error:
+            key = tuning.config_key("w4a16", fmt, p.n, p.k, p.m)
+            raise ConfigError(f"tuned config {key}: {error}; re-run bench/tune_w4a16.py") from None
+    if kernel is Kernel.REGISTER_WGMMA and config.get("PROMOTE"):
+        config = {k: v for k, v in config.items() if k not in ("PROMOTE", "GROUP_CHUNKS")}
+        promote = register_wgmma.promote_config(int(p.fmt), p.x, p.group, config["BLOCK_T"])
+        config.update(promote or {"GROUP_CHUNKS": register_wgmma.GROUP_CHUNKS})
+    return config
 
 
 def _words(p: Matmul) -> dict | None:
@@ -200,6 +218,13 @@ def _always(p: Matmul) -> bool:
 
 
 RULES = (
+    Rule(
+        None,
+        _always,
+        _tuned,
+        "the tuned choice for this GPU, shape and token bucket: faster than the rules below by "
+        "more than 3 % where the tuner measured it (tuning.py, bench/tune_w4a16.py)",
+    ),
     Rule(
         Kernel.GEMV_WORDS,
         _pair,
@@ -228,7 +253,6 @@ RULES = (
         "2..12 tokens: int4 1.57-1.95x of bf16 where the small-M kernel gives 1.39x (H100; "
         'w4a16_register.md, "The mma.sync register kernel")',
     ),
-    Rule(None, _always, _tuned, "a tuned config for this GPU, shape and token bucket (tuning.py)"),
     Rule(
         Kernel.GEMV_WORDS,
         _one_token,
@@ -253,6 +277,13 @@ RULES = (
 )
 
 NATIVE_RULES = (
+    Rule(
+        None,
+        _always,
+        _tuned,
+        "the tuned choice for this GPU, shape and token bucket: faster than the rules below by "
+        "more than 3 % where the tuner measured it (tuning.py, bench/tune_w4a16.py)",
+    ),
     Rule(
         Kernel.GEMV_WORDS,
         _one_token,
