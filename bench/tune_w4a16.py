@@ -17,13 +17,14 @@ weight copies rotated past the L2). An existing file is extended: its other keys
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
 import torch
 import triton
 from bench_fp4 import mxfp4_weight, nvfp4_weight
-from bench_int4 import WORDS_SWEEP, int4_weight
+from bench_int4 import int4_weight
 from harness import LLAMA, copies_for, relative_error, time_us, versions_line
 
 from qshard.kernels import tuning
@@ -48,6 +49,7 @@ MIN_GAIN = 0.03
 MAX_DIFFERENCE = 0.01  # a candidate's output against the op's (both fp32-accumulated)
 FORMATS = {"int4": int4_weight, "mxfp4": mxfp4_weight, "nvfp4": nvfp4_weight}
 SPLITS = (1, 2, 3, 4, 6, 8)  # the wgmma kernel's K splits tried beside its model's
+WORDS = (64, 128, 256)  # the one-token word GEMV's words (8 codes each) per step
 
 
 def candidates(fmt: Format, x, qdata, group: int, native: bool):
@@ -55,17 +57,20 @@ def candidates(fmt: Format, x, qdata, group: int, native: bool):
     m, k, n = x.shape[0], x.shape[1], qdata.shape[0]
     device = x.device
     found = []
-    if m == 1:
-        if native:
-            base = gemv_words.native_config(k)
-            found += [(f"words native {rows} rows", {**base, "BLOCK_N": rows}) for rows in (8, 16)]
-        else:
-            for rows, words, warps, evict in WORDS_SWEEP:
+    if m == 1:  # the word GEMV: rows, words a step, warps, codes loaded 1 or 2 steps ahead
+        for rows, words, warps, prefetch in itertools.product((8, 16), WORDS, (4, 8), (1, 2)):
+            if k % (8 * words) == 0:
                 config = dict(
-                    KERNEL="gemv_words", BLOCK_N=rows, BLOCK_W=words, num_warps=warps, EVICT=evict
+                    KERNEL="gemv_words",
+                    BLOCK_N=rows,
+                    BLOCK_W=words,
+                    num_warps=warps,
+                    PREFETCH=prefetch,
+                    EVICT=1,
+                    NATIVE=int(native),
                 )
-                if k % (8 * words) == 0:
-                    found.append((f"words {rows}x{words}w {warps}w ev{evict}", config))
+                found.append((f"words {rows}x{words}w {warps}w prefetch {prefetch}", config))
+        if not native:
             found.append(("gemv", gemv.config(fmt)))
     if m == 2:
         found.append(("pair gemv", gemv_words.pair_config(native)))
