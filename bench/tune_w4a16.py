@@ -6,7 +6,12 @@ tuned file (qshard/kernels/tuning.py) with the GPU's traits. Prints, per shape a
 choice and time beside the fastest candidate: the op's choice re-measured on this GPU.
 
     python bench/tune_w4a16.py [--formats int4,mxfp4,nvfp4] [--ms 1,2,4,8,16,32,64,128]
-        [--shapes 6144x4096,4096x4096,...] [--out qshard/kernels/tuned/<name>.json]
+        [--shapes 6144x4096,4096x4096,...] [--out F]
+
+--out defaults to the shipped file measured on a GPU of this one's traits, else a new
+qshard/kernels/tuned/<device name>.json; a file measured on another GPU is refused. Each M is
+tuned at its bucket's top (qshard/kernels/tuning.py), and an entry is kept only where it is also
+no slower than the op's choice at the bucket's lowest M, since it runs over the whole bucket.
 
 int4 runs on the codes as an Int4Tensor holds them on this GPU (the native order on Hopper,
 keys "..._native"). Shapes default to the Llama-3.1-8B layer; bf16 activations. Each candidate
@@ -109,31 +114,62 @@ def time_config(copies, x, config, native: bool) -> float:
 
 
 def tune_shape(weight, native: bool, n: int, k: int, m: int):
-    """(best config or None where the op's choice stands, best us, the op's us, labels)."""
+    """At the bucket's top M: (best config or None where the op's choice stands, best us, the
+    op's us, labels). A config is kept only where it beats the op's choice by MIN_GAIN at the
+    top and is no slower than it at the bucket's lowest M (an entry runs over the bucket)."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    qdata = weight.inner[0]
     copies = [weight] + [weight.clone() for _ in range(copies_for(n * k // 2, m) - 1)]
-    with tuning.ignored():
-        chosen = choose(weight.fmt, x, qdata, weight.group, native)
-        want = linear_launch(weight.fmt, x, *weight.inner, None, weight.group, native=native)
-        op_us = time_config(copies, x, None, native)
+    chosen, want, op_us = op_choice(copies, x, native)
     best, best_us, best_label = None, op_us, "the op's choice"
-    for label, config in candidates(weight.fmt, x, qdata, weight.group, native):
-        try:
-            got = linear_launch(weight.fmt, x, *weight.inner, None, weight.group, config, native)
-            error = relative_error(got, want)
-            if error > MAX_DIFFERENCE:
-                print(f"  ({label}: differs from the op by {error:.2e}; skipped)")
-                continue
-            us = time_config(copies, x, config, native)
-        except Exception as e:  # a config that does not build here: shown, not fatal
-            print(f"  ({label}: {type(e).__name__}: {str(e)[:120]})")
-            continue
-        if us < best_us:
+    for label, config in candidates(weight.fmt, x, weight.inner[0], weight.group, native):
+        us = checked_time(copies, x, config, native, want, label)
+        if us is not None and us < best_us:
             best, best_us, best_label = config, us, label
+    op_label = f"op {chosen.kernel.value}"
     if best is not None and best_us > op_us * (1 - MIN_GAIN):
-        best, best_label = None, f"{best_label} (within 3 %: the op's choice stands)"
-    return best, best_us, op_us, f"op {chosen.kernel.value}", best_label
+        return None, best_us, op_us, op_label, f"{best_label} (within 3 %: the op's choice stands)"
+    low = bucket_low(m)
+    if best is not None and low < m:
+        x_low = torch.randn(low, k, device="cuda", dtype=torch.bfloat16)
+        _, want_low, op_low = op_choice(copies, x_low, native)
+        us_low = checked_time(copies, x_low, best, native, want_low, best_label)
+        if us_low is None or us_low > op_low:
+            return None, best_us, op_us, op_label, f"{best_label} (slower at M={low}: not kept)"
+        best_label += f" (at M={low} {us_low:.2f} us against {op_low:.2f})"
+    if best is not None:
+        best = {"KERNEL": kernel_for(m, best).value, **best}
+    return best, best_us, op_us, op_label, best_label
+
+
+def op_choice(copies, x, native: bool):
+    """The op's own choice with no tuned entry (the rule tables): (choice, output, us)."""
+    w = copies[0]
+    with tuning.ignored():
+        chosen = choose(w.fmt, x, w.inner[0], w.group, native)
+        out = linear_launch(w.fmt, x, *w.inner, None, w.group, native=native)
+        return chosen, out, time_config(copies, x, None, native)
+
+
+def checked_time(copies, x, config, native: bool, want, label: str) -> float | None:
+    """The op's us with `config`, after its output is checked against `want`; None (and why,
+    printed) where it differs or does not build here."""
+    w = copies[0]
+    try:
+        got = linear_launch(w.fmt, x, *w.inner, None, w.group, config, native)
+        error = relative_error(got, want)
+        if error > MAX_DIFFERENCE:
+            print(f"  ({label}: differs from the op by {error:.2e}; skipped)")
+            return None
+        return time_config(copies, x, config, native)
+    except Exception as e:  # a config that does not build here: shown, not fatal
+        print(f"  ({label}: {type(e).__name__}: {str(e)[:120]})")
+        return None
+
+
+def bucket_low(m: int) -> int:
+    """The lowest M of the bucket whose top is m: one past the bucket below."""
+    below = [b for b in tuning.M_BUCKETS if b < m]
+    return below[-1] + 1 if below else m
 
 
 def held(weight, fmt_name: str):
@@ -155,9 +191,15 @@ def main() -> None:
     load_w4a16_ops()
     name = torch.cuda.get_device_name()
     gpu = traits(torch.cuda.current_device())
-    out = args.out or str(tuning.TUNED_DIR / f"{name.lower().replace(' ', '_')}.json")
+    out = args.out or default_out(gpu, name)
     data = {"version": tuning.TUNED_FORMAT_VERSION, "configs": {}}
     if os.path.exists(out):
+        measured_on = tuning.file_traits(out)
+        if measured_on != gpu:
+            raise SystemExit(
+                f"{out} was measured on a GPU of {measured_on}, this one is {gpu}: its entries "
+                f"would be relabelled; give a new file with --out"
+            )
         with open(out) as f:
             data = json.load(f)
     data.update(version=tuning.TUNED_FORMAT_VERSION, gpu=name, traits=gpu.to_json())
@@ -169,7 +211,7 @@ def main() -> None:
         for n, k in shapes:
             made = FORMATS[fmt_name](torch.randn(n, k, device="cuda") * 0.02)
             weight, native = held(made, fmt_name)
-            for m in (int(v) for v in args.ms.split(",")):
+            for m in sorted({tuning.m_bucket(int(v)) for v in args.ms.split(",")}):
                 config, us, op_us, op_label, label = tune_shape(weight, native, n, k, m)
                 fmt = tuned_format(weight.fmt, weight.group, native)
                 key = tuning.config_key("w4a16", fmt, n, k, m)
@@ -184,6 +226,14 @@ def main() -> None:
                     data["configs"].pop(key, None)
             write(data, out)  # after every shape: a run cut short keeps what it measured
     print(f"wrote {len(data['configs'])} tuned configs to {out}")
+
+
+def default_out(gpu, name: str) -> str:
+    """The shipped file measured on a GPU of these traits (it is extended), else a new one."""
+    shipped = tuning.shipped_file(gpu, name)
+    if shipped is not None and tuning.file_traits(shipped) == gpu:
+        return str(shipped)
+    return str(tuning.TUNED_DIR / f"{name.lower().replace(' ', '_')}.json")
 
 
 def write(data: dict, path: str) -> None:

@@ -68,7 +68,9 @@ def traits(index: int) -> GpuTraits:
 
 
 def smem_budget(device: torch.device) -> int:
-    """Bytes of shared memory the Gluon kernels' rings may fill on `device`; on the CPU (the
-    tests' recorded launches) an sm_90 SM's, what those kernels are built for."""
-    kib = HOPPER_SMEM_KIB if device.type != "cuda" else traits(device.index or 0).smem_kib
+    """Bytes of shared memory the Gluon kernels' rings may fill on `device`; where there is no
+    GPU to ask (the CPU, the tests' recorded launches and configs on a machine without CUDA)
+    an sm_90 SM's, what those kernels are built for."""
+    present = device.type == "cuda" and torch.cuda.is_available()
+    kib = traits(device.index or 0).smem_kib if present else HOPPER_SMEM_KIB
     return kib * 1024 - SMEM_RESERVE

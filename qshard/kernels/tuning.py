@@ -2,12 +2,13 @@
 
 A tuned file (`kernels/tuned/<gpu>.json`, written by `bench/tune_w4a16.py`) holds, for the
 shapes it was tuned on, the kernel and config that measured fastest where it beat the op's own
-choice (its rule table) by more than the timing noise; every other shape and M runs the rule
-table's choice. The file for a GPU is picked by what the GPU is, not by its name: the shipped
-file of the same compute capability whose traits (SM count, shared memory per SM, memory
-bandwidth: `gpu.GpuTraits`) are the nearest, so an H200 takes h200.json and a Hopper GPU with no
-file of its own the closest one's. A file of one's own is added with `load_tuned_configs(path)`
-or the QSHARD_TUNED_CONFIGS environment variable (a path).
+choice (its rule table) by more than the timing noise over the whole M bucket; every other
+shape and M runs the rule table's choice. The file for a GPU is picked by what the GPU is, not
+by its name: the shipped file of the same compute capability whose traits (SM count, shared
+memory per SM, memory bandwidth: `gpu.GpuTraits`) are the nearest, so an H200 takes h200.json
+and a Hopper GPU with no file of its own the closest one's, of which it takes only the kernel
+choices (`_shipped`). A file of one's own is added with `load_tuned_configs(path)` or the
+QSHARD_TUNED_CONFIGS environment variable (a path), and taken whole.
 
 File format (JSON): {"version": 2, "gpu": "<device name>", "traits": {"capability": [9, 0],
 "sms": ..., "smem_kib": ..., "bandwidth_gbs": ...}, "triton": "<version>",
@@ -57,14 +58,18 @@ def config_key(family: str, fmt: str, n: int, k: int, m: int) -> str:
     return f"{family}/{fmt}/{n}x{k}/m{m_bucket(m)}"
 
 
-def shipped_file(gpu: GpuTraits) -> Path | None:
-    """The shipped tuned file for a GPU of traits `gpu`: of the same compute capability, the
-    nearest (`GpuTraits.distance`); None where no file has its capability."""
-    best, best_distance = None, None
+def shipped_file(gpu: GpuTraits, name: str = "") -> Path | None:
+    """The shipped tuned file for a GPU of traits `gpu` called `name`: of the same compute
+    capability, the nearest (`GpuTraits.distance`); of equally near files the one measured on
+    a GPU of this name, then the first by file name; None where no file has its capability."""
+    best, best_rank = None, None
     for path in sorted(TUNED_DIR.glob("*.json")):
         distance = gpu.distance(file_traits(path))
-        if distance is not None and (best_distance is None or distance < best_distance):
-            best, best_distance = path, distance
+        if distance is None:
+            continue
+        rank = (distance, _load(path).get("gpu") != name)
+        if best_rank is None or rank < best_rank:
+            best, best_rank = path, rank
     return best
 
 
@@ -111,17 +116,25 @@ def load_tuned_configs(path: str | os.PathLike) -> None:
 def ignored() -> Iterator[None]:
     """No tuned config inside: the op runs its rule tables' own choices (the tuner's
     baseline)."""
+    before = _IGNORED[0]
     _IGNORED[0] = True
     try:
         yield
     finally:
-        _IGNORED[0] = False
+        _IGNORED[0] = before
 
 
 @functools.cache
 def _shipped(index: int) -> dict[str, dict[str, Any]]:
-    path = shipped_file(traits(index))
+    """The shipped entries for device `index`, then QSHARD_TUNED_CONFIGS's. From a file
+    measured on a GPU of other traits (the nearest, not this one) only each entry's kernel
+    choice is taken: its sizes (K splits, programs per SM, ring stages) were fitted to that
+    GPU, so the kernel sizes itself for this one (w4a16/select.py)."""
+    gpu = traits(index)
+    path = shipped_file(gpu, torch.cuda.get_device_name(index))
     configs = _read(path) if path else {}
+    if path and file_traits(path) != gpu:
+        configs = {key: {"KERNEL": c["KERNEL"]} for key, c in configs.items() if "KERNEL" in c}
     extra = os.environ.get(ENV_VAR)
     if extra:
         configs = {**configs, **_read(Path(extra))}

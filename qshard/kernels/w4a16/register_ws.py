@@ -154,19 +154,20 @@ def launch(
     config = dict(config or _config(m, n, k, x.device, fmt))
     block_m, steps, per_sm = config["BLOCK_M"], config["STEPS"], config["PER_SM"]
     warps = config.get("WARPS", 8)
-    stages = config.get("STAGES") or _stages(block_m, warps, per_sm, x.device)
+    most = _stages(block_m, warps, per_sm, x.device) if per_sm >= 1 else 0
+    stages = config.get("STAGES") or most
     if (
         block_m not in WS_BLOCK_M
         or block_m < m
-        or stages < 2
+        or not 2 <= stages <= most
         or per_sm < 1
         or steps < 1
         or warps not in (4, 8, 16)
     ):
         raise ValueError(
             f"warp-specialized W4A16 config {config} for {m} tokens: BLOCK_M must "
-            f"be one of {list(WS_BLOCK_M)} and >= the tokens, STAGES >= 2, "
-            f"STEPS and PER_SM >= 1, WARPS 4, 8 or 16"
+            f"be one of {list(WS_BLOCK_M)} and >= the tokens, STAGES 2..{most} (PER_SM rings "
+            f"fill the shared memory), STEPS and PER_SM >= 1, WARPS 4, 8 or 16"
         )
     tile_rows = ROWS_PER_WARP * warps
     tiles = triton.cdiv(n, tile_rows)

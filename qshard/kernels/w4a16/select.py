@@ -186,24 +186,61 @@ def _register(p: Matmul) -> dict:
 
 
 def _tuned(p: Matmul) -> dict | None:
-    """The tuned entry for this GPU, shape and token bucket (`tuning.py`), or None. The wgmma
-    kernel's PROMOTE follows x's dtype, as in the rule's own config (the tuner runs bf16)."""
+    """The tuned entry for this GPU, shape and token bucket (`tuning.py`), or None. An entry
+    that names only its kernel (what a file measured on another GPU gives: `tuning.py`) runs
+    that kernel with its own config for this device; dequantize takes the codes' order from
+    the weight; the wgmma kernel's PROMOTE is dropped where x's dtype cannot take it (the tuner
+    runs bf16)."""
     fmt = tuned_format(p.fmt, p.group, p.native)
     config = tuned_config("w4a16", fmt, p.n, p.k, p.m, p.x.device)
     if not config:  # (an empty entry is none)
         return None
-    kernel = kernel_for(p.m, config)
-    if p.native:
-        try:
-            _check_native(kernel, config)
-        except ValueError as error:
-            key = tuning.config_key("w4a16", fmt, p.n, p.k, p.m)
-            raise ConfigError(f"tuned config {key}: {error}; re-run bench/tune_w4a16.py") from None
-    if kernel is Kernel.REGISTER_WGMMA and config.get("PROMOTE"):
-        config = {k: v for k, v in config.items() if k not in ("PROMOTE", "GROUP_CHUNKS")}
-        promote = register_wgmma.promote_config(int(p.fmt), p.x, p.group, config["BLOCK_T"])
-        config.update(promote or {"GROUP_CHUNKS": register_wgmma.GROUP_CHUNKS})
+    key = tuning.config_key("w4a16", fmt, p.n, p.k, p.m)
+    kernel = _tuned_kernel(key, p, config)
+    if kernel is Kernel.DEQUANTIZE:
+        return dequantize.config(p.native)
+    if set(config) == {"KERNEL"}:
+        return _sized_here(kernel, p)
+    promoted = kernel is Kernel.REGISTER_WGMMA and config.get("PROMOTE")
+    block_t = config.get("BLOCK_T", 0)
+    if promoted and not register_wgmma.promote_config(int(p.fmt), p.x, p.group, block_t):
+        config = {**config, "PROMOTE": 0, "GROUP_CHUNKS": register_wgmma.GROUP_CHUNKS}
     return config
+
+
+def _tuned_kernel(key: str, p: Matmul, config: dict) -> Kernel:
+    """The kernel a tuned entry names, checked against the codes' order: native codes only by
+    the kernels that read them (NATIVE = 1), canonical codes never with NATIVE = 1."""
+    sources = "the GPU's file in kernels/tuned/, QSHARD_TUNED_CONFIGS or load_tuned_configs"
+    try:
+        kernel = kernel_for(p.m, config)
+        if p.native:
+            _check_native(kernel, config)
+        elif config.get("NATIVE"):
+            raise ValueError(f"config {config} has NATIVE = 1 for codes in the canonical order")
+    except ValueError as error:
+        names = [k.value for k in Kernel]
+        raise ConfigError(
+            f"tuned config {key} (from {sources}): {error}; an entry names one of the kernels "
+            f"{names}; re-run bench/tune_w4a16.py"
+        ) from None
+    return kernel
+
+
+def _sized_here(kernel: Kernel, p: Matmul) -> dict | None:
+    """`kernel`'s own config for this matmul on this device (as the rules size it)."""
+    if kernel is Kernel.GEMV_WORDS:
+        if p.m == 2:
+            return gemv_words.pair_config(p.native)
+        return gemv_words.native_config(p.k) if p.native else _words(p)
+    sizing = {
+        Kernel.GEMV: lambda: gemv.config(p.fmt),
+        Kernel.SMALL_M: lambda: small_m.config(p.m, p.n, p.k, p.x.device),
+        Kernel.REGISTER: lambda: _register(p),
+        Kernel.REGISTER_WS: lambda: _ws(p),
+        Kernel.REGISTER_WGMMA: lambda: _native_wgmma(p) if p.native else _wgmma(p),
+    }
+    return sizing[kernel]()
 
 
 def _words(p: Matmul) -> dict | None:
