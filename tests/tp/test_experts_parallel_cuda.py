@@ -82,9 +82,10 @@ def _floors(layout: str, style: str) -> tuple[float, float]:
 
 def intermediate_size(layout: str, world: int) -> int:
     """The experts' intermediate size at `world` ranks: 32 columns of down per rank under
-    ExpertTensorParallel (int4 g32 and MXFP4 blocks of 32 stay whole), and for FP8 blockwise 64,
-    so that from 4 ranks every cut falls inside a 32x32 block (re-blocked)."""
-    return 64 if layout == "fp8-block" else max(64, 32 * world)
+    ExpertTensorParallel (int4 g32 and MXFP4 blocks of 32 stay whole), and for FP8 blockwise 16
+    (64 at 2 and 4 ranks), so that from 4 ranks every cut falls inside a 32x32 block and leaves
+    re-blocked blocks of 16, the smallest the layout re-blocks to."""
+    return max(64, 16 * world) if layout == "fp8-block" else max(64, 32 * world)
 
 
 def _case(rank, world, mesh, layout: str, style: str) -> None:
