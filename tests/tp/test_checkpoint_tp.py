@@ -171,19 +171,43 @@ def _save_sharded_worker(rank, world, mesh, directory, dims):
 
 @pytest.mark.parametrize("dims", [{}, UNEVEN_DIMS], ids=["aligned", "reblocked"])
 def test_a_tp2_model_saves_one_full_checkpoint_that_loads_at_tp1(dims, tmp_path):
-    spawn(_save_sharded_worker, 2, tmp_path, dims)
+    check_save_at_tp_n(tmp_path, 2, dims)
+
+
+def check_save_at_tp_n(tmp_path, world: int, dims: dict) -> None:
+    """Every layout's model saved at TP `world` (gathered, one checkpoint), loaded at TP 1:
+    the same weights (re-blocked ones dequantize the same) and outputs (bench/gloo_world.py runs
+    it at 8 ranks)."""
+    spawn(_save_sharded_worker, world, tmp_path, dims)
     for i, (_, config) in enumerate(LAYOUT_CASES):
         expected = quantized_model(dims, config, seed=i)
         loaded = qshard.load(tmp_path / str(i), meta_model(dims))
-        if dims == {}:  # every cut on a block: the gathered weights are the originals, exactly
-            assert_same_parameters(loaded, expected)
         for name, module in expected.named_modules():
             weight = getattr(module, "weight", None)
             if isinstance(weight, qshard.QTensor):  # a re-blocked weight dequantizes the same
                 got = loaded.get_submodule(name).weight
                 assert torch.equal(got.dequantize(), weight.dequantize()), name
+        # The originals in the TP-n packing (the originals themselves where every cut falls on
+        # a block boundary), exactly.
+        packed_like_tp(expected, loaded, world)
+        assert_same_parameters(loaded, expected)
         with torch.no_grad():
             torch.testing.assert_close(loaded(TOKENS), expected(TOKENS), rtol=1e-5, atol=1e-6)
+
+
+def packed_like_tp(model: nn.Module, loaded: nn.Module, world: int) -> None:
+    """Give `model`'s block weights the packing a TP `world` save wrote into `loaded` (FP8
+    re-blocked where a cut fell inside a block: at 8 ranks o's and down's K too, which sets
+    the activations' FP8 groups), so that both compute with the same blocks and groups."""
+    for name, style in BLOCK_PLAN.items():
+        module = model.block.get_submodule(name)
+        weight = module.weight
+        if isinstance(weight, qshard.QTensor):
+            dim = 1 if style == "rowwise" else 0
+            realigned = weight.realign(dim, qshard.tp.shard_cuts(weight.shape[dim], world))
+            saved = loaded.block.get_submodule(name).weight
+            assert realigned.attr_values() == saved.attr_values(), name
+            module.weight = nn.Parameter(realigned.clone(), requires_grad=False)
 
 
 # ---- errors ----------------------------------------------------------------------------------
