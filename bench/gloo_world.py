@@ -3,9 +3,9 @@ run (it runs 2 and 4): the dense Llama-style block at the dims the NCCL block wo
 world (`test_tensor_parallel_cuda.block_dims`), the experts worker of
 `test_experts_parallel_cuda.py` (every layout; EP with both dispatches, ETP, and EP x TP on a 2-D
 mesh of world / 2 x 2; a per-rank EP load), and every layout's model at those dims saved at TP n
-and loaded at TP 1 (`test_checkpoint_tp.check_save_at_tp_n`; the NCCL checkpoint worker's
-sharded load at TP 8 runs in CI on gloo). What an 8-GPU NCCL run checks, checked on 8 CPU
-processes first.
+and loaded at TP 1 (`test_checkpoint_tp.check_save_at_tp_n`; a sharded load at TP 8 runs in
+CI on gloo, test_checkpoint_tp.py). What an 8-GPU NCCL run checks, checked on 8 CPU processes
+first.
 
     python bench/gloo_world.py [--world 8]
 
