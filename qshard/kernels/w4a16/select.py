@@ -256,14 +256,17 @@ def _always(p: Matmul) -> bool:
     return True
 
 
+# First in both tables: a tuned entry is kept only where it beat the rules below (tuning.py).
+TUNED_RULE = Rule(
+    None,
+    _always,
+    _tuned,
+    "the tuned choice for this GPU, shape and token bucket: faster than the rules below by "
+    "more than 3 % where the tuner measured it (tuning.py, bench/tune_w4a16.py)",
+)
+
 RULES = (
-    Rule(
-        None,
-        _always,
-        _tuned,
-        "the tuned choice for this GPU, shape and token bucket: faster than the rules below by "
-        "more than 3 % where the tuner measured it (tuning.py, bench/tune_w4a16.py)",
-    ),
+    TUNED_RULE,
     Rule(
         Kernel.GEMV_WORDS,
         _pair,
@@ -316,13 +319,7 @@ RULES = (
 )
 
 NATIVE_RULES = (
-    Rule(
-        None,
-        _always,
-        _tuned,
-        "the tuned choice for this GPU, shape and token bucket: faster than the rules below by "
-        "more than 3 % where the tuner measured it (tuning.py, bench/tune_w4a16.py)",
-    ),
+    TUNED_RULE,
     Rule(
         Kernel.GEMV_WORDS,
         _one_token,
