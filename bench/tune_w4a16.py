@@ -44,11 +44,12 @@ from qshard.kernels.w4a16 import (
     register,
     register_wgmma,
     register_ws,
+    select,
     small_m,
 )
 from qshard.kernels.w4a16.format import Format, tuned_format
 from qshard.kernels.w4a16.ops import linear_launch
-from qshard.kernels.w4a16.select import STRATEGIES, choose, kernel_for
+from qshard.kernels.w4a16.select import choose, kernel_for
 
 MIN_GAIN = 0.03
 MAX_DIFFERENCE = 0.01  # a candidate's output against the op's (both fp32-accumulated)
@@ -97,12 +98,8 @@ def candidates(fmt: Format, x, qdata, group: int, native: bool):
         found.append(("small-m", small_m.config(m, n, k, device)))
     if m >= 16:
         found.append(("dequantize + cuBLAS", dequantize.config(native)))
-    return [(label, c) for label, c in found if _runs(fmt, x, qdata, group, c)]
-
-
-def _runs(fmt, x, qdata, group, config) -> bool:
-    kernel = kernel_for(x.shape[0], config)
-    return STRATEGIES[kernel].problem(int(fmt), x, qdata, group) is None
+    matmul = select.Matmul(fmt, x, qdata, group, native)
+    return [(label, c) for label, c in found if select._runs(kernel_for(m, c), matmul)]
 
 
 def time_config(copies, x, config, native: bool) -> float:

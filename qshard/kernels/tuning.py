@@ -64,10 +64,11 @@ def shipped_file(gpu: GpuTraits, name: str = "") -> Path | None:
     a GPU of this name, then the first by file name; None where no file has its capability."""
     best, best_rank = None, None
     for path in sorted(TUNED_DIR.glob("*.json")):
-        distance = gpu.distance(file_traits(path))
+        data = _load(path)
+        distance = gpu.distance(_traits(path, data))
         if distance is None:
             continue
-        rank = (distance, _load(path).get("gpu") != name)
+        rank = (distance, data.get("gpu") != name)
         if best_rank is None or rank < best_rank:
             best, best_rank = path, rank
     return best
@@ -75,7 +76,10 @@ def shipped_file(gpu: GpuTraits, name: str = "") -> Path | None:
 
 def file_traits(path: Path) -> GpuTraits:
     """The traits of the GPU a tuned file was measured on."""
-    data = _load(path)
+    return _traits(path, _load(path))
+
+
+def _traits(path: Path, data: dict) -> GpuTraits:
     try:
         return GpuTraits.from_json(data["traits"])
     except (KeyError, TypeError, ValueError) as error:
@@ -100,8 +104,9 @@ def _load(path: Path) -> dict:
     return data
 
 
-def _read(path: Path) -> dict[str, dict[str, Any]]:
-    configs = _load(path).get("configs")
+def _read(path: Path, data: dict | None = None) -> dict[str, dict[str, Any]]:
+    """The entries of a tuned file (`data`: its contents, where already loaded)."""
+    configs = (data if data is not None else _load(path)).get("configs")
     if not isinstance(configs, dict) or not all(isinstance(v, dict) for v in configs.values()):
         raise ConfigError(f"tuned configs {str(path)!r}: 'configs' must map keys to objects")
     return configs
@@ -132,8 +137,9 @@ def _shipped(index: int) -> dict[str, dict[str, Any]]:
     GPU, so the kernel sizes itself for this one (w4a16/select.py)."""
     gpu = traits(index)
     path = shipped_file(gpu, torch.cuda.get_device_name(index))
-    configs = _read(path) if path else {}
-    if path and file_traits(path) != gpu:
+    data = _load(path) if path else {"configs": {}}
+    configs = _read(path, data)
+    if path and _traits(path, data) != gpu:
         configs = {key: {"KERNEL": c["KERNEL"]} for key, c in configs.items() if "KERNEL" in c}
     extra = os.environ.get(ENV_VAR)
     if extra:
