@@ -30,12 +30,16 @@ class GpuTraits:
     @classmethod
     def from_json(cls, data: dict) -> GpuTraits:
         major, minor = data["capability"]
-        return cls(
+        gpu = cls(
             (int(major), int(minor)),
             int(data["sms"]),
             int(data["smem_kib"]),
             int(data.get("bandwidth_gbs", 0)),
         )
+        if gpu.sms < 1 or gpu.smem_kib < 1 or gpu.bandwidth_gbs < 0:
+            # `distance` takes their logarithms; a bandwidth of 0 is the unknown one
+            raise ValueError(f"sms and smem_kib must be >= 1 and bandwidth_gbs >= 0, got {data}")
+        return gpu
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "capability": list(self.capability)}

@@ -67,6 +67,13 @@ def test_a_tuned_file_without_the_gpus_traits_is_a_config_error(tmp_path, monkey
     (tmp_path / "bad.json").write_text(json.dumps({"version": 2, "configs": {}}))
     with pytest.raises(ConfigError, match="'traits' must hold"):
         tuning.shipped_file(H100)
+    # a count of 0 (whose logarithm the distance would take) or a NaN
+    for bad in ({"sms": 0}, {"smem_kib": float("nan")}, {"bandwidth_gbs": -1}):
+        path = tuned_file(tmp_path / "bad.json", H100)
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps({**data, "traits": {**data["traits"], **bad}}))
+        with pytest.raises(ConfigError, match="'traits' must hold"):
+            tuning.shipped_file(H100)
 
 
 def test_the_device_traits_and_the_shared_memory_the_rings_take(monkeypatch):
