@@ -211,7 +211,7 @@ _KERNEL_KINDS = (
         "collectives",
         ("nccl", "all_reduce", "allreduce", "all_to_all", "alltoall", "one_shot", "symm"),
     ),
-    ("attention", ("flash", "attention", "sdpa", "fmha")),
+    ("attention", ("flash", "attention", "sdpa", "fmha", "cudnn")),
     (
         "linears",
         (
@@ -337,6 +337,13 @@ def main() -> None:
         action="store_true",
         help="print where each decode step's GPU time goes (kernels by kind)",
     )
+    parser.add_argument(
+        "--attention",
+        default="kernel",
+        choices=["kernel", "sdpa"],
+        help="a decode step's attention: qshard's decode attention op (split-K, the filled "
+        "positions only) or F.scaled_dot_product_attention with the causal mask row",
+    )
     # "plain": dist.destroy_process_group() alone, to show the hang qshard.tp.shutdown avoids
     parser.add_argument(
         "--teardown", default="shutdown", choices=["shutdown", "plain"], help=argparse.SUPPRESS
@@ -359,7 +366,7 @@ def main() -> None:
     print(
         f"{args.config}{layers}, prompt {args.prompt}, {args.new} new tokens, greedy, compiled "
         f"decode step (inductor freezing {'on' if args.freezing else 'off'}), TP "
-        f"{args.tp}; each (layout, batch) in a fresh "
+        f"{args.tp}, decode attention: {args.attention}; each (layout, batch) in a fresh "
         f"process\n"
     )
     batches = args.batches.split(",")
@@ -446,7 +453,7 @@ def run_child(args, layout: str, batch: str, tp: int) -> dict | str:
     script += ["--layers", str(args.layers)] if args.layers else []
     script += [] if args.freezing else ["--no-freezing"]
     script += ["--timeout", str(args.timeout), "--teardown", args.teardown]
-    script += ["--experts", args.experts]
+    script += ["--experts", args.experts, "--attention", args.attention]
     script += ["--profile"] if args.profile else []
     script += ["--check"] if args.check else []
     launcher = [sys.executable]
@@ -545,6 +552,7 @@ def measure(args) -> None:
     # (`qshard.tp.to_local`): a graph over DTensor weights cannot be frozen (their DeviceMesh).
     torch._inductor.config.freezing = args.freezing
     config = model_config(args.config, args.layers)
+    config = dataclasses.replace(config, decode_kernel=args.attention == "kernel")
     model = build(config, args.layouts, device)
     checked = {}
     if mesh is not None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from ..kernels.decode_attention import decode_attention
 from .moe import MoEFeedForward
 
 __all__ = ["TP_PLAN", "Llama", "LlamaConfig", "decode_one_token", "generate", "prefill"]
@@ -41,6 +42,10 @@ class LlamaConfig:
     n_experts: int = 0
     top_k: int = 0
     expert_hidden: int = 0
+    # Decode steps (one token against the KV cache) run qshard's decode attention op
+    # (`kernels/decode_attention.py`: split-K, only the filled positions read) where True, else
+    # F.scaled_dot_product_attention with the causal mask row, as prefill does.
+    decode_kernel: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -132,6 +137,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = c.head_dim
         self.group_heads = c.n_heads // c.n_kv_heads  # query heads per KV head
+        self.decode_kernel = c.decode_kernel
         self.wqkv = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=False)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.kv_cache: KVCache | None = None
@@ -146,7 +152,10 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if self.kv_cache is not None and s == 1 and self.decode_kernel:
+            out = decode_attention(q, k, v, input_pos, self.head_dim**-0.5)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -1,0 +1,104 @@
+"""The decode attention op (`torch.ops.qshard.decode_attention`, kernels/decode_attention.py)
+on one GPU: checked against its float32 reference (odd shapes, every split count, the first and
+last positions, a strided q), then timed beside `F.scaled_dot_product_attention` with the
+causal mask row (what a decode step ran before, and what prefill runs) over one KV cache per
+layer (32 caches, as a decode step reads them: no cache stays in the L2).
+
+    PYTHONPATH=$PWD python bench/bench_decode_attention.py [--batches 1,32] [--positions 1288]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from harness import time_us, versions_line
+
+from qshard.kernels.decode_attention import decode_attention, decode_attention_reference
+from qshard.kernels.decode_attention_triton import decode_attention_launch, split_plan
+
+MAX_ERROR = 2e-2  # bf16 scores and probabilities in the MMAs, against float32
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "llama-3.1-70b": (64, 8, 128)}  # Hq, Hkv, D
+LAYERS = 32
+
+
+def check() -> None:
+    torch.manual_seed(0)
+    cases = [  # b, hq, hkv, positions, d, pos, splits
+        (1, 32, 8, 1288, 128, 1087, None),
+        (1, 32, 8, 1288, 128, 0, None),
+        (1, 32, 8, 1288, 128, 1287, None),
+        (32, 32, 8, 1288, 128, 1100, None),
+        (3, 64, 8, 777, 128, 500, 5),
+        (2, 7, 7, 100, 64, 63, 2),
+        (1, 40, 8, 4096, 128, 4095, None),
+        (4, 16, 2, 333, 64, 332, 1),
+    ]
+    for b, hq, hkv, positions, d, pos, splits in cases:
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (
+            torch.randn(b, hkv, positions, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)
+        )
+        at = torch.tensor([pos], device="cuda")
+        want = decode_attention_reference(q, k, v, at, d**-0.5).float()
+        got = decode_attention_launch(q, k, v, at, d**-0.5, splits).float()
+        error = (got - want).abs().max().item() / want.abs().max().item()
+        assert error < MAX_ERROR, (b, hq, hkv, positions, d, pos, splits, error)
+        got = decode_attention(q, k, v, at, d**-0.5).float()
+        assert (got - want).abs().max().item() / want.abs().max().item() < MAX_ERROR
+    print(f"checked: {len(cases)} cases within {MAX_ERROR} of the float32 reference")
+
+
+def timings(hq, hkv, d, batch, positions, pos) -> tuple[float, float, int]:
+    q = torch.randn(batch, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+    caches = [
+        [torch.randn(batch, hkv, positions, d, device="cuda", dtype=torch.bfloat16)] * 2
+        for _ in range(LAYERS)
+    ]
+    caches = [(k, k.clone()) for k, _ in caches]
+    at = torch.tensor([pos], device="cuda")
+    mask = (torch.arange(positions, device="cuda") <= pos)[None, None, None]
+    scale = d**-0.5
+
+    def op():
+        return [decode_attention(q, k, v, at, scale) for k, v in caches]
+
+    def sdpa():
+        return [
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            for k, v in caches
+        ]
+
+    splits, _ = split_plan(batch * hkv, positions, q.device)
+    return time_us(op, LAYERS), time_us(sdpa, LAYERS), splits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--positions", type=int, default=1288, help="the cache's length")
+    parser.add_argument("--filled", default="1088,1288", help="positions filled (input_pos + 1)")
+    args = parser.parse_args()
+    print(versions_line([]))
+    check()
+    print(
+        f"\nper layer, us (median of CUDA-graph replays over {LAYERS} caches); TB/s: the "
+        "filled positions' K and V bytes over the op's time\n"
+    )
+    print("| shape | batch | filled / cache | op (splits) | TB/s | SDPA + mask row | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (hq, hkv, d) in SHAPES.items():
+        for batch in map(int, args.batches.split(",")):
+            for filled in map(int, args.filled.split(",")):
+                op_us, sdpa_us, splits = timings(hq, hkv, d, batch, args.positions, filled - 1)
+                tbs = batch * hkv * filled * d * 2 * 2 / op_us / 1e6
+                print(
+                    f"| {name} | {batch} | {filled} / {args.positions} | {op_us:.2f} ({splits}) "
+                    f"| {tbs:.2f} | {sdpa_us:.2f} | {sdpa_us / op_us:.2f}x |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
