@@ -5,6 +5,7 @@ causal mask row (what a decode step ran before, and what prefill runs) over one 
 layer (32 caches, as a decode step reads them: no cache stays in the L2).
 
     PYTHONPATH=$PWD python bench/bench_decode_attention.py [--batches 1,32] [--positions 1288]
+        [--sweep]   # also the split kernel's block and split counts, Llama-3.1-8B shapes
 """
 
 from __future__ import annotations
@@ -74,11 +75,41 @@ def timings(hq, hkv, d, batch, positions, pos) -> tuple[float, float, int]:
     return time_us(op, LAYERS), time_us(sdpa, LAYERS), splits
 
 
+def sweep(batches, positions: int, filled: int) -> None:
+    """The op's time per layer by (positions a block, splits); `split_plan`'s marked *."""
+    hq, hkv, d = SHAPES["llama-3.1-8b"]
+    print("\n| batch | block | splits | us a layer |\n|---|---|---|---|")
+    for batch in batches:
+        q = torch.randn(batch, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        caches = [
+            tuple(
+                torch.randn(batch, hkv, positions, d, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2)
+            )
+            for _ in range(LAYERS)
+        ]
+        at = torch.tensor([filled - 1], device="cuda")
+        for block_n in (32, 64, 128):
+            chosen, _ = split_plan(batch * hkv, positions, q.device, block_n)
+            blocks = -(-positions // block_n)
+            for splits in sorted({chosen, 1, 4, 8, 16, 32, blocks} & set(range(1, blocks + 1))):
+
+                def op(block_n=block_n, splits=splits):
+                    return [
+                        decode_attention_launch(q, k, v, at, d**-0.5, splits, block_n)
+                        for k, v in caches
+                    ]
+
+                mark = "*" if splits == chosen and block_n == 64 else ""
+                print(f"| {batch} | {block_n} | {splits}{mark} | {time_us(op, LAYERS):.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--positions", type=int, default=1288, help="the cache's length")
     parser.add_argument("--filled", default="1088,1288", help="positions filled (input_pos + 1)")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     print(versions_line([]))
     check()
@@ -98,6 +129,9 @@ def main() -> None:
                     f"| {tbs:.2f} | {sdpa_us:.2f} | {sdpa_us / op_us:.2f}x |",
                     flush=True,
                 )
+    if args.sweep:
+        filled = int(args.filled.split(",")[0])
+        sweep(list(map(int, args.batches.split(","))), args.positions, filled)
 
 
 if __name__ == "__main__":

@@ -96,12 +96,11 @@ def _decode_attention_split(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    if SPLIT:
-        splits = tl.num_programs(1)
-        at = (bh * splits + split) * BLOCK_G + offs_g
-        tl.store(part_o_ptr + at[:, None] * D + offs_d[None, :], acc)
-        tl.store(part_ml_ptr + at * 2, m_i)
-        tl.store(part_ml_ptr + at * 2 + 1, l_i)
+    if SPLIT:  # the real heads' partials: [B * Hq, splits, D] and [B * Hq, splits, 2]
+        at = (b * HKV * G + heads) * tl.num_programs(1) + split
+        tl.store(part_o_ptr + at[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None])
+        tl.store(part_ml_ptr + at * 2, m_i, mask=g_ok)
+        tl.store(part_ml_ptr + at * 2 + 1, l_i, mask=g_ok)
     else:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -113,44 +112,40 @@ def _decode_attention_combine(
     part_o_ptr,
     part_ml_ptr,
     out_ptr,
-    HKV,
+    HQ,
     splits,
     stride_ob,
     stride_oh,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
     D: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
-    """Program b * HKV + kv head: the splits' sums rescaled to their common maximum and added
-    in split order (the same result on every run), divided by the summed exponentials."""
+    """Program b * Hq + query head: its splits' sums rescaled to their common maximum and
+    added (one load of all of them: a loop over the splits waits on each in turn), divided by
+    the summed exponentials. The same result on every run."""
     bh = tl.program_id(0)
-    b = bh // HKV
-    kvh = bh % HKV
-    offs_g = tl.arange(0, BLOCK_G)
+    offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, D)
-    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    for s in range(0, splits):
-        m = tl.maximum(m, tl.load(part_ml_ptr + ((bh * splits + s) * BLOCK_G + offs_g) * 2))
-    total = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, D), tl.float32)
-    for s in range(0, splits):
-        at = (bh * splits + s) * BLOCK_G + offs_g
-        m_s = tl.load(part_ml_ptr + at * 2)
-        w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m))  # an empty split weighs 0
-        total += w * tl.load(part_ml_ptr + at * 2 + 1)
-        acc += w[:, None] * tl.load(part_o_ptr + at[:, None] * D + offs_d[None, :])
-    heads = kvh * G + offs_g
-    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    out = acc / total[:, None]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(offs_g < G)[:, None])
+    s_ok = offs_s < splits
+    at = bh * splits + offs_s
+    m_s = tl.load(part_ml_ptr + at * 2, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + at * 2 + 1, mask=s_ok, other=0.0)
+    o_s = tl.load(part_o_ptr + at[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    m = tl.max(m_s, 0)
+    w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m))  # an empty split weighs 0
+    out = tl.sum(w[:, None] * o_s, 0) / tl.sum(w * l_s, 0)
+    o_ptrs = out_ptr + (bh // HQ) * stride_ob + (bh % HQ) * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
-def split_plan(batch_heads: int, positions: int, device: torch.device) -> tuple[int, int]:
+def split_plan(
+    batch_heads: int, positions: int, device: torch.device, block_n: int = BLOCK_N
+) -> tuple[int, int]:
     """(splits, positions per split): about 4 programs per SM over the (sequence, KV head)
-    pairs, each split a whole number of BLOCK_N blocks. 1 split where the pairs fill the GPU."""
-    blocks = triton.cdiv(positions, BLOCK_N)
+    pairs, each split a whole number of `block_n` blocks. 1 split where the pairs fill the
+    GPU."""
+    blocks = triton.cdiv(positions, block_n)
     splits = max(1, min(blocks, round(4 * programs_of(device) / batch_heads)))
-    per_split = triton.cdiv(blocks, splits) * BLOCK_N
+    per_split = triton.cdiv(blocks, splits) * block_n
     return triton.cdiv(positions, per_split), per_split
 
 
@@ -161,23 +156,24 @@ def decode_attention_launch(
     input_pos: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    block_n: int = BLOCK_N,
 ) -> torch.Tensor:
     """q [B, Hq, 1, D], caches [B, Hkv, S, D] (unit stride along D) -> [B, Hq, 1, D] in q's
-    dtype. `splits` overrides `split_plan`'s count (tests)."""
+    dtype. `splits` and `block_n` override `split_plan`'s (tests, bench sweeps)."""
     b, hq, _, d = q.shape
     hkv, positions = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     block_g = max(16, triton.next_power_of_2(group))
     if splits is None:
-        splits, per_split = split_plan(b * hkv, positions, q.device)
+        splits, per_split = split_plan(b * hkv, positions, q.device, block_n)
     else:
-        per_split = triton.cdiv(triton.cdiv(positions, splits), BLOCK_N) * BLOCK_N
+        per_split = triton.cdiv(triton.cdiv(positions, splits), block_n) * block_n
         splits = triton.cdiv(positions, per_split)
     out = torch.empty_like(q)
     split = splits > 1
     if split:
-        part_o = torch.empty((b * hkv, splits, block_g, d), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((b * hkv, splits, block_g, 2), dtype=torch.float32, device=q.device)
+        part_o = torch.empty((b * hq, splits, d), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((b * hq, splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_o = part_ml = out  # not read
     _decode_attention_split[(b * hkv, splits)](
@@ -201,23 +197,22 @@ def decode_attention_launch(
         G=group,
         BLOCK_G=block_g,
         D=d,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         SPLIT=split,
         num_warps=4,
         num_stages=2,
     )
     if split:
-        _decode_attention_combine[(b * hkv,)](
+        _decode_attention_combine[(b * hq,)](
             part_o,
             part_ml,
             out,
-            hkv,
+            hq,
             splits,
             out.stride(0),
             out.stride(1),
-            G=group,
-            BLOCK_G=block_g,
             D=d,
+            SPLITS=triton.next_power_of_2(splits),
             num_warps=4,
         )
     return out
