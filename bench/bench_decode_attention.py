@@ -94,7 +94,7 @@ def sweep(batches, positions: int, filled: int) -> None:
             blocks = -(-positions // block_n)
             for splits in sorted({chosen, 1, 4, 8, 16, 32, blocks} & set(range(1, blocks + 1))):
 
-                def op(block_n=block_n, splits=splits):
+                def op(block_n=block_n, splits=splits, q=q, at=at, caches=caches):
                     return [
                         decode_attention_launch(q, k, v, at, d**-0.5, splits, block_n)
                         for k, v in caches
