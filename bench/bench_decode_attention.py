@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from harness import time_us, versions_line
 
 from qshard.kernels.decode_attention import decode_attention, decode_attention_reference
-from qshard.kernels.decode_attention_triton import decode_attention_launch, split_plan
+from qshard.kernels.decode_attention_triton import BLOCK_N, decode_attention_launch, split_plan
 
 MAX_ERROR = 2e-2  # bf16 scores and probabilities in the MMAs, against float32
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "llama-3.1-70b": (64, 8, 128)}  # Hq, Hkv, D
@@ -100,7 +100,7 @@ def sweep(batches, positions: int, filled: int) -> None:
                         for k, v in caches
                     ]
 
-                mark = "*" if splits == chosen and block_n == 64 else ""
+                mark = "*" if splits == chosen and block_n == BLOCK_N else ""
                 print(f"| {batch} | {block_n} | {splits}{mark} | {time_us(op, LAYERS):.2f} |")
 
 

@@ -3,8 +3,8 @@ the cache's positions cut into splits that run as programs of their own (flash-d
 one combine kernel. The definition, the op and the CPU path: `decode_attention.py`.
 
 Why split: at batch 1 a Llama-3.1-8B layer has 8 KV heads, so a program per (sequence, KV head)
-fills 8 of an H100's 132 SMs; cut into splits of 64-position blocks every SM streams a piece of
-the cache. Each program takes all query heads of its KV group at once (GQA: each K and V row is
+fills 8 of an H200's 132 SMs; cut into splits of 128-position blocks every SM streams a piece
+of the cache. Each program takes all query heads of its KV group at once (GQA: each K and V row is
 read once), as a [BLOCK_G, D] tile padded to the MMA's 16 rows. Positions after `input_pos` are
 not read: their blocks are skipped, so a split past the last position exits at once.
 """
@@ -19,7 +19,7 @@ from .split_k import programs_of
 
 __all__ = ["decode_attention_launch", "split_plan"]
 
-BLOCK_N = 64  # cache positions a step
+BLOCK_N = 128  # cache positions a step
 LOG2E = 1.4426950408889634
 
 
@@ -140,11 +140,13 @@ def _decode_attention_combine(
 def split_plan(
     batch_heads: int, positions: int, device: torch.device, block_n: int = BLOCK_N
 ) -> tuple[int, int]:
-    """(splits, positions per split): about 4 programs per SM over the (sequence, KV head)
-    pairs, each split a whole number of `block_n` blocks. 1 split where the pairs fill the
-    GPU."""
+    """(splits, positions per split): about 2 programs per SM over the (sequence, KV head)
+    pairs, each split a whole number of `block_n` blocks; 1 split (no combine kernel) where
+    the pairs fill the GPU. The best of an H200 sweep (`bench_decode_attention.py --sweep`,
+    Llama-3.1-8B's 8 KV heads, 1288 positions): at batch 1, 11 splits of 128 positions (6.8 us
+    a layer; 21 of 64: 7.4), at batch 32 one split of 128 (38.8 us; 2 splits: 40.2)."""
     blocks = triton.cdiv(positions, block_n)
-    splits = max(1, min(blocks, round(4 * programs_of(device) / batch_heads)))
+    splits = max(1, min(blocks, round(2 * programs_of(device) / batch_heads)))
     per_split = triton.cdiv(blocks, splits) * block_n
     return triton.cdiv(positions, per_split), per_split
 
