@@ -97,7 +97,7 @@ def decode_attention(
     _check(q, k_cache, v_cache, input_pos)
     if not _runs_triton(q, k_cache):
         return decode_attention_reference(q, k_cache, v_cache, input_pos, scale)
-    from .decode_attention_triton import decode_attention_launch
+    from .decode_attention_triton import decode_attention_launch  # imports Triton: deferred
 
     q, k_cache, v_cache = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache)
