@@ -1,7 +1,7 @@
 """The decode attention op (`torch.ops.qshard.decode_attention`, kernels/decode_attention.py)
-on one GPU: checked against its float32 reference (odd shapes, every split count, the first and
-last positions, a strided q), then timed beside `F.scaled_dot_product_attention` with the
-causal mask row (what a decode step ran before, and what prefill runs) over one KV cache per
+on one GPU: checked against its float32 reference (odd shapes, forced split counts, the first
+and last positions, a strided q), then timed beside `F.scaled_dot_product_attention` with the
+causal mask row (what `LlamaConfig(decode_kernel=False)` and prefill run) over one KV cache per
 layer (32 caches, as a decode step reads them: no cache stays in the L2).
 
     PYTHONPATH=$PWD python bench/bench_decode_attention.py [--batches 1,32] [--positions 1288]
@@ -14,10 +14,11 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+import triton
 from harness import time_us, versions_line
 
 from qshard.kernels.decode_attention import decode_attention, decode_attention_reference
-from qshard.kernels.decode_attention_triton import BLOCK_N, decode_attention_launch, split_plan
+from qshard.kernels.decode_attention_triton import MAX_SPLITS, decode_attention_launch, split_plan
 
 MAX_ERROR = 2e-2  # bf16 scores and probabilities in the MMAs, against float32
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "llama-3.1-70b": (64, 8, 128)}  # Hq, Hkv, D
@@ -35,6 +36,8 @@ def check() -> None:
         (2, 7, 7, 100, 64, 63, 2),
         (1, 40, 8, 4096, 128, 4095, None),
         (4, 16, 2, 333, 64, 332, 1),
+        (1, 32, 8, 32768, 128, 1087, None),  # a long cache, a short sequence
+        (1, 16, 4, 700, 256, 650, None),  # head dim 256: 64-position blocks
     ]
     for b, hq, hkv, positions, d, pos, splits in cases:
         q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -71,14 +74,16 @@ def timings(hq, hkv, d, batch, positions, pos) -> tuple[float, float, int]:
             for k, v in caches
         ]
 
-    splits, _ = split_plan(batch * hkv, positions, q.device)
+    splits, _ = split_plan(batch * hkv, positions, d, q.device)
     return time_us(op, LAYERS), time_us(sdpa, LAYERS), splits
 
 
 def sweep(batches, positions: int, filled: int) -> None:
-    """The op's time per layer by (positions a block, splits); `split_plan`'s marked *."""
+    """The op's time per layer by (positions a block, splits): the filled positions divided
+    among the splits in whole blocks (those with some: "with work"); `split_plan`'s marked *."""
     hq, hkv, d = SHAPES["llama-3.1-8b"]
-    print("\n| batch | block | splits | us a layer |\n|---|---|---|---|")
+    print("\n| batch | block | splits (with work) | positions a split | us a layer |")
+    print("|---|---|---|---|---|")
     for batch in batches:
         q = torch.randn(batch, hq, 1, d, device="cuda", dtype=torch.bfloat16)
         caches = [
@@ -89,10 +94,12 @@ def sweep(batches, positions: int, filled: int) -> None:
             for _ in range(LAYERS)
         ]
         at = torch.tensor([filled - 1], device="cuda")
+        planned = split_plan(batch * hkv, positions, d, q.device)
         for block_n in (32, 64, 128):
-            chosen, _ = split_plan(batch * hkv, positions, q.device, block_n)
-            blocks = -(-positions // block_n)
-            for splits in sorted({chosen, 1, 4, 8, 16, 32, blocks} & set(range(1, blocks + 1))):
+            blocks = triton.cdiv(positions, block_n)
+            chosen = split_plan(batch * hkv, positions, d, q.device, block_n=block_n)[0]
+            counts = {chosen, 1, 2, 4, 8, 16, 32, MAX_SPLITS}
+            for splits in sorted(c for c in counts if c <= min(blocks, MAX_SPLITS)):
 
                 def op(block_n=block_n, splits=splits, q=q, at=at, caches=caches):
                     return [
@@ -100,8 +107,14 @@ def sweep(batches, positions: int, filled: int) -> None:
                         for k, v in caches
                     ]
 
-                mark = "*" if splits == chosen and block_n == BLOCK_N else ""
-                print(f"| {batch} | {block_n} | {splits}{mark} | {time_us(op, LAYERS):.2f} |")
+                per_split = triton.cdiv(triton.cdiv(filled, splits), block_n) * block_n
+                working = triton.cdiv(filled, per_split)
+                mark = "*" if (splits, block_n) == planned else ""
+                print(
+                    f"| {batch} | {block_n} | {splits}{mark} ({working}) | {per_split} | "
+                    f"{time_us(op, LAYERS):.2f} |",
+                    flush=True,
+                )
 
 
 def main() -> None:

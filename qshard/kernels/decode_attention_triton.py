@@ -1,12 +1,14 @@
 """Split-K decode attention in Triton: one query token per sequence against a static KV cache,
-the cache's positions cut into splits that run as programs of their own (flash-decoding), then
+the filled positions cut into splits that run as programs of their own (flash-decoding), then
 one combine kernel. The definition, the op and the CPU path: `decode_attention.py`.
 
 Why split: at batch 1 a Llama-3.1-8B layer has 8 KV heads, so a program per (sequence, KV head)
-fills 8 of an H200's 132 SMs; cut into splits of 128-position blocks every SM streams a piece
-of the cache. Each program takes all query heads of its KV group at once (GQA: each K and V row is
-read once), as a [BLOCK_G, D] tile padded to the MMA's 16 rows. Positions after `input_pos` are
-not read: their blocks are skipped, so a split past the last position exits at once.
+fills 8 of an H200's 132 SMs; cut into splits, more SMs stream a piece of the cache each. Each
+program takes all query heads of its KV group at once (GQA: each K and V row is read once), as
+a [BLOCK_G, D] tile padded to the MMA's 16 rows. The grid's split count is fixed by the cache's
+shape (CUDA graphs replay one grid); each program divides the positions filled so far
+(input_pos + 1, read on the device) among the splits, whole blocks each, so the positions after
+input_pos are never read and a split with none left exits at once.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from .split_k import programs_of
 
 __all__ = ["decode_attention_launch", "split_plan"]
 
-BLOCK_N = 128  # cache positions a step
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 64  # the combine loads a [splits, D] fp32 tile at once: 64 x 128 is 64 registers
 
 
 @triton.jit
@@ -34,7 +36,6 @@ def _decode_attention_split(
     part_ml_ptr,
     HKV,
     S,
-    split_len,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -57,9 +58,10 @@ def _decode_attention_split(
     exponentials) per head for the combine kernel; else write the output."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    b = bh // HKV
+    b = (bh // HKV).to(tl.int64)  # a sequence's cache offset passes 2**31 in large caches
     kvh = bh % HKV
     length = tl.minimum(tl.load(pos_ptr).to(tl.int32) + 1, S)
+    split_len = tl.cdiv(tl.cdiv(length, tl.num_programs(1)), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, length)
 
@@ -133,22 +135,31 @@ def _decode_attention_combine(
     m = tl.max(m_s, 0)
     w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m))  # an empty split weighs 0
     out = tl.sum(w[:, None] * o_s, 0) / tl.sum(w * l_s, 0)
-    o_ptrs = out_ptr + (bh // HQ) * stride_ob + (bh % HQ) * stride_oh + offs_d
+    o_ptrs = out_ptr + (bh // HQ).to(tl.int64) * stride_ob + (bh % HQ) * stride_oh + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 def split_plan(
-    batch_heads: int, positions: int, device: torch.device, block_n: int = BLOCK_N
+    batch_heads: int,
+    positions: int,
+    head_dim: int,
+    device: torch.device,
+    splits: int | None = None,
+    block_n: int | None = None,
 ) -> tuple[int, int]:
-    """(splits, positions per split): about 2 programs per SM over the (sequence, KV head)
-    pairs, each split a whole number of `block_n` blocks; 1 split (no combine kernel) where
-    the pairs fill the GPU. The best of an H200 sweep (`bench_decode_attention.py --sweep`,
-    Llama-3.1-8B's 8 KV heads, 1288 positions): at batch 1, 11 splits of 128 positions (6.8 us
-    a layer; 21 of 64: 7.4), at batch 32 one split of 128 (38.8 us; 2 splits: 40.2)."""
-    blocks = triton.cdiv(positions, block_n)
-    splits = max(1, min(blocks, round(2 * programs_of(device) / batch_heads)))
-    per_split = triton.cdiv(blocks, splits) * block_n
-    return triton.cdiv(positions, per_split), per_split
+    """(splits, positions a block) for a cache of `positions` per (sequence, KV head) pair.
+    Blocks of 128 positions (64 for head dims above 128: two stages of K and V tiles must fit
+    in shared memory); splits: about 2 programs per SM over the pairs, at most one per block of
+    the cache and MAX_SPLITS; 1 (no combine kernel) where the pairs fill the GPU. Within 1 %
+    of the best of an H200 sweep (`bench_decode_attention.py --sweep`, Llama-3.1-8B's 8 KV
+    heads, 1288 positions): batch 1, 11 splits of 128 (6.8 us a layer); batch 32, 1 split
+    (38.8 us; 2 splits 40.2). `splits` and `block_n` override the plan (tests, sweeps)."""
+    block_n = block_n or (128 if head_dim <= 128 else 64)
+    if splits is None:
+        blocks = triton.cdiv(positions, block_n)
+        wanted = round(2 * programs_of(device) / batch_heads)
+        splits = max(1, min(blocks, MAX_SPLITS, wanted))
+    return splits, block_n
 
 
 def decode_attention_launch(
@@ -158,20 +169,17 @@ def decode_attention_launch(
     input_pos: torch.Tensor,
     scale: float,
     splits: int | None = None,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, 1, D], caches [B, Hkv, S, D] (unit stride along D) -> [B, Hq, 1, D] in q's
-    dtype. `splits` and `block_n` override `split_plan`'s (tests, bench sweeps)."""
+    """q [B, Hq, 1, D], caches [B, Hkv, S, D] (unit stride along D), input_pos [1] on q's
+    device -> [B, Hq, 1, D] in q's dtype, contiguous. `splits` and `block_n` override
+    `split_plan`'s (tests, bench sweeps; splits <= MAX_SPLITS)."""
     b, hq, _, d = q.shape
     hkv, positions = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     block_g = max(16, triton.next_power_of_2(group))
-    if splits is None:
-        splits, per_split = split_plan(b * hkv, positions, q.device, block_n)
-    else:
-        per_split = triton.cdiv(triton.cdiv(positions, splits), block_n) * block_n
-        splits = triton.cdiv(positions, per_split)
-    out = torch.empty_like(q)
+    splits, block_n = split_plan(b * hkv, positions, d, q.device, splits, block_n)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     split = splits > 1
     if split:
         part_o = torch.empty((b * hq, splits, d), dtype=torch.float32, device=q.device)
@@ -188,7 +196,6 @@ def decode_attention_launch(
         part_ml,
         hkv,
         positions,
-        per_split,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),

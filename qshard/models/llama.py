@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from ..kernels.decode_attention import decode_attention
+from ..kernels.decode_attention import decode_attention, kernel_applies
 from .moe import MoEFeedForward
 
 __all__ = ["TP_PLAN", "Llama", "LlamaConfig", "decode_one_token", "generate", "prefill"]
@@ -42,9 +42,9 @@ class LlamaConfig:
     n_experts: int = 0
     top_k: int = 0
     expert_hidden: int = 0
-    # Decode steps (one token against the KV cache) run qshard's decode attention op
-    # (`kernels/decode_attention.py`: split-K, only the filled positions read) where True, else
-    # F.scaled_dot_product_attention with the causal mask row, as prefill does.
+    # One-token steps against the KV cache run qshard's decode attention op where its kernels
+    # apply (`kernels/decode_attention.py`: CUDA, fp16/bf16; split-K, only the filled positions
+    # read); otherwise, and with False, F.scaled_dot_product_attention with the causal mask row.
     decode_kernel: bool = True
 
     @property
@@ -152,7 +152,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v)
-        if self.kv_cache is not None and s == 1 and self.decode_kernel:
+        if self.kv_cache is not None and s == 1 and self.decode_kernel and kernel_applies(q, k):
             out = decode_attention(q, k, v, input_pos, self.head_dim**-0.5)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
