@@ -69,6 +69,7 @@ def load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, stri
         )
     missing = [k for k in targets if k not in checkpoint.records]
     unexpected = [k for k in checkpoint.records if k not in targets]
+    _check_no_codes_as_floats(checkpoint, targets)  # first: strict=False would not help
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"qshard.load into {type(model).__name__}: missing keys {_few(missing)}, unexpected "
@@ -134,6 +135,29 @@ def load_into(checkpoint: Checkpoint, model: nn.Module, device, mesh, plan, stri
             stacklevel=3,
         )
     return model
+
+
+def _check_no_codes_as_floats(checkpoint: Checkpoint, targets: Mapping) -> None:
+    """CheckpointError for a plain float8 or float4 checkpoint tensor bound for a model tensor
+    of another dtype: such bytes are quantized codes (another format's `weight` beside its
+    `weight_scale`), which cast to floats are the codes themselves, not the weights."""
+    for key, target in targets.items():
+        if key not in checkpoint.records:
+            continue
+        stored = checkpoint.record(key).outer_dtype()
+        code = stored.is_floating_point and stored.itemsize == 1
+        if (
+            code
+            and stored != target.dtype
+            and not isinstance(checkpoint.record(key).meta(), QTensor)
+        ):
+            raise CheckpointError(
+                f"qshard.load: {key!r} is a plain {stored} tensor in the checkpoint and "
+                f"{target.dtype} in the model: 8- and 4-bit floats are quantized codes, which "
+                "mean nothing without their scales (another tool's quantized checkpoint). Load "
+                "FP8/FP4/int4 checkpoints of other formats with qshard.load_pretrained(path), "
+                f"or build the model's {key!r} as {stored} to load the codes as they are"
+            )
 
 
 def _check_nothing_left_on_meta(model: nn.Module, targets: Mapping, keys: list[str]) -> None:

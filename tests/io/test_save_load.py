@@ -561,3 +561,29 @@ def test_sliced_reads_are_copies_not_views_of_the_file(tmp_path):
         cols = checkpoint.read_shard("w", 1, 2, 0)
     (tmp_path / "model.safetensors").write_bytes(b"")  # the file changes under the tensors
     assert torch.equal(rows, state["w"][3:]) and torch.equal(cols, state["w"][:, :2])
+
+
+@pytest.mark.parametrize(
+    "fmt,config",
+    [
+        ("fbgemm-fp8", qshard.Fp8RowwiseConfig()),
+        ("deepseek-fp8", qshard.Fp8BlockwiseConfig((64, 64))),
+    ],
+)
+def test_another_formats_fp8_codes_never_load_as_float_weights(tmp_path, fmt, config):
+    """An FP8 checkpoint of another format holds `weight` as e4m3 codes beside its scales:
+    qshard.load refuses to cast them into a float model's weights, strict or not (read as
+    floats they are the codes, up to 448), and names load_pretrained."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+    sizes |= dict(num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(LlamaConfig(**sizes)).eval()
+    qshard.quantize_(model, config)
+    qshard.export(model, tmp_path / "out", format=fmt)
+    fresh = LlamaForCausalLM(LlamaConfig(**sizes)).eval()
+    before = snapshot(fresh)
+    for strict in (True, False):
+        with pytest.raises(CheckpointError, match=r"float8_e4m3fn tensor.*load_pretrained"):
+            qshard.load(tmp_path / "out", fresh, strict=strict)
+        assert snapshot(fresh) == before
