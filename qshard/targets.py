@@ -173,6 +173,15 @@ def skip_reason(
         return "filter_fn returned False"
     if isinstance(target.weight, nn.parameter.UninitializedParameter):
         return "its weight is not initialized yet (lazy module); run a forward pass first"
+    if target.param not in target.module._parameters:
+        # A parametrization (weight_norm, spectral_norm) or a hook recomputes it from other
+        # parameters each forward: a quantized value assigned there would not be the weight.
+        return (
+            f"its {target.param!r} is computed from other parameters (a parametrization such as "
+            "weight_norm or spectral_norm, or a forward hook), not a parameter of its own; "
+            "remove it first (torch.nn.utils.parametrize.remove_parametrizations(module, "
+            f"{target.param!r}) or torch.nn.utils.remove_spectral_norm(module)) to quantize it"
+        )
     local = local_tensor(target.weight)
     if isinstance(local, QTensor):
         return f"already quantized ({type(local).__name__})"

@@ -162,6 +162,27 @@ def test_weight_tied_to_an_embedding_is_skipped():
     assert "weights" not in str(report).splitlines()[-1]  # nothing quantized: no size summary
 
 
+def test_weights_a_parametrization_or_a_hook_computes_are_skipped_with_reason():
+    """weight_norm (a parametrization) and the older spectral_norm (a forward pre-hook) compute
+    `weight` from other parameters: quantizing it would assign a value the next forward
+    overwrites (or fails to). Skipped, named, and the rest of the model quantized and running."""
+    from torch.nn.utils import parametrizations, spectral_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 64),
+        parametrizations.weight_norm(nn.Linear(64, 64)),
+        spectral_norm(nn.Linear(64, 64)),
+        nn.Linear(64, 64),
+    )
+    report = qshard.quantize_(model, qshard.Int4WeightOnlyConfig(group_size=32))
+    assert [m.name for m in report.quantized] == ["0", "3"]
+    assert [s.name for s in report.skipped] == ["1", "2"]
+    assert all("remove_parametrizations" in s.reason for s in report.skipped)
+    assert isinstance(model[0].weight, QTensor) and not isinstance(model[1].weight, QTensor)
+    assert torch.isfinite(model(torch.randn(2, 64))).all()
+
+
 def test_lazy_modules_and_config_classes():
     report = qshard.quantize_(nn.Sequential(nn.LazyLinear(8)), Fp8BlockwiseConfig())
     assert "lazy" in report.skipped[0].reason
