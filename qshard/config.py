@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import operator
 from typing import Any, ClassVar
 
 from .errors import ConfigError
@@ -45,6 +46,18 @@ def parse_enum(enum_cls: type[enum.Enum], value: Any, field: str, owner: str) ->
     except ValueError:
         choices = ", ".join(repr(m.value) for m in enum_cls)
         raise ConfigError(f"{owner}: {field}={value!r} is not one of {choices}") from None
+
+
+def as_int(value: Any) -> Any:
+    """An integer of any integral type (a numpy integer) as a plain int, so that configs compare,
+    hash and save alike; anything else (a float, a bool, a string) unchanged, for the caller's
+    check to refuse by name."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def parse_backend(value: Any, available: tuple[Backend, ...], owner: str) -> Backend:

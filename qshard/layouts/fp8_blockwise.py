@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..config import Backend, QuantConfig, ScaleFormat, parse_backend, parse_enum
+from ..config import Backend, QuantConfig, ScaleFormat, as_int, parse_backend, parse_enum
 from ..errors import (
     BackendUnavailableError,
     ConfigError,
@@ -74,14 +74,16 @@ class Fp8BlockwiseConfig(QuantConfig):
 
     def __post_init__(self):
         name = type(self).__name__
-        block = tuple(self.block_size) if isinstance(self.block_size, list | tuple) else ()
+        block = (
+            tuple(map(as_int, self.block_size)) if isinstance(self.block_size, list | tuple) else ()
+        )
         if len(block) != 2 or not all(_is_block_side(b) for b in block):
             raise ConfigError(
                 f"{name}: block_size={self.block_size!r}; each side must be a power of two in "
                 f"{MIN_BLOCK}..{MAX_BLOCK}, e.g. (128, 128) (DeepSeek-V3) or (64, 64)"
             )
         self._set("block_size", block)
-        group = block[1] if self.act_group_size is None else self.act_group_size
+        group = block[1] if self.act_group_size is None else as_int(self.act_group_size)
         if not _is_block_side(group) or block[1] % group:
             raise ConfigError(
                 f"{name}: act_group_size={group!r} must be a power of two >= {MIN_BLOCK} that "

@@ -46,7 +46,7 @@ from typing import ClassVar
 
 import torch
 
-from ..config import Backend, QuantConfig, parse_backend, parse_enum
+from ..config import Backend, QuantConfig, as_int, parse_backend, parse_enum
 from ..errors import BackendUnavailableError, ConfigError, MisalignedSliceError
 from ..kernels.availability import native_int4_problem, triton_unavailable_reason
 from ..kernels.int4 import SCALE_DTYPE, dequantize_int4, int4_linear_reference, quantize_int4
@@ -132,10 +132,12 @@ class Int4WeightOnlyConfig(QuantConfig):
 
     def __post_init__(self):
         name = type(self).__name__
-        if self.group_size not in GROUP_SIZES:
+        group = as_int(self.group_size)
+        if not isinstance(group, int) or isinstance(group, bool) or group not in GROUP_SIZES:
             raise ConfigError(
-                f"{name}: group_size={self.group_size!r} is not one of {list(GROUP_SIZES)}"
+                f"{name}: group_size={self.group_size!r} is not one of {list(GROUP_SIZES)} (an int)"
             )
+        self._set("group_size", group)
         if not isinstance(self.symmetric, bool):
             raise ConfigError(f"{name}: symmetric={self.symmetric!r} must be True or False")
         self._set("backend", parse_backend(self.backend, AVAILABLE_BACKENDS, name))

@@ -30,11 +30,25 @@ def test_defaults_are_deepseek_v3():
         ({"scale_format": "e5m2"}, "'fp32', 'ue8m0'"),
         ({"backend": "cuda"}, "not one of"),
         ({"backend": "gemlite"}, "not available"),
+        ({"block_size": (64.0, 64)}, "power of two"),
+        ({"act_group_size": 64.0}, "power of two"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         Fp8BlockwiseConfig(**kwargs)
+
+
+def test_config_takes_integers_of_any_integral_type_as_ints(tmp_path):
+    """numpy integers (from a sweep, a JSON reader) become plain ints: the config then saves."""
+    import numpy as np
+
+    config = Fp8BlockwiseConfig(block_size=(np.int64(64), 64), act_group_size=np.int32(32))
+    assert config == Fp8BlockwiseConfig((64, 64), 32)
+    assert all(type(v) is int for v in (*config.block_size, config.act_group_size))
+    model = torch.nn.Linear(128, 64)
+    qshard.quantize_(model, config)
+    qshard.save(model, tmp_path)
 
 
 def test_config_dict_round_trip_and_versions():

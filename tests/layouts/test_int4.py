@@ -91,6 +91,18 @@ def test_a_float_zero_point_is_the_value_of_code_8():
     assert qshard.sqnr_db(w, floats.dequantize()) > qshard.sqnr_db(w, integer.dequantize())
 
 
+def test_group_size_is_an_int_of_the_list():
+    """A float or bool group size is refused by name; a numpy integer becomes a plain int, so
+    that the weight saves (an attribute must be an int there)."""
+    import numpy as np
+
+    for bad in (64.0, True, "64", 48):
+        with pytest.raises(qshard.ConfigError, match=r"group_size=.* is not one of \[32"):
+            Int4WeightOnlyConfig(group_size=bad)
+    config = Int4WeightOnlyConfig(group_size=np.int64(64))
+    assert type(config.group_size) is int and config == Int4WeightOnlyConfig(group_size=64)
+
+
 def test_float_zero_points_refuse_what_cannot_hold_them():
     with pytest.raises(qshard.ConfigError, match="asymmetric"):
         Int4WeightOnlyConfig(symmetric=True, zero_point_domain="float")
