@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputMismatchError
 from ..kernels.decode_attention import decode_attention, kernel_applies
 from .moe import MoEFeedForward
 
@@ -46,6 +46,31 @@ class LlamaConfig:
     # apply (`kernels/decode_attention.py`: CUDA, fp16/bf16; split-K, only the filled positions
     # read); otherwise, and with False, F.scaled_dot_product_attention with the causal mask row.
     decode_kernel: bool = True
+
+    def __post_init__(self):
+        counts = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden")
+        for field in (*counts, "n_experts", "top_k", "expert_hidden"):
+            value = getattr(self, field)
+            floor = 1 if field in counts else 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < floor:
+                raise ConfigError(f"LlamaConfig: {field}={value!r} must be an int >= {floor}")
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or self.head_dim % 2:
+            raise ConfigError(
+                f"LlamaConfig: dim={self.dim}, n_heads={self.n_heads}, n_kv_heads="
+                f"{self.n_kv_heads}: n_heads must divide dim into an even head_dim (RoPE turns "
+                "pairs of channels) and n_kv_heads must divide n_heads"
+            )
+        moe = (self.n_experts, self.top_k, self.expert_hidden)
+        if any(moe) and not (
+            self.n_experts and self.expert_hidden and self.top_k <= self.n_experts
+        ):
+            raise ConfigError(
+                f"LlamaConfig: n_experts={self.n_experts}, top_k={self.top_k}, expert_hidden="
+                f"{self.expert_hidden}: a mixture of experts needs all three, top_k <= n_experts "
+                "(or all 0 for a dense feed-forward)"
+            )
+        if not isinstance(self.decode_kernel, bool):
+            raise ConfigError(f"LlamaConfig: decode_kernel={self.decode_kernel!r}: True or False")
 
     @property
     def head_dim(self) -> int:
@@ -255,7 +280,15 @@ class Llama(nn.Module):
         self.max_seq = max_seq
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        assert self.max_seq, "call setup_caches(batch, max_seq) first"
+        if not self.max_seq:
+            raise ConfigError("Llama: call model.setup_caches(batch, max_seq) before a forward")
+        batch = self.layers[0].attention.kv_cache.k.shape[0]
+        if tokens.shape[0] != batch or tokens.shape[1] > self.max_seq:  # shapes: no sync
+            raise InputMismatchError(
+                f"Llama: tokens {tuple(tokens.shape)} do not fit the caches of {batch} "
+                f"sequences of {self.max_seq} positions; call setup_caches(batch, max_seq) "
+                "with this batch and at least prompt + new tokens positions"
+            )
         mask = self.causal_mask[None, None, input_pos]
         rope = self.rope[input_pos]
         x = self.tok_embeddings(tokens)
@@ -283,6 +316,12 @@ def generate(model: Llama, prompt: torch.Tensor, new_tokens: int, step=decode_on
     `decode_one_token`."""
     if new_tokens < 1:
         return prompt
+    if prompt.shape[1] + new_tokens > model.max_seq:
+        raise InputMismatchError(
+            f"generate: a prompt of {prompt.shape[1]} tokens and {new_tokens} new ones need "
+            f"{prompt.shape[1] + new_tokens} positions; the caches hold {model.max_seq}: call "
+            f"model.setup_caches(batch, max_seq) with max_seq >= {prompt.shape[1] + new_tokens}"
+        )
     token = prefill(model, prompt)
     out = [prompt, token]
     position = torch.tensor([prompt.shape[1]], device=prompt.device)

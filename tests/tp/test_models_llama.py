@@ -50,6 +50,35 @@ def test_cached_decode_equals_a_full_forward():
 
 
 @pytest.mark.parametrize(
+    "change,named",
+    [
+        ({"n_heads": 3}, "n_heads=3"),
+        ({"n_kv_heads": 3}, "n_kv_heads=3"),
+        ({"n_kv_heads": 0}, "n_kv_heads=0"),
+        ({"dim": 260, "n_heads": 4}, "even head_dim"),
+        ({"n_experts": 4, "top_k": 8, "expert_hidden": 64}, "top_k <= n_experts"),
+        ({"n_experts": 4, "top_k": 2}, "expert_hidden=0"),
+        ({"decode_kernel": "no"}, "decode_kernel='no'"),
+    ],
+)
+def test_bad_configs_and_inputs_are_typed_errors(change, named):
+    with pytest.raises(qshard.ConfigError, match=named):
+        dataclasses.replace(LlamaConfig.tiny(), **change)
+
+
+def test_forwards_that_do_not_fit_the_caches_are_typed_errors():
+    model = Llama(LlamaConfig.tiny()).eval()
+    prompt = torch.randint(0, 512, (2, 6))
+    with pytest.raises(qshard.ConfigError, match="setup_caches"):
+        model(prompt, torch.arange(6))
+    model.setup_caches(batch=2, max_seq=8)
+    with pytest.raises(qshard.errors.InputMismatchError, match="max_seq >= 9"):
+        generate(model, prompt, new_tokens=3)
+    with pytest.raises(qshard.errors.InputMismatchError, match="caches of 2 sequences"):
+        model(prompt[:1], torch.arange(6))
+
+
+@pytest.mark.parametrize(
     "config", [c for _, c in LAYOUT_CASES][::2], ids=lambda c: type(c).__name__
 )
 @torch.no_grad()
