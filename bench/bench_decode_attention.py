@@ -25,6 +25,12 @@ SHAPES = {"llama-3.1-8b": (32, 8, 128), "llama-3.1-70b": (64, 8, 128)}  # Hq, Hk
 LAYERS = 32
 
 
+def cache(batch: int, hkv: int, positions: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's (K, V) cache of random bf16 values on the GPU."""
+    shape = (batch, hkv, positions, d)
+    return tuple(torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+
 def check() -> None:
     torch.manual_seed(0)
     cases = [  # b, hq, hkv, positions, d, pos, splits
@@ -41,9 +47,7 @@ def check() -> None:
     ]
     for b, hq, hkv, positions, d, pos, splits in cases:
         q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        k, v = (
-            torch.randn(b, hkv, positions, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)
-        )
+        k, v = cache(b, hkv, positions, d)
         at = torch.tensor([pos], device="cuda")
         want = decode_attention_reference(q, k, v, at, d**-0.5).float()
         got = decode_attention_launch(q, k, v, at, d**-0.5, splits).float()
@@ -56,11 +60,7 @@ def check() -> None:
 
 def timings(hq, hkv, d, batch, positions, pos) -> tuple[float, float, int]:
     q = torch.randn(batch, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-    caches = [
-        [torch.randn(batch, hkv, positions, d, device="cuda", dtype=torch.bfloat16)] * 2
-        for _ in range(LAYERS)
-    ]
-    caches = [(k, k.clone()) for k, _ in caches]
+    caches = [cache(batch, hkv, positions, d) for _ in range(LAYERS)]
     at = torch.tensor([pos], device="cuda")
     mask = (torch.arange(positions, device="cuda") <= pos)[None, None, None]
     scale = d**-0.5
@@ -86,13 +86,7 @@ def sweep(batches, positions: int, filled: int) -> None:
     print("|---|---|---|---|---|")
     for batch in batches:
         q = torch.randn(batch, hq, 1, d, device="cuda", dtype=torch.bfloat16)
-        caches = [
-            tuple(
-                torch.randn(batch, hkv, positions, d, device="cuda", dtype=torch.bfloat16)
-                for _ in range(2)
-            )
-            for _ in range(LAYERS)
-        ]
+        caches = [cache(batch, hkv, positions, d) for _ in range(LAYERS)]
         at = torch.tensor([filled - 1], device="cuda")
         planned = split_plan(batch * hkv, positions, d, q.device)
         for block_n in (32, 64, 128):

@@ -144,13 +144,10 @@ def _check_no_codes_as_floats(checkpoint: Checkpoint, targets: Mapping) -> None:
     for key, target in targets.items():
         if key not in checkpoint.records:
             continue
-        stored = checkpoint.record(key).outer_dtype()
+        record = checkpoint.record(key)
+        stored = record.outer_dtype()
         code = stored.is_floating_point and stored.itemsize == 1
-        if (
-            code
-            and stored != target.dtype
-            and not isinstance(checkpoint.record(key).meta(), QTensor)
-        ):
+        if code and stored != target.dtype and not isinstance(record.meta(), QTensor):
             raise CheckpointError(
                 f"qshard.load: {key!r} is a plain {stored} tensor in the checkpoint and "
                 f"{target.dtype} in the model: 8- and 4-bit floats are quantized codes, which "
